@@ -1,0 +1,112 @@
+"""AmpTrainState.step (CSV on) vs the hand-written canonical AMP loop, same model, same data.
+
+    python bench/bench_step.py [--dtype bf16] [--steps 40] [--rounds 5]
+
+Both loops train identical copies of a small byte-level transformer with AdamW under CPU
+autocast; rounds alternate A/B so machine noise hits both. Prints per-step medians and the
+ratio engine / canonical (goal ≤ 1.03). Absolute times on shared machines are noise; the ratio
+is the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from clipamp_engine import AmpTrainState, LossScaler, StepCSVWriter
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=256, d=128, layers=2, heads=4, block=128):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(torch.zeros(block, d))
+        layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, vocab)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(block), persistent=False)
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.emb(x) + self.pos[:t]
+        return self.head(self.blocks(h, mask=self.mask[:t, :t], is_causal=True))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def canonical_step(model, opt, scaler, x, y, dtype, max_norm):
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = lm_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--steps", type=int, default=40, help="steps per round and loop")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    base = TinyLM(block=args.seq)
+    data = [torch.randint(0, 256, (args.batch, args.seq + 1)) for _ in range(8)]
+    batches = [(d[:, :-1], d[:, 1:]) for d in data]
+
+    m_ref = copy.deepcopy(base)
+    o_ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+    s_ref = LossScaler("cpu", enabled=args.dtype == "fp16")
+    m_eng = copy.deepcopy(base)
+    o_eng = torch.optim.AdamW(m_eng.parameters(), lr=1e-3)
+    state = AmpTrainState(m_eng, o_eng, lm_loss, dtype=args.dtype, max_norm=1.0)
+    tmp = tempfile.TemporaryDirectory()
+    writer = StepCSVWriter(Path(tmp.name) / "steps.csv")
+
+    def run_ref(n):
+        t = time.perf_counter()
+        for i in range(n):
+            canonical_step(m_ref, o_ref, s_ref, *batches[i % len(batches)], tdtype, 1.0)
+        return (time.perf_counter() - t) / n
+
+    def run_eng(n):
+        t = time.perf_counter()
+        for i in range(n):
+            writer.write(state.step(*batches[i % len(batches)]))
+        return (time.perf_counter() - t) / n
+
+    run_ref(3), run_eng(3)  # warm-up
+    ref_times, eng_times = [], []
+    for r in range(args.rounds):
+        first, second = (run_ref, run_eng) if r % 2 == 0 else (run_eng, run_ref)
+        a, b = first(args.steps), second(args.steps)
+        ref_t, eng_t = (a, b) if first is run_ref else (b, a)
+        ref_times.append(ref_t)
+        eng_times.append(eng_t)
+    writer.close()
+    ref_med, eng_med = statistics.median(ref_times), statistics.median(eng_times)
+    params = sum(p.numel() for p in base.parameters())
+    print(f"model: {params / 1e6:.2f}M params, batch {args.batch}x{args.seq}, {args.dtype}, "
+          f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"canonical loop : {ref_med * 1e3:8.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.1f}' for t in ref_times)})")
+    print(f"AmpTrainState  : {eng_med * 1e3:8.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.1f}' for t in eng_times)})")
+    print(f"ratio engine/canonical: {eng_med / ref_med:.3f}  (goal <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()

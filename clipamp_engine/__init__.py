@@ -1,0 +1,19 @@
+"""clipamp engine: safe mixed-precision steps with global-norm clipping and per-step forensics.
+
+Depends on torch only. See ``AmpTrainState`` for the step, ``clip_global_l2_norm`` for the clip.
+"""
+
+from .clipping import CLIP_MODES, ClipPolicy, GlobalNormClip, NoClip, make_clip_policy
+from .csvlog import StepCSVWriter
+from .monitors import ClipRatioMonitor, RollingRate, SkipRateExceeded, SkipRateMonitor, SkipRateWarning
+from .norms import clip_global_l2_norm, has_non_finite_grad, total_norm
+from .records import CANONICAL_COLUMNS, SKIP_REASONS, SkipLog, StepLog
+from .scaling import LossScaler
+from .state import DTYPES, AmpTrainState, parse_dtype
+
+__all__ = [
+    "AmpTrainState", "CANONICAL_COLUMNS", "CLIP_MODES", "ClipPolicy", "ClipRatioMonitor", "DTYPES",
+    "GlobalNormClip", "LossScaler", "NoClip", "RollingRate", "SKIP_REASONS", "SkipLog",
+    "SkipRateExceeded", "SkipRateMonitor", "SkipRateWarning", "StepCSVWriter", "StepLog",
+    "clip_global_l2_norm", "has_non_finite_grad", "make_clip_policy", "parse_dtype", "total_norm",
+]

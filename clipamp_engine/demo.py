@@ -1,0 +1,86 @@
+"""The seed lesson's demo: a small ``nn.Linear`` regression for 20 steps with an injected inf.
+
+    python -m clipamp_engine.demo [--bf16] [--spike] [--csv PATH] [--max-skip-rate X]
+
+One line per step, beginning ``STEP`` or ``SKIP``; at least one ``SKIP`` (the inf written into a
+gradient at ``--inject-step``). ``--spike`` multiplies one batch's targets by 1e8 (the seed's
+exercise) to show what clipping does with a finite spike. Exit 0, or 1 when the skip rate over
+the run exceeds ``--max-skip-rate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .csvlog import StepCSVWriter
+from .monitors import SkipRateExceeded, SkipRateMonitor
+from .state import AmpTrainState
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m clipamp_engine.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bf16", action="store_true", help="autocast to bf16 (no loss scaling) instead of fp16")
+    p.add_argument("--spike", action="store_true", help="multiply the targets of one batch by 1e8")
+    p.add_argument("--csv", metavar="PATH", help="write the canonical per-step CSV here")
+    p.add_argument("--max-skip-rate", type=float, metavar="X", help="fail when the run's skip rate exceeds X")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--inject-step", type=int, default=5, help="step whose gradient gets an inf (0: none)")
+    p.add_argument("--spike-step", type=int, default=12)
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _line(log) -> str:
+    tag = "SKIP" if log.skipped else "STEP"
+    text = (f"{tag} {log.step:3d}  lr={log.lr:.2e}  pre={log.grad_l2_pre_clip:.4g}  "
+            f"post={log.grad_l2_post_clip:.4g}  loss={log.loss:.4g}  scale={log.scaler_scale:g}")
+    return text + (f"  reason={log.skip_reason}" if log.skipped else ("  clipped" if log.clipped else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    model = torch.nn.Linear(16, 1)
+    true_w = torch.randn(16, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fail_window = min(100, args.steps)
+    state = AmpTrainState(
+        model, optimizer, F.mse_loss, dtype="bf16" if args.bf16 else "fp16", max_norm=args.max_norm,
+        skip_monitor=SkipRateMonitor(fail_window=fail_window, fail_above=args.max_skip_rate))
+    pending = {}
+    model.weight.register_hook(lambda g: g + pending.pop("inf") if "inf" in pending else g)
+    writer = StepCSVWriter(args.csv) if args.csv else None
+    try:
+        for step in range(1, args.steps + 1):
+            x = torch.randn(32, 16)
+            y = x @ true_w + 0.1 * torch.randn(32, 1)
+            if args.spike and step == args.spike_step:
+                y = y * 1e8
+            if step == args.inject_step:
+                pending["inf"] = float("inf")
+            try:
+                log = state.step(x, y)
+            except SkipRateExceeded as e:
+                print(_line(e.record))
+                writer and writer.write(e.record)
+                print(f"FAIL {e}", file=sys.stderr)
+                return 1
+            print(_line(log))
+            if writer:
+                writer.write(log)
+    finally:
+        if writer:
+            writer.close()
+    m = state.skip_monitor.long
+    print(f"done: {m.total} steps, {m.hits} skipped ({m.hits / m.total:.0%}), "
+          f"clipped {state.clip_monitor.hits}, final scale {state.scaler.get_scale():g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Global gradient norms: measure (never mutate) apart from scale (take a norm already computed).
+
+Dense gradients go through torch's fused ``_foreach_norm`` (one kernel per device/dtype group,
+fp32 accumulation); sparse COO gradients are coalesced and normed from their values, never
+densified. Nothing here syncs with the host.
+
+References:
+    Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural networks",
+    arXiv:1211.5063 (global-norm clipping).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+Params = torch.Tensor | Iterable[torch.Tensor]
+
+#: The epsilon ``torch.nn.utils.clip_grad_norm_`` adds to the norm before dividing.
+CLIP_EPS = 1e-6
+
+
+def grads_of(parameters: Params) -> list[torch.Tensor]:
+    """The ``.grad`` tensors of ``parameters``, ``None`` skipped, sparse ones coalesced in place."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse and not g.is_coalesced():
+            g = p.grad = g.coalesce()
+        grads.append(g)
+    return grads
+
+
+def _grouped(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g.values() if g.is_sparse else g)
+    return groups
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Norm of all ``grads`` as one concatenated vector, as a 0-dim fp32 tensor.
+
+    Non-finite entries propagate (inf → inf, nan → nan), so ``isfinite(total_norm(g))`` is a
+    one-kernel non-finite check for the L2 and inf norms.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    per_group = []
+    for tensors in _grouped(grads).values():
+        per_group.extend(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+    device = per_group[0].device
+    stacked = torch.stack([n.to(device) for n in per_group])
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient in place by the 0-dim tensor ``factor`` (fused, no sync)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[g.device].append(g)
+    for device, tensors in by_device.items():
+        torch._foreach_mul_(tensors, factor.to(device))
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` without branching (torch's clamp, no host sync)."""
+    return torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
+def clip_global_l2_norm(parameters: Params, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip all gradients by their global L2 norm, in place; return ``(pre, post)`` norms.
+
+    Scales by ``min(1, max_norm / (pre + 1e-6))`` exactly like
+    ``torch.nn.utils.clip_grad_norm_`` (dense grads), sparse grads included without
+    densifying. Non-finite gradients are never "clipped": they are left untouched and
+    reported through a non-finite ``pre`` (and ``post``).
+
+    Args:
+        parameters: tensors (or one tensor) whose ``.grad`` to clip; ``None`` grads skipped.
+        max_norm: the threshold τ (> 0).
+
+    Returns:
+        ``(pre, post)``: 0-dim fp32 tensors; ``post = pre · coefficient``.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0 (use clip mode 'none' to disable)")
+    grads = grads_of(parameters)
+    pre = total_norm(grads)
+    finite = torch.isfinite(pre)
+    coef = torch.where(finite, clip_coefficient(pre, max_norm), torch.ones_like(pre))
+    scale_grads_(grads, coef)
+    return pre, pre * coef
+
+
+def has_non_finite_grad(parameters: Params) -> bool:
+    """True if any gradient holds an inf or NaN (fused max-abs per group; one host sync)."""
+    grads = grads_of(parameters)
+    return not bool(torch.isfinite(total_norm(grads, float("inf"))))  # sync: the answer is a bool
