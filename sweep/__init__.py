@@ -1,0 +1,1 @@
+"""clipamp sweep app."""

@@ -1,0 +1,66 @@
+"""``python -m sweep +experiment=NAME [overrides]``: the clipamp app (Hydra composes ``conf/``).
+
+User mistakes (bad override, unknown choice, wrong type, bad value, missing file, unreachable
+store) print one line and exit 2; Ctrl-C / SIGTERM end the run as KILLED and exit 130.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from .config import register
+from .errors import UserError, fail
+from .tracking import redact_text
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+register()
+
+
+def _one_line(e: BaseException) -> str:
+    """The message (and its cause's) on one line, without Hydra's search-path dump."""
+    text = str(e)
+    if e.__cause__ is not None and str(e.__cause__) not in text:
+        text += f": {str(e.__cause__).splitlines()[0]}"
+    return redact_text(" ".join(text.split()).split(" Config search path:")[0])
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose once with the user's overrides so composition errors become one line, exit 2."""
+    if any(a.startswith("-") for a in argv):  # --help, --cfg, -m …: leave them to Hydra
+        return
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+            OmegaConf.to_object(cfg)
+    except Exception as e:  # Hydra/OmegaConf composition and schema errors
+        fail(_one_line(e))
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from .app import run
+
+    try:
+        run(OmegaConf.to_object(cfg), list(HydraConfig.get().overrides.task))
+    except UserError as e:
+        fail(_one_line(e))
+    except KeyboardInterrupt:
+        print("interrupted: run ended as KILLED; steps.csv keeps every completed step", file=sys.stderr)
+        sys.exit(130)
+
+
+def cli() -> None:
+    precheck(sys.argv[1:])
+    main()
+
+
+if __name__ == "__main__":
+    cli()

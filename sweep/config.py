@@ -1,0 +1,144 @@
+"""The app's structured-config schema (Hydra/OmegaConf) and its semantic checks.
+
+The schema rejects unknown keys and wrong types while Hydra composes ``conf/``; ``validate``
+then checks meaning (ranges, allowed sets, files) and raises ``UserError`` with one line naming
+the value, what is allowed and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from clipamp_engine import DTYPES
+
+from .errors import UserError
+from .spike_config import SpikeConfig
+from .study_config import StudyConfig
+from .tasks.config import DataConfig, ModelConfig
+
+RUNS = ("calibrate", "train", "sweep", "spike")
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and LR schedule (warmup then cosine/linear decay to ``min_lr_ratio``·lr)."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    momentum: float = 0.9  # sgd only
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class AmpConfig:
+    """Autocast dtype and the loss scaler (fp16 only)."""
+
+    dtype: str = "bf16"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass
+class ClipConfig:
+    """``clip=MODE`` and its options; only the keys the mode's policy accepts are passed to it."""
+
+    mode: str = "norm"
+    max_norm: Optional[float] = 1.0
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CalibrateConfig:
+    """Calibration windows: measure pre-clip norms, then clip at τ = Quantile_q."""
+
+    window: int = 100
+    quantile: float = 0.95
+    cap: Optional[float] = None  # clipping during a window: None = off, or a conservative cap
+    every: int = 0  # repeat a window every N steps (0: once, at the start)
+    candidates: List[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 5.0])
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow. ``uri`` null: ``$MLFLOW_TRACKING_URI`` if set, else the embedded sqlite store."""
+
+    uri: Optional[str] = None
+    experiment: str = "clipamp"
+    flush_every: int = 50  # per-step metrics are sent in batches of this many steps
+    plots: bool = True
+
+
+@dataclass
+class Config:
+    run: Optional[str] = None  # set by +experiment=NAME
+    steps: int = 300
+    seed: int = 0
+    device: str = "cpu"
+    accumulation_steps: int = 1
+    eval_every: int = 0  # 0: evaluate at the end only
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    study: StudyConfig = field(default_factory=StudyConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+
+
+def register() -> None:
+    """Register the schema so ``conf/config.yaml`` can extend it (defaults: ``base_config``)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise UserError(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def validate(cfg: Config) -> None:
+    """Semantic checks after composition; raise ``UserError`` naming value, allowed set and fix."""
+    if cfg.run is None:
+        raise UserError(f"no experiment chosen: add +experiment=NAME with NAME one of {', '.join(RUNS)}")
+    _one_of("run", cfg.run, RUNS)
+    if cfg.steps < 1:
+        raise UserError(f"steps={cfg.steps} must be >= 1")
+    if cfg.accumulation_steps < 1:
+        raise UserError(f"accumulation_steps={cfg.accumulation_steps} must be >= 1")
+    if cfg.data.batch_size < cfg.accumulation_steps:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} must be >= accumulation_steps={cfg.accumulation_steps}")
+    _one_of("amp.dtype", cfg.amp.dtype, tuple(DTYPES))
+    _one_of("optim.name", cfg.optim.name, OPTIMIZERS)
+    _one_of("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    if not cfg.optim.lr > 0:
+        raise UserError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if cfg.clip.max_norm is not None and not cfg.clip.max_norm > 0:
+        raise UserError(f"clip.max_norm={cfg.clip.max_norm} must be > 0 (use clip=none to disable clipping)")
+    c = cfg.calibrate
+    if not 0.0 < c.quantile < 1.0:
+        raise UserError(f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95")
+    if c.window < 2:
+        raise UserError(f"calibrate.window={c.window} must be >= 2 steps")
+    if cfg.run == "calibrate" and c.window > cfg.steps:
+        raise UserError(f"calibrate.window={c.window} is larger than steps={cfg.steps}: "
+                        f"lower calibrate.window or raise steps")
+    if c.cap is not None and not c.cap > 0:
+        raise UserError(f"calibrate.cap={c.cap} must be > 0 or null (no clipping during the window)")
+    if c.every < 0 or (c.every and c.every < c.window):
+        raise UserError(f"calibrate.every={c.every} must be 0 (one window) or >= calibrate.window={c.window}")
+    if cfg.tracking.flush_every < 1:
+        raise UserError(f"tracking.flush_every={cfg.tracking.flush_every} must be >= 1")

@@ -1,0 +1,10 @@
+"""Built-in training tasks: byte-level LMs (gpt, lstm, custom) on stdlib/text, linear on synthetic.
+
+    task = build_task(ModelConfig(), DataConfig(), seed=0)
+    batch = next(task.train_batches)
+    loss_sum, n_tokens = task.loss_fn(task.model(batch.inputs), batch.targets)
+"""
+from .build import Batch, Task, build_task, evaluate, lm_loss, mse_loss
+from .config import DataConfig, ModelConfig
+
+__all__ = ["Batch", "DataConfig", "ModelConfig", "Task", "build_task", "evaluate", "lm_loss", "mse_loss"]

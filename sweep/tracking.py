@@ -1,0 +1,204 @@
+"""MLflow tracking: store resolution, one run's params/metrics/artifacts, batched per-step metrics.
+
+Per-step metrics are buffered and sent with ``MlflowClient.log_batch`` (≈45 µs per value on
+sqlite, vs ≈2.3 ms per ``log_metric`` call). Non-finite values are never sent (MLflow turns inf
+into 1.8e308 and wrecks charts); the CSV keeps them. Passwords in URIs never reach logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from math import isfinite
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import UserError
+
+DEFAULT_URI = "sqlite:///mlruns/mlflow.db"
+SUPPORTED_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+# Fail fast instead of MLflow's default minutes of HTTP retries against a dead server.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+def redact(uri: str) -> str:
+    """``scheme://user:secret@host/db`` → ``scheme://user:***@host/db`` (anything else unchanged)."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redact_text(text: str) -> str:
+    """Redact every ``scheme://user:secret@`` in free text (error messages, reports)."""
+    return re.sub(r"(\w[\w+.-]*://[^:/@\s]+):[^@/\s]+@", r"\1:***@", text)
+
+
+def resolve_uri(uri: str | None) -> str:
+    """Explicit ``tracking.uri`` > ``$MLFLOW_TRACKING_URI`` > the embedded sqlite store."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+def check_uri(uri: str) -> None:
+    """Refuse unsupported, unwritable or unreachable stores with one actionable line."""
+    scheme = urlsplit(uri).scheme.split("+")[0]
+    if scheme not in SUPPORTED_SCHEMES:
+        raise UserError(
+            f"tracking.uri={redact(uri)!r} is not supported (scheme {scheme or 'none'!r}); use "
+            f"{DEFAULT_URI}, postgresql://…, or http://127.0.0.1:5000 for an `mlflow server`")
+    db = sqlite_path(uri)
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"tracking.uri={uri!r}: cannot create {db.parent}/ ({e.strerror}); "
+                            f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db") from None
+        if not os.access(db.parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+            raise UserError(f"tracking.uri={uri!r}: {db.parent}/ is not writable; "
+                            f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db")
+    if scheme in ("http", "https"):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=3).read()
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise UserError(
+                f"tracking.uri={redact(uri)!r} is unreachable ({reason}); start "
+                f"`mlflow server --host 127.0.0.1 --port PORT` or drop tracking.uri to use {DEFAULT_URI}") from None
+
+
+def open_client(uri: str):
+    """An ``MlflowClient`` on ``uri``, creating a sqlite store (and its folder) once."""
+    check_uri(uri)
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(client, name: str, uri: str) -> str:
+    """Experiment id for ``name``; a new one on sqlite keeps artifacts beside the database."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    db = sqlite_path(uri)
+    location = None
+    if db is not None:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+        location = (db.parent.resolve() / "artifacts" / slug).as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created meanwhile by another process
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+class RunTracker:
+    """One MLflow run: params, buffered per-step metrics, summary metrics and artifacts.
+
+    ``artifact_dir`` is a local folder: the run's own artifact folder on a local store (files
+    written there are in the run as they are written), else a temporary folder uploaded at
+    ``end``.
+    """
+
+    def __init__(self, client, experiment_id: str, run_name: str, *, tags: dict[str, str] | None = None,
+                 parent_run_id: str | None = None, flush_every: int = 50) -> None:
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+        self.client = client
+        tags = dict(tags or {})
+        if parent_run_id:
+            tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self.experiment_id = experiment_id
+        self.flush_every = flush_every
+        self._buffer: list = []
+        self._steps_buffered = 0
+        uri = run.info.artifact_uri
+        if uri.startswith("file:"):
+            self.artifact_dir = Path(urlsplit(uri).path)
+            self._upload = False
+        else:
+            self.artifact_dir = Path(tempfile.mkdtemp(prefix="clipamp-artifacts-"))
+            self._upload = True
+        self.artifact_dir.mkdir(parents=True, exist_ok=True)
+        self.ended = False
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, redact_text(str(v))[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, redact_text(str(v))) for k, v in tags.items()])
+
+    def add_step(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Buffer one step's metrics (non-finite and None dropped); flush every ``flush_every`` steps."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items()
+                            if v is not None and isfinite(v))
+        self._steps_buffered += 1
+        if self._steps_buffered >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        for i in range(0, len(self._buffer), MAX_BATCH):
+            self.client.log_batch(self.run_id, metrics=self._buffer[i:i + MAX_BATCH])
+        self._buffer, self._steps_buffered = [], 0
+
+    def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
+        """Summary metrics, sent at once (non-finite dropped)."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None and isfinite(v)]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def artifact_path(self, name: str) -> Path:
+        """Where to write artifact ``name`` (it is part of the run once written, or at ``end``)."""
+        path = self.artifact_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def add_artifact(self, local: str | os.PathLike, name: str | None = None) -> Path:
+        """Copy a local file into the run's artifacts."""
+        dest = self.artifact_path(name or Path(local).name)
+        if Path(local).resolve() != dest.resolve():
+            shutil.copyfile(local, dest)
+        return dest
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Flush, upload (remote stores) and close the run with ``status`` (FINISHED/FAILED/KILLED)."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            self.flush()
+            if self._upload:
+                self.client.log_artifacts(self.run_id, str(self.artifact_dir))
+        finally:
+            self.client.set_terminated(self.run_id, status=status)

@@ -1,0 +1,72 @@
+"""The conf/ tree composes for every experiment; user mistakes give one line and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from sweep.config import RUNS, validate
+from sweep.errors import UserError
+
+from .conftest import EXPERIMENTS, compose_cfg, run_cli
+
+
+def test_every_experiment_file_is_a_known_run():
+    assert set(EXPERIMENTS) >= {"calibrate", "train"}
+    for name in EXPERIMENTS:
+        cfg = compose_cfg(f"+experiment={name}")
+        assert cfg.run == name and cfg.run in RUNS
+        validate(cfg)
+
+
+def test_defaults_are_the_documented_ones():
+    cfg = compose_cfg("+experiment=calibrate")
+    assert (cfg.model.name, cfg.data.name, cfg.amp.dtype, cfg.clip.mode) == ("gpt", "stdlib", "bf16", "norm")
+    assert cfg.calibrate.quantile == 0.95 and cfg.clip.max_norm == 1.0
+    assert cfg.tracking.uri is None  # → $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db
+
+
+def test_common_overrides_compose():
+    cfg = compose_cfg("+experiment=calibrate", "steps=50", "seed=3", "model=lstm", "amp.dtype=fp16",
+                      "clip.max_norm=2.5", "calibrate.window=20", "calibrate.quantile=0.9",
+                      "tracking.uri=sqlite:///x/mlflow.db")
+    assert (cfg.steps, cfg.seed, cfg.model.name, cfg.amp.dtype) == (50, 3, "lstm", "fp16")
+    assert (cfg.clip.max_norm, cfg.calibrate.window, cfg.calibrate.quantile) == (2.5, 20, 0.9)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
+    (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
+    (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
+    (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
+    (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
+    (["steps=0"], "steps=0 must be >= 1"),
+    (["steps=10", "calibrate.window=20"], "calibrate.window=20 is larger than steps=10"),
+    (["accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
+])
+def test_semantic_checks_name_the_value(overrides, message):
+    cfg = compose_cfg("+experiment=calibrate", *overrides)
+    with pytest.raises(UserError) as e:
+        validate(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["+experiment=calibrate", "clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
+    (["+experiment=calibrate", "steps=abc"], "steps=abc"),
+    (["+experiment=calibrate", "model=foo"], "Could not find 'model/foo' Available options in 'model': custom gpt linear lstm"),
+    (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
+    (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
+    (["+experiment=calibrate", "stepz=3"], "Could not override 'stepz'"),
+    (["+experiment=nope"], "Could not find 'experiment/nope'"),
+    ([], "no experiment chosen: add +experiment=NAME"),
+    (["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' does not exist"),
+    (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
+    (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
+])
+def test_cli_user_mistakes_exit_2_with_one_line(tmp_path, args, message):
+    res = run_cli(*args, "steps=5", "calibrate.window=2", "progress=false", cwd=tmp_path) \
+        if args and "steps=" not in " ".join(args) else run_cli(*args, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], res.stderr
+    assert "Traceback" not in res.stderr
