@@ -64,7 +64,7 @@ def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every gradient in place by the 0-dim tensor ``factor`` (fused, no sync)."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        by_device[g.device].append(g)
+        by_device[g.device].append(g._values() if g.is_sparse else g)  # values: the tensor stays coalesced
     for device, tensors in by_device.items():
         torch._foreach_mul_(tensors, factor.to(device))
 

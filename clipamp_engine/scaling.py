@@ -133,7 +133,7 @@ class HysteresisScaler(LossScaler):
                 tracker = 0
         self._write(scale, tracker)
         floor = scale <= self.min_scale
-        if floor and not self.at_floor:
+        if floor and overflow and not self.at_floor:
             warnings.warn(
                 f"loss scale reached its floor min_scale={self.min_scale:g} after {self.overflows} overflows: "
                 "gradients overflow even at the smallest scale; check the loss, the LR and fp16 ranges "

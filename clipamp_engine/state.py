@@ -209,13 +209,17 @@ class AmpTrainState:
         self.forensics.before_step(params, grads, self.optimizer)
         self.clip.before_step(params, self.optimizer)
         self.scaler.step(self.optimizer)
-        self.clip.after_step(params, self.optimizer)
+        clip_extra = self.clip.after_step(params, self.optimizer) or {}  # e.g. update_l2_pre_clip (0-dim)
         extra = self.forensics.after_step(params, self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         self.scaler.update()
-        values = torch.stack([pre, post, mean_loss.detach(), self._tokens_or_nan(tokens)]).tolist()  # sync: the record
-        pre_f, post_f, loss_f, tok_f = values
+        names = list(clip_extra)
+        values = torch.stack([pre, post, mean_loss.detach(), self._tokens_or_nan(tokens).to(pre.device),
+                              *(torch.as_tensor(clip_extra[k], dtype=torch.float32).to(pre.device) for k in names)]
+                             ).tolist()  # sync: the record
+        pre_f, post_f, loss_f, tok_f = values[:4]
+        extra = {**dict(zip(names, values[4:])), **extra}
         return StepLog(step=self.step_count, lr=lr, grad_l2_pre_clip=pre_f, grad_l2_post_clip=post_f,
                        loss=loss_f, scaler_scale=scale, clipped=post_f < pre_f,
                        token_count=None if math.isnan(tok_f) else int(tok_f),

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import register
 from .errors import UserError, fail
+from .loop import RunInterrupted
 from .tracking import redact_text
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -52,8 +53,13 @@ def main(cfg: DictConfig) -> None:
         run(OmegaConf.to_object(cfg), list(HydraConfig.get().overrides.task))
     except UserError as e:
         fail(_one_line(e))
+    except RunInterrupted as e:
+        print(f"interrupted ({e}): checkpoint written, run ended KILLED, steps.csv keeps every "
+              f"completed step; continue with the same command plus resume=true", file=sys.stderr)
+        sys.exit(130)
     except KeyboardInterrupt:
-        print("interrupted: run ended as KILLED; steps.csv keeps every completed step", file=sys.stderr)
+        print("interrupted mid-step: run ended KILLED, steps.csv keeps every completed step; "
+              "resume=true continues from the last periodic checkpoint", file=sys.stderr)
         sys.exit(130)
 
 

@@ -20,7 +20,7 @@ def run(cfg: Config, overrides: list[str] | None = None) -> object:
     tags = {"overrides": " ".join(overrides or []), "tracking_uri": redact(uri)}
     if cfg.run in ("calibrate", "train"):
         result = run_training(cfg, client, experiment_id, run_name=f"{cfg.run}-{cfg.model.name}-{cfg.amp.dtype}",
-                              calibrate=cfg.run == "calibrate", tags=tags, announce=console.print)
+                              calibrate=cfg.run == "calibrate", tags=tags, announce=console.print, uri=uri)
         print_run_summary(result, uri=redact(uri), experiment_id=experiment_id, console=console)
         return result
     if cfg.run == "sweep":

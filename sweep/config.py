@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from clipamp_engine import DTYPES
 
 from .errors import UserError
+from .faults import FaultsConfig
 from .spike_config import SpikeConfig
 from .study_config import StudyConfig
 from .tasks.config import DataConfig, ModelConfig
@@ -47,15 +48,49 @@ class AmpConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    hysteresis: int = 1  # > 1: absorb this many overflows before backing off (DeepSpeed semantics)
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0  # floor (an alarm when reached)
+    max_scale: float = 16777216.0  # cap (2**24)
+
+
+@dataclass
+class ForensicsConfig:
+    """Optional per-step columns (each costs a little; all off by default)."""
+
+    update_norm: bool = False  # ‖Δθ‖ of the step (one copy of the trainable params)
+    param_norm: bool = False
+    top_k: int = 0  # names of the top-k parameters by gradient norm
+    zero_grads: bool = False  # number of parameter tensors with an all-zero gradient
 
 
 @dataclass
 class ClipConfig:
-    """``clip=MODE`` and its options; only the keys the mode's policy accepts are passed to it."""
+    """``clip=MODE`` and the options of every mode (``clipamp_engine.clip_mode_options``).
+
+    Each ``conf/clip/MODE.yaml`` sets its mode's options; the others stay null. An option set
+    for a mode that does not take it is refused.
+    """
 
     mode: str = "norm"
-    max_norm: Optional[float] = 1.0
-    options: Dict[str, Any] = field(default_factory=dict)
+    max_norm: Optional[float] = None  # norm: τ; zscore: optional ceiling
+    clip_value: Optional[float] = None  # value
+    stages: Optional[List[List[float]]] = None  # staged: [[start_step, τ], ...]
+    max_norms: Optional[List[float]] = None  # per_group: τ_j by optimizer param group
+    patterns: Optional[Dict[str, float]] = None  # per_group: {name regex: τ_j}
+    rest_max_norm: Optional[float] = None  # per_group: τ for params matching no pattern
+    clip_factor: Optional[float] = None  # agc
+    eps: Optional[float] = None  # agc, zscore
+    exclude: Optional[List[str]] = None  # agc: name regexes left unclipped
+    exclude_1d: Optional[bool] = None  # agc: leave biases / norm scales unclipped
+    max_update_norm: Optional[float] = None  # update: ρ
+    decoupled_weight_decay: Optional[bool] = None  # update: null = detect per group
+    quantile: Optional[float] = None  # quantile (AutoClip)
+    history: Optional[int] = None  # quantile
+    alpha: Optional[float] = None  # zscore (ZClip)
+    z_thresh: Optional[float] = None  # zscore
+    warmup_steps: Optional[int] = None  # zscore
+    clip_option: Optional[str] = None  # zscore: adaptive_scaling | mean
 
 
 @dataclass
@@ -88,6 +123,8 @@ class Config:
     accumulation_steps: int = 1
     eval_every: int = 0  # 0: evaluate at the end only
     progress: bool = True
+    checkpoint_every: int = 100  # also written at the step boundary after SIGINT/SIGTERM
+    resume: Optional[str] = None  # true: the latest run of this name with a checkpoint; or a run id
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -97,6 +134,8 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     study: StudyConfig = field(default_factory=StudyConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
 
 
 def register() -> None:
@@ -140,5 +179,30 @@ def validate(cfg: Config) -> None:
         raise UserError(f"calibrate.cap={c.cap} must be > 0 or null (no clipping during the window)")
     if c.every < 0 or (c.every and c.every < c.window):
         raise UserError(f"calibrate.every={c.every} must be 0 (one window) or >= calibrate.window={c.window}")
+    if cfg.checkpoint_every < 0:
+        raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
+    if cfg.device != "cpu" and not _device_available(cfg.device):
+        raise UserError(f"device={cfg.device!r} is not available on this machine; use device=cpu")
+    if cfg.amp.dtype == "fp16" and not _fp16_autocast_ok(cfg.device):
+        raise UserError(f"amp.dtype=fp16 is not supported on device={cfg.device!r}; use amp.dtype=bf16 or fp32")
     if cfg.tracking.flush_every < 1:
         raise UserError(f"tracking.flush_every={cfg.tracking.flush_every} must be >= 1")
+
+
+def _device_available(device: str) -> bool:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        return False
+    if dev.type == "cuda":
+        return torch.cuda.is_available()
+    mod = getattr(torch, dev.type, None)
+    return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
+
+
+def _fp16_autocast_ok(device: str) -> bool:
+    import torch
+
+    return torch.amp.is_autocast_available(torch.device(device).type)

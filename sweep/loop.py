@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from clipamp_engine import AmpTrainState, StepCSVWriter, StepLog
 
 #: Extra CSV columns the app writes after the canonical eight.
-APP_COLUMNS = ("clipped", "token_count", "max_norm", "phase", "data_source", "grad_l2_token_normalised")
+APP_COLUMNS = ("clipped", "token_count", "max_norm", "phase", "data_source", "grad_l2_token_normalised",
+               "scaler_at_floor")
 
 #: Per-step metrics sent to MLflow (batched).
 STEP_METRICS = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_scale", "max_norm")
@@ -42,21 +42,40 @@ class RunRecords:
         return sum(losses) / len(losses) if losses else math.nan
 
 
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so both end a run the same clean way."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+class RunInterrupted(KeyboardInterrupt):
+    """The loop stopped at a step boundary on SIGINT/SIGTERM (after writing a checkpoint)."""
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+        self.signum, self.step = signum, step
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask the loop to stop after the current step; a second signal interrupts at once.
+
+    Stopping at a step boundary means a checkpoint never holds a half-applied update.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second signal {signum}")
+        self.signum = signum
+
+    def __enter__(self) -> "StopRequest":
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handler)
+        except ValueError:  # not the main thread: signals stay with the caller
+            self._previous.clear()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def progress_bar(enabled: bool, label: str) -> Progress:
@@ -76,8 +95,15 @@ def run_steps(
     on_record: Callable[[StepLog], None] | None = None,
     progress: bool = True,
     label: str = "train",
+    stop: StopRequest | None = None,
+    checkpoint: Callable[[int], None] | None = None,
+    checkpoint_every: int = 0,
 ) -> None:
-    """Run ``steps`` (1-based step numbers) through ``state``, recording every step as it ends."""
+    """Run ``steps`` (1-based step numbers) through ``state``, recording every step as it ends.
+
+    Every ``checkpoint_every`` steps, and when ``stop`` was requested, ``checkpoint(step)`` runs
+    at the step boundary; a stop then raises ``RunInterrupted``.
+    """
     with progress_bar(progress, label) as bar:
         task = bar.add_task(label, total=len(steps), info="")
         for step in steps:
@@ -86,7 +112,8 @@ def run_steps(
             tok = log.token_count
             row = log.with_extra(
                 phase=phase_of(step), data_source=batch.data_source,
-                grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None).row()
+                grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None,
+                scaler_at_floor=getattr(state.scaler, "at_floor", False)).row()
             writer.write(row)
             records.rows.append(row)
             tracker.add_step(log.step, {k: row[k] for k in STEP_METRICS} | {"clipped": float(log.clipped)})
@@ -95,4 +122,10 @@ def run_steps(
             if bar.tasks and (step % 10 == 0 or step == steps[-1]):
                 bar.update(task, completed=step - steps[0] + 1,
                            info=f"loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  τ {log.max_norm or float('nan'):.3g}")
+            if checkpoint is not None and (stop is not None and stop.signum is not None
+                                           or checkpoint_every and step % checkpoint_every == 0):
+                checkpoint(step)
+            if stop is not None and stop.signum is not None:
+                tracker.flush()
+                raise RunInterrupted(stop.signum, step)
     tracker.flush()

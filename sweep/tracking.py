@@ -126,8 +126,21 @@ class RunTracker:
         if parent_run_id:
             tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
         run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+        self._init_common(client, run, flush_every)
+
+    @classmethod
+    def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> "RunTracker":
+        """Continue an existing run (resume): mark it RUNNING again, same artifacts."""
+        self = cls.__new__(cls)
+        run = client.get_run(run_id)
+        client.update_run(run_id, status="RUNNING")
+        self._init_common(client, run, flush_every)
+        return self
+
+    def _init_common(self, client, run, flush_every: int) -> None:
+        self.client = client
         self.run_id = run.info.run_id
-        self.experiment_id = experiment_id
+        self.experiment_id = run.info.experiment_id
         self.flush_every = flush_every
         self._buffer: list = []
         self._steps_buffered = 0

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 import math
+from dataclasses import fields
 from typing import Any
 
 import torch
 
-from clipamp_engine import AmpTrainState, ClipPolicy, make_clip_policy
-from clipamp_engine.clipping import CLIP_MODES
+from clipamp_engine import (CLIP_MODES, FORENSICS_COLUMNS, AmpTrainState, ClipPolicy, HysteresisScaler,
+                            StepForensics, clip_mode_options, make_clip_policy)
 
-from .config import Config, OptimConfig
+from .config import ClipConfig, Config, OptimConfig
 from .errors import UserError
 
 
@@ -48,43 +48,61 @@ def build_scheduler(cfg: OptimConfig, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def clip_options(mode: str, options: dict[str, Any], max_norm: float | None) -> dict[str, Any]:
-    """The constructor options of ``mode``'s policy taken from the config; unknown ones refused."""
+def clip_options(clip: ClipConfig) -> dict[str, Any]:
+    """The options of ``clip.mode`` that the config sets; options of other modes are refused."""
     try:
-        cls = CLIP_MODES[mode]
-    except KeyError:
-        raise UserError(f"clip={mode!r} is not one of {', '.join(CLIP_MODES)}") from None
-    accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "named_params")]
-    opts = {k: v for k, v in dict(options).items() if v is not None}
-    unknown = sorted(set(opts) - set(accepted))
-    if unknown:
-        raise UserError(f"clip.options has {unknown} that clip={mode} does not take; it takes {accepted or 'none'}")
-    if "max_norm" in accepted and max_norm is not None:
-        opts["max_norm"] = max_norm
-    return opts
+        accepted = clip_mode_options(clip.mode)
+    except ValueError:
+        raise UserError(f"clip={clip.mode!r} is not one of {', '.join(CLIP_MODES)}") from None
+    given = {f.name: getattr(clip, f.name) for f in fields(clip) if f.name != "mode"}
+    given = {k: v for k, v in given.items() if v is not None}
+    foreign = sorted(set(given) - set(accepted))
+    if foreign:
+        raise UserError(f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
+                        f"its options are {', '.join(accepted) or 'none'}")
+    return given
 
 
-def build_clip_policy(mode: str, options: dict[str, Any], max_norm: float | None,
-                      model: torch.nn.Module | None = None) -> ClipPolicy:
-    opts = clip_options(mode, options, max_norm)
-    if model is not None and "named_params" in inspect.signature(CLIP_MODES[mode].__init__).parameters:
-        opts["named_params"] = list(model.named_parameters())
+def build_clip_policy(clip: ClipConfig, model: torch.nn.Module | None = None,
+                      optimizer: torch.optim.Optimizer | None = None) -> ClipPolicy:
     try:
-        return make_clip_policy(mode, **opts)
+        return make_clip_policy(clip.mode, named_params=model, optimizer=optimizer, **clip_options(clip))
     except ValueError as e:
-        raise UserError(f"clip={mode}: {e}") from None
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"clip={clip.mode}: {e}") from None
 
 
-def build_state(cfg: Config, model: torch.nn.Module, loss_fn, clip: ClipPolicy, *,
+def build_state(cfg: Config, model: torch.nn.Module, loss_fn, clip: ClipPolicy | None = None, *,
                 total_steps: int | None = None) -> AmpTrainState:
+    """The engine for ``cfg``; ``clip`` defaults to the policy ``cfg.clip`` describes."""
     optimizer = build_optimizer(cfg.optim, model)
+    clip = clip if clip is not None else build_clip_policy(cfg.clip, model, optimizer)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps or cfg.steps)
     amp = cfg.amp
+    f = cfg.forensics
+    forensics = None
+    if f.update_norm or f.param_norm or f.top_k or f.zero_grads:
+        forensics = StepForensics(model, update_norm=f.update_norm, param_norm=f.param_norm, top_k=f.top_k,
+                                  zero_grads=f.zero_grads)
     try:
-        return AmpTrainState(
-            model, optimizer, loss_fn, dtype=amp.dtype, clip=clip, scheduler=scheduler,
-            accumulation_steps=cfg.accumulation_steps, init_scale=amp.init_scale,
-            growth_factor=amp.growth_factor, backoff_factor=amp.backoff_factor,
-            growth_interval=amp.growth_interval)
+        scaler = HysteresisScaler(
+            model_device(model), init_scale=amp.init_scale, growth_factor=amp.growth_factor,
+            backoff_factor=amp.backoff_factor, growth_interval=amp.growth_interval, enabled=amp.dtype == "fp16",
+            hysteresis=amp.hysteresis, consecutive_hysteresis=amp.consecutive_hysteresis,
+            min_scale=amp.min_scale, max_scale=amp.max_scale)
+        return AmpTrainState(model, optimizer, loss_fn, dtype=amp.dtype, clip=clip, scheduler=scheduler,
+                             accumulation_steps=cfg.accumulation_steps, scaler=scaler, forensics=forensics)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def model_device(model: torch.nn.Module) -> str:
+    return next(model.parameters()).device.type
+
+
+def forensic_columns(cfg: Config) -> tuple[str, ...]:
+    """The CSV columns the configured forensics add."""
+    f = cfg.forensics
+    on = (f.update_norm, f.param_norm, f.top_k > 0, f.zero_grads)
+    return tuple(c for c, flag in zip(FORENSICS_COLUMNS, on) if flag)

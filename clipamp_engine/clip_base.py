@@ -1,0 +1,218 @@
+"""The clipping-policy base class and the fused tensor-list helpers the policies share.
+
+Gradients reach a policy as the list ``grads_of`` returned (``None`` skipped, sparse COO
+coalesced). Sparse gradients are handled through their values tensor (``_values()``), never
+densified: a coalesced tensor's values are exact, and scaling them in place keeps the
+tensor coalesced (``sparse.mul_`` would clear the flag and make ``values()`` raise).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+#: The epsilon added to a norm before dividing (as in ``torch.nn.utils.clip_grad_norm_``).
+EPS = 1e-6
+
+NamedParams = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class ClipPolicy:
+    """Base policy. Subclasses override ``clip_``; the hooks default to no-ops.
+
+    ``clip_`` receives the parameters that have gradients, their gradients (same order,
+    unscaled, accumulated), the finite pre-clip global L2 norm (0-dim fp32 tensor) and the
+    1-based step; it scales the gradients in place and returns the post-clip global L2 norm
+    as a 0-dim tensor (no host sync). It is only called on steps that are taken, so a
+    skipped step never changes a policy's state.
+    """
+
+    mode = "base"
+
+    def clip_(self, params: list[torch.Tensor], grads: list[torch.Tensor], pre: torch.Tensor,
+              step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def threshold(self) -> float | None:
+        """The threshold in force for the latest step (for records), if the mode has one."""
+        return None
+
+    def before_step(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Called right before the optimizer update of a taken step."""
+
+    def after_step(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Called right after the optimizer update of a taken step; returns extra record columns."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# -- tensor-list helpers (fused, no host sync) ----------------------------------------------
+
+def dense_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Dense tensors to run foreach kernels on: sparse COO tensors contribute their values.
+
+    The values alias the sparse tensor's storage, so in-place ops on them act on the gradient.
+    """
+    return [t._values() if t.is_sparse else t for t in tensors]
+
+
+def _by_key(tensors: Sequence[torch.Tensor], with_dtype: bool) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype) if with_dtype else (t.device,)].append(i)
+    return groups
+
+
+def per_tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Norm of each tensor (sparse: of its values) as one 1-D fp32 tensor, in input order.
+
+    One fused ``_foreach_norm`` per (device, dtype) group; the result lives on the first
+    tensor's device.
+    """
+    views = dense_views(tensors)
+    if not views:
+        return torch.zeros(0, dtype=torch.float32)
+    out: list[torch.Tensor | None] = [None] * len(views)
+    for idx in _by_key(views, with_dtype=True).values():
+        norms = torch._foreach_norm([views[i] for i in idx], norm_type, dtype=torch.float32)
+        for i, n in zip(idx, norms):
+            out[i] = n
+    device = views[0].device
+    return torch.stack([n.to(device) for n in out])  # type: ignore[union-attr]
+
+
+def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every tensor (sparse: its values) in place by one factor (fused, no sync)."""
+    views = dense_views(tensors)
+    for (device,), idx in _by_key(views, with_dtype=False).items():
+        f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_([views[i] for i in idx], f)
+
+
+def scale_each_(tensors: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]) -> None:
+    """Multiply tensor i in place by ``factors[i]`` (a tensor broadcastable to it; fused)."""
+    views = dense_views(tensors)
+    for (device,), idx in _by_key(views, with_dtype=False).items():
+        torch._foreach_mul_([views[i] for i in idx], [factors[i].to(device) for i in idx])
+
+
+def coefficient_above(norm: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
+    """``τ / (norm + 1e-6)`` where ``norm > τ``, else exactly 1 (branch-free, no sync).
+
+    Unlike ``clip_coefficient`` (torch's ``min(1, τ/(n+ε))``), a norm at or under τ is left
+    bit-for-bit untouched, which the adaptive modes need (τ can equal the norm itself).
+    """
+    return torch.where(norm > tau, tau / (norm + EPS), torch.ones_like(norm))
+
+
+# -- naming and optimizer structure ---------------------------------------------------------
+
+def param_names(named_params: NamedParams | None) -> dict[int, str]:
+    """``id(param) → name`` from a module, a ``{name: param}`` mapping or ``(name, param)`` pairs."""
+    if named_params is None:
+        return {}
+    if isinstance(named_params, nn.Module):
+        items = named_params.named_parameters()
+    elif isinstance(named_params, Mapping):
+        items = named_params.items()
+    else:
+        items = named_params
+    names: dict[int, str] = {}
+    for name, p in items:
+        if not isinstance(name, str) or not isinstance(p, torch.Tensor):
+            raise ValueError(
+                "named_params must be a module, a {name: parameter} mapping or (name, parameter) pairs "
+                "such as model.named_parameters()")
+        names.setdefault(id(p), name)
+    return names
+
+
+def embedding_param_ids(named_params: NamedParams | None) -> set[int]:
+    """Ids of ``nn.Embedding`` / ``nn.EmbeddingBag`` weights when ``named_params`` is a module."""
+    if not isinstance(named_params, nn.Module):
+        return set()
+    return {id(m.weight) for m in named_params.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+
+
+def compile_patterns(patterns: Iterable[str], option: str) -> list[re.Pattern[str]]:
+    compiled = []
+    for pat in patterns:
+        try:
+            compiled.append(re.compile(pat))
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{option}: {pat!r} is not a valid regular expression ({e})") from None
+    return compiled
+
+
+def is_decoupled(group: Mapping[str, Any], optimizer: torch.optim.Optimizer, override: bool | None) -> bool:
+    """Whether ``group``'s weight decay is decoupled (AdamW-style ``θ ← θ(1 − lr·wd)``).
+
+    ``override`` wins when given; otherwise the group's ``decoupled_weight_decay`` flag
+    (torch ``Adam``/``AdamW``), else ``isinstance(optimizer, AdamW)``. Coupled (L2) decay
+    is part of the gradient and therefore of the data update.
+    """
+    if override is not None:
+        return override
+    flag = group.get("decoupled_weight_decay")
+    if flag is not None:
+        return bool(flag)
+    return isinstance(optimizer, torch.optim.AdamW)
+
+
+class UpdateProbe:
+    """Snapshot of parameters before an optimizer step, to measure (and bound) the data update.
+
+    Memory: one copy of the snapshotted parameters in their own dtype, allocated once and
+    reused while the set of parameters with gradients stays the same. Time: one copy before
+    the step, two fused passes after (decay + difference, then the norm).
+
+    The *data update* of a step is ``u = θ_new − θ_old · (1 − lr·wd)`` for param groups with
+    decoupled weight decay (AdamW), and ``u = θ_new − θ_old`` otherwise (coupled L2 decay is
+    in the gradient, so it is part of the data update).
+    """
+
+    def __init__(self, decoupled_weight_decay: bool | None = None) -> None:
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self._key: tuple[int, ...] | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []
+
+    def snapshot(self, params: Sequence[torch.Tensor]) -> None:
+        key = tuple(id(p) for p in params)
+        if key != self._key:
+            self._buffers = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+            self._key = key
+        self._params = list(params)
+        with torch.no_grad():
+            if self._buffers:
+                torch._foreach_copy_(self._buffers, [p.detach() for p in params])
+
+    def negative_update(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """Turn the snapshot into ``−u`` in place (``θ_old·(1 − lr·wd) − θ_new``) and return it."""
+        where = {id(p): i for i, p in enumerate(self._params)}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                wd = group.get("weight_decay", 0.0)
+                if not wd or not is_decoupled(group, optimizer, self.decoupled_weight_decay):
+                    continue
+                bufs = [self._buffers[where[id(p)]] for p in group["params"] if id(p) in where]
+                if bufs:
+                    torch._foreach_mul_(bufs, 1.0 - group["lr"] * wd)
+            if self._buffers:
+                torch._foreach_sub_(self._buffers, [p.detach() for p in self._params])
+        return self._buffers
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self._params
