@@ -122,7 +122,7 @@ class RunTracker:
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
         self.client = client
-        tags = dict(tags or {})
+        tags = {k: redact_text(str(v)) for k, v in (tags or {}).items()}
         if parent_run_id:
             tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
         run = client.create_run(experiment_id, run_name=run_name, tags=tags)

@@ -50,23 +50,50 @@ def test_semantic_checks_name_the_value(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with steps=5
     (["+experiment=calibrate", "clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
+    (["+experiment=calibrate", "clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
+    (["+experiment=calibrate", "calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
+    (["+experiment=calibrate", "amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
+    (["+experiment=calibrate", "steps=0"], "steps=0 must be >= 1"),
     (["+experiment=calibrate", "steps=abc"], "steps=abc"),
+    (["+experiment=calibrate", "steps=5", "calibrate.window=50"], "calibrate.window=50 is larger than steps=5"),
+    (["+experiment=calibrate", "accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
     (["+experiment=calibrate", "model=foo"], "Could not find 'model/foo' Available options in 'model': custom gpt linear lstm"),
     (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
     (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
+    (["+experiment=train", "clip=value", "clip.max_norm=2"], "clip=value does not take clip.max_norm"),
     (["+experiment=calibrate", "stepz=3"], "Could not override 'stepz'"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
-    (["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"], "data.path='/nonexistent/corpus.txt' does not exist"),
+    (["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"],
+     "data.path='/nonexistent/corpus.txt' does not exist"),
+    (["+experiment=calibrate", "data=text", "data.path=EMPTY"], "is empty (0 bytes)"),
+    (["+experiment=calibrate", "model=custom", "model._target_=no_such_pkg.Model"],
+     "model._target_='no_such_pkg.Model' could not be imported"),
+    (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available on this machine"),
     (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
     (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
-])
-def test_cli_user_mistakes_exit_2_with_one_line(tmp_path, args, message):
-    res = run_cli(*args, "steps=5", "calibrate.window=2", "progress=false", cwd=tmp_path) \
-        if args and "steps=" not in " ".join(args) else run_cli(*args, cwd=tmp_path)
+    (["+experiment=calibrate", "tracking.uri=sqlite:///BLOCKED/mlruns/mlflow.db"], "cannot create"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[m[:40] for _, m in BAD_INPUTS])
+def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    args = [a.replace("EMPTY", str(tmp_path / "empty.txt")).replace("BLOCKED", str(tmp_path / "blocker"))
+            for a in args]
+    extra = ["progress=false", "calibrate.window=2"] + ([] if any(a.startswith("steps=") for a in args) else ["steps=5"])
+    res = run_cli(*(extra if args else []), *args, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], res.stderr
     assert "Traceback" not in res.stderr
+    db = tmp_path / "mlruns" / "mlflow.db"
+    if db.exists():
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{db}")
+        exps = [e.experiment_id for e in client.search_experiments()]
+        assert not client.search_runs(exps, filter_string="attributes.status = 'RUNNING'")

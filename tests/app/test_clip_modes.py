@@ -1,0 +1,50 @@
+"""`+experiment=train clip=MODE` runs for every mode in conf/clip/, and forensics reach the CSV."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from clipamp_engine import CLIP_MODES
+from sweep import app
+
+from .conftest import CONF, TINY, compose_cfg
+
+MODES = sorted(p.stem for p in (CONF / "clip").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory):
+    """One store for the module: creating a sqlite store costs more than a tiny run."""
+    return f"sqlite:///{tmp_path_factory.mktemp('modes')}/mlflow.db"
+
+
+def test_every_engine_mode_has_a_config():
+    assert set(MODES) == set(CLIP_MODES)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_train_runs_with_each_clip_mode(uri, mode):
+    cfg = compose_cfg("+experiment=train", f"clip={mode}", *TINY, "steps=6", "clip.warmup_steps=2"
+                      if mode == "zscore" else "steps=6", f"tracking.uri={uri}")
+    result = app.run(cfg)
+    df = pd.read_csv(result.csv_path)
+    assert df["step"].tolist() == list(range(1, 7)) and not df["skipped"].any()
+    assert all(math.isfinite(x) for x in df["loss"])
+    if mode == "update":
+        assert {"update_l2_pre_clip", "update_l2_post_clip"} <= set(df.columns)
+        assert (df["update_l2_post_clip"] <= 1.0 + 1e-4).all()
+    if mode == "value":
+        assert (df["grad_l2_post_clip"] <= df["grad_l2_pre_clip"] + 1e-6).all()
+
+
+def test_forensic_columns(uri):
+    cfg = compose_cfg("+experiment=train", *TINY, "steps=4", "forensics.update_norm=true",
+                      "forensics.param_norm=true", "forensics.top_k=2", "forensics.zero_grads=true",
+                      f"tracking.uri={uri}")
+    df = pd.read_csv(app.run(cfg).csv_path)
+    assert (df["update_norm"] > 0).all() and (df["param_norm"] > 0).all()
+    assert df["top_grad_params"].str.count(";").eq(1).all()
+    assert (df["zero_grad_count"] == 0).all()

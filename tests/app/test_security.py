@@ -1,0 +1,40 @@
+"""Passwords in storage/tracking URLs never reach logs, params, tags or reports; the UI binds loopback."""
+
+from __future__ import annotations
+
+from mlflow import MlflowClient
+
+from sweep.report import ui_command
+from sweep.tracking import redact, redact_text
+
+from .conftest import TINY, run_cli
+
+SECRET = "hunter2"
+
+
+def test_redaction():
+    assert redact(f"postgresql://bob:{SECRET}@127.0.0.1:5432/optuna") == "postgresql://bob:***@127.0.0.1:5432/optuna"
+    assert SECRET not in redact_text(f"could not reach http://bob:{SECRET}@127.0.0.1:5000 (refused)")
+    assert "--host 127.0.0.1" in ui_command("sqlite:///mlruns/mlflow.db")
+
+
+def test_password_never_reaches_run_or_terminal(tmp_path):
+    res = run_cli("+experiment=train", *TINY, "steps=3", f"study.storage=postgresql://bob:{SECRET}@127.0.0.1:1/x",
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert SECRET not in res.stdout + res.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+    assert run.data.params["study.storage"] == "postgresql://bob:***@127.0.0.1:1/x"
+    blob = str(run.data.params) + str(run.data.tags)
+    assert SECRET not in blob
+    artifacts = tmp_path / "mlruns" / "artifacts"
+    for f in artifacts.rglob("*"):
+        if f.is_file() and f.suffix in (".yaml", ".md", ".json", ".csv"):
+            assert SECRET not in f.read_text(), f
+
+
+def test_unreachable_tracking_server_message_is_redacted(tmp_path):
+    res = run_cli("+experiment=train", *TINY, "steps=3", f"tracking.uri=http://bob:{SECRET}@127.0.0.1:9/",
+                  cwd=tmp_path)
+    assert res.returncode == 2 and "unreachable" in res.stderr and SECRET not in res.stderr
