@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,24 @@ def compose_cfg(*overrides: str):
     return OmegaConf.to_object(cfg)
 
 
+@pytest.fixture(scope="session")
+def store_template(tmp_path_factory) -> Path:
+    """An empty, migrated MLflow sqlite store, made once: migrations cost seconds per new store."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    """A fresh sqlite tracking store under tmp_path; its URI."""
+def store(tmp_path, store_template, monkeypatch):
+    """A fresh sqlite store at tmp_path/mlruns/mlflow.db (the default location for cwd=tmp_path); its URI."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    db = tmp_path / "mlruns" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(store_template, db)
+    return f"sqlite:///{db}"
 
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

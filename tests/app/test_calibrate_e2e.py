@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import math
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from .conftest import TINY, compose_cfg
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
+def calibrated(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("cal")
+    (root / "mlruns").mkdir()
+    shutil.copyfile(store_template, root / "mlruns" / "mlflow.db")
     uri = f"sqlite:///{root}/mlruns/mlflow.db"
     cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=40", "calibrate.window=20",
                       "calibrate.quantile=0.9", f"tracking.uri={uri}", "tracking.plots=true",
@@ -86,8 +89,8 @@ def test_mlflow_tracking_uri_env_wins_over_default(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("model,data", [("gpt", "stdlib"), ("lstm", "stdlib"), ("linear", "synthetic")])
-def test_train_smoke_each_task(tmp_path, model, data):
+def test_train_smoke_each_task(store, model, data):
     cfg = compose_cfg("+experiment=train", f"model={model}", f"data={data}", *TINY, "steps=4",
-                      f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
+                      f"tracking.uri={store}")
     result = app.run(cfg)
     assert len(pd.read_csv(result.csv_path)) == 4

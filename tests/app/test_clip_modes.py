@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pandas as pd
 import pytest
@@ -16,9 +17,11 @@ MODES = sorted(p.stem for p in (CONF / "clip").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
-def uri(tmp_path_factory):
+def uri(tmp_path_factory, store_template):
     """One store for the module: creating a sqlite store costs more than a tiny run."""
-    return f"sqlite:///{tmp_path_factory.mktemp('modes')}/mlflow.db"
+    db = tmp_path_factory.mktemp("modes") / "mlflow.db"
+    shutil.copyfile(store_template, db)
+    return f"sqlite:///{db}"
 
 
 def test_every_engine_mode_has_a_config():

@@ -49,7 +49,7 @@ def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sig):
+def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, store, sig):
     proc, csv = _start(tmp_path, "steps=100000", "checkpoint_every=0")
     _wait_rows(csv, 12)
     proc.send_signal(sig)
@@ -60,7 +60,7 @@ def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sig
     n = steps[-1]
     assert steps == list(range(1, n + 1))
     run_id = csv.parts[-3]
-    client = MlflowClient("sqlite:///mlruns/mlflow.db".replace("mlruns", str(tmp_path / "mlruns"), 1))
+    client = MlflowClient(store)
     assert client.get_run(run_id).info.status == "KILLED"
     ckpt = tmp_path / "mlruns" / "checkpoints" / run_id / "checkpoint.pt"
     assert ckpt.exists()
@@ -71,6 +71,8 @@ def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sig
     assert _complete_steps(csv) == list(range(1, n + 7))  # appended, nothing repeated or skipped
     assert client.get_run(run_id).info.status == "FINISHED" and not ckpt.exists()
 
+    if sig != signal.SIGTERM:
+        return  # one bitwise comparison is enough: both signals take the same path
     fresh = _cli(tmp_path, f"steps={n + 6}")  # the same run, never interrupted
     assert fresh.returncode == 0, fresh.stderr
     fresh_csv = Path(next(l for l in fresh.stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1])
@@ -79,7 +81,7 @@ def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sig
     assert resumed["grad_l2_pre_clip"].tolist() == control["grad_l2_pre_clip"].tolist()
 
 
-def test_sigkill_keeps_consecutive_rows_and_resumes_from_last_checkpoint(tmp_path):
+def test_sigkill_keeps_consecutive_rows_and_resumes_from_last_checkpoint(tmp_path, store):
     proc, csv = _start(tmp_path, "steps=100000", "checkpoint_every=5")
     _wait_rows(csv, 13)
     proc.kill()
@@ -93,7 +95,7 @@ def test_sigkill_keeps_consecutive_rows_and_resumes_from_last_checkpoint(tmp_pat
     assert _complete_steps(csv) == list(range(1, steps[-1] + 4))
 
 
-def test_resume_without_checkpoint_is_a_one_line_error(tmp_path):
+def test_resume_without_checkpoint_is_a_one_line_error(tmp_path, store):
     res = _cli(tmp_path, "steps=3", "resume=true")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("error: resume=true: no run named")

@@ -18,7 +18,7 @@ def test_redaction():
     assert "--host 127.0.0.1" in ui_command("sqlite:///mlruns/mlflow.db")
 
 
-def test_password_never_reaches_run_or_terminal(tmp_path):
+def test_password_never_reaches_run_or_terminal(tmp_path, store):
     res = run_cli("+experiment=train", *TINY, "steps=3", f"study.storage=postgresql://bob:{SECRET}@127.0.0.1:1/x",
                   cwd=tmp_path)
     assert res.returncode == 0, res.stderr

@@ -1,0 +1,285 @@
+"""``+experiment=sweep``: Optuna studies of max_norm × dtype into a temporary store, checked through
+the Optuna and MLflow clients; the pick rule on hand-made tables; storage URL mistakes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from sweep import app, study as S
+from sweep.errors import UserError
+from sweep.report import main as report_main
+
+from .conftest import TINY, compose_cfg, run_cli
+
+STEPS = 8
+
+
+def sweep_cfg(uri: str, *overrides: str):
+    return compose_cfg("+experiment=sweep", *TINY, f"steps={STEPS}", f"tracking.uri={uri}",
+                       "optim.warmup_steps=2", *overrides)
+
+
+def children(client: MlflowClient, parent_run_id: str) -> list:
+    exp = client.get_run(parent_run_id).info.experiment_id
+    return client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+
+
+def optuna_study(result: S.SweepResult, root: Path) -> optuna.Study:
+    return optuna.load_study(study_name=result.study_name, storage=f"sqlite:///{root}/mlruns/optuna.db")
+
+
+# ---------------------------------------------------------------- pareto: run, resume, artifacts, report
+
+@pytest.fixture(scope="module")
+def pareto(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pareto")
+    uri = f"sqlite:///{root}/mlruns/mlflow.db"
+    first = app.run(sweep_cfg(uri, "study=pareto", "study.n_trials=3"), ["+experiment=sweep"])
+    second = app.run(sweep_cfg(uri, "study=pareto", "study.n_trials=2"), ["+experiment=sweep"])
+    return root, uri, first, second
+
+
+def test_pareto_study_holds_every_trial_of_both_invocations(pareto):
+    root, uri, first, second = pareto
+    assert first.study_name == second.study_name  # same command → same study, resumed
+    study = optuna_study(second, root)
+    assert len(study.directions) == 2  # (eval loss, clipping ratio)
+    trials = study.get_trials()
+    assert len(trials) == 5 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    for invocation in (first, second):  # every invocation evaluates both dtypes
+        mine = [t for t in trials if t.user_attrs["parent_run_id"] == invocation.parent_run_id]
+        assert {t.params["dtype"] for t in mine} == {"fp16", "bf16"}
+    for t in trials:
+        assert t.values == [pytest.approx(t.user_attrs["eval_loss"]), pytest.approx(t.user_attrs["clip_ratio"])]
+        assert S.default_storage(uri) == f"sqlite:///{root}/mlruns/optuna.db"
+    assert len(second.trials) == 5 and second.trials_run == 2
+    assert second.steps_run == second.steps_budget == 2 * STEPS  # pareto cannot prune
+
+
+def test_parent_and_children_in_mlflow(pareto):
+    root, uri, first, second = pareto
+    client = MlflowClient(uri)
+    for invocation, n in ((first, 3), (second, 2)):
+        parent = client.get_run(invocation.parent_run_id)
+        assert parent.info.status == "FINISHED" and parent.data.tags["sweep_role"] == "parent"
+        kids = children(client, invocation.parent_run_id)
+        assert len(kids) == n and {k.data.tags["dtype"] for k in kids} == {"fp16", "bf16"}
+        for kid in kids:
+            assert kid.info.status == "FINISHED"
+            assert {"clip_ratio", "final_loss", "skip_ratio", "eval_loss", "grad_norm_p95"} <= set(kid.data.metrics)
+            assert float(kid.data.params["clip.max_norm"]) == pytest.approx(float(kid.data.tags["max_norm"]), rel=1e-5)
+            assert "steps.csv" in {a.path for a in client.list_artifacts(kid.info.run_id)}
+            steps = client.get_metric_history(kid.info.run_id, "grad_l2_pre_clip")
+            assert sorted(h.step for h in steps) == list(range(1, STEPS + 1))
+
+
+def test_parent_holds_table_front_plot_and_pick(pareto):
+    root, uri, first, second = pareto
+    client = MlflowClient(uri)
+    run = client.get_run(second.parent_run_id)
+    names = {a.path for a in client.list_artifacts(second.parent_run_id)}
+    assert {"trials.csv", "trials.md", "pareto.csv", "feasible.csv", "pick.json", "plots"} <= names
+    assert "plots/loss_vs_clip_ratio.png" in {a.path for a in client.list_artifacts(second.parent_run_id, "plots")}
+    table = pd.read_csv(Path(client.download_artifacts(second.parent_run_id, "trials.csv")))
+    assert len(table) == 5 and set(table["dtype"]) == {"fp16", "bf16"}
+    pick = S.pick_trial(table, second.band)  # the logged pick is the rule applied to the logged table
+    assert pick == second.pick
+    assert run.data.tags["pick_dtype"] == pick.dtype and run.data.params["pick_trial"] == str(pick.trial)
+    assert run.data.metrics["pick_max_norm"] == pytest.approx(pick.max_norm)
+    assert run.data.tags["pick_rule"] == pick.rule
+    front = table[table["pareto"]]
+    done = table[table["state"] == "COMPLETE"]
+    for _, p in front.iterrows():  # nothing strictly dominates a front point
+        assert not ((done["eval_loss"] <= p["eval_loss"]) & (done["clip_ratio"] <= p["clip_ratio"])
+                    & ((done["eval_loss"] < p["eval_loss"]) | (done["clip_ratio"] < p["clip_ratio"]))).any()
+
+
+def test_report_command_reads_the_sweep(pareto, tmp_path, capsys):
+    root, uri, first, second = pareto
+    out = tmp_path / "report.md"
+    assert report_main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"Study {second.study_name}" in printed and "pick: trial" in printed
+    md = out.read_text()
+    assert f"Study `{second.study_name}`" in md and f"pick: trial {second.pick.trial}" in md
+
+
+# ---------------------------------------------------------------- constrained: constraints, pruning, failures, anchor
+
+class PruneFromTrial(optuna.pruners.BasePruner):
+    """Prunes every trial numbered >= ``first`` once it has reported (deterministic)."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+
+    def prune(self, study, trial) -> bool:
+        return trial.number >= self.first and trial.last_step is not None
+
+
+def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    real_run_training = S.run_training
+
+    def flaky(cfg, *args, on_step=None, **kwargs):  # trial 2 raises mid-run
+        def hook(log):
+            if on_step is not None:
+                on_step(log)
+            if "trial-2-" in kwargs["run_name"] and log.step == 3:
+                raise RuntimeError("injected failure")
+        return real_run_training(cfg, *args, on_step=hook, **kwargs)
+
+    monkeypatch.setattr(S, "run_training", flaky)
+    monkeypatch.setattr(S, "_pruner", lambda cfg: PruneFromTrial(3))
+    cfg = sweep_cfg(uri, "study=constrained", "study.n_trials=4", "study.anchor=window", "calibrate.window=6",
+                    "study.report_every=2")
+    result = app.run(cfg, ["+experiment=sweep"])
+    study = optuna_study(result, tmp_path)
+    states = [t.state.name for t in study.get_trials()]
+    assert states == ["COMPLETE", "COMPLETE", "FAIL", "PRUNED"]
+    assert len(study.directions) == 1
+    anchor = study.user_attrs["anchor"]
+    lo, hi = S.max_norm_range(cfg, {k: anchor[k] for k in S.QUANTILE_KEYS})
+    for t in study.get_trials():
+        assert lo <= t.params["max_norm"] <= hi
+    for t in study.get_trials()[:2]:  # the enqueued trial of each dtype sits at the window's p95
+        assert t.params["max_norm"] == pytest.approx(anchor["p95"])
+        c = t.user_attrs["clip_ratio"]
+        assert t.constraints == {"clip_ratio_low": pytest.approx(cfg.study.target_clip_low - c),
+                                 "clip_ratio_high": pytest.approx(c - cfg.study.target_clip_high)}
+    assert {t.params["dtype"] for t in study.get_trials()[:2]} == {"fp16", "bf16"}
+    pruned = study.get_trials()[3]
+    assert pruned.intermediate_values and pruned.user_attrs["steps_run"] == 2  # first report, then pruned
+    # steps accounting: what ran vs the same 4 trials unpruned
+    assert result.steps_run == STEPS + STEPS + 3 + 2 and result.steps_budget == 4 * STEPS
+    assert result.steps_saved == result.steps_budget - result.steps_run and result.pruned == 1
+    client = MlflowClient(uri)
+    kids = {k.data.tags.get("trial", k.data.tags["sweep_role"]): k for k in children(client, result.parent_run_id)}
+    assert kids["anchor"].info.status == "FINISHED"
+    assert kids["2"].info.status == "FAILED" and "injected failure" in kids["2"].data.tags["error"]
+    assert kids["3"].info.status == "KILLED" and kids["3"].data.tags["pruned"] == "true"
+    for n in ("2", "3"):  # stopped trials keep their CSV and partial figures
+        assert "steps.csv" in {a.path for a in client.list_artifacts(kids[n].info.run_id)}
+        assert {"clip_ratio", "final_loss"} <= set(kids[n].data.metrics)
+    assert client.get_run(result.parent_run_id).info.status == "FINISHED"
+    assert result.pick is not None and result.pick.trial in (0, 1)
+
+    # a calibrate run's id anchors a new study the same way as its window
+    fresh = optuna.create_study()
+    q = S.resolve_anchor(sweep_cfg(uri, f"study.anchor={kids['anchor'].info.run_id}"), fresh, client,
+                         kids["anchor"].info.experiment_id, result.parent_run_id, {}, print)
+    assert q == pytest.approx({k: anchor[k] for k in S.QUANTILE_KEYS})
+
+
+def test_pruner_only_for_constrained():
+    cfg = compose_cfg("+experiment=sweep", "study=constrained", "steps=100")
+    p = S._pruner(cfg)
+    assert isinstance(p, optuna.pruners.MedianPruner) and p._n_warmup_steps == 30
+    assert isinstance(S._pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
+    assert isinstance(S._pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
+                      optuna.pruners.NopPruner)
+
+
+# ---------------------------------------------------------------- the pick rule (pure)
+
+def table(*rows) -> pd.DataFrame:
+    cols = ["trial", "state", "dtype", "max_norm", "eval_loss", "clip_ratio"]
+    return pd.DataFrame([dict(zip(cols, r)) for r in rows], columns=cols)
+
+
+NAN = math.nan
+HAND = table(
+    (0, "COMPLETE", "bf16", 0.5, 2.0, 0.9),
+    (1, "COMPLETE", "fp16", 1.0, 2.2, 0.15),
+    (2, "COMPLETE", "bf16", 1.5, 2.1, 0.05),
+    (3, "PRUNED", "bf16", 2.0, 1.0, 0.1),  # better, in band, but pruned: never picked
+    (4, "FAIL", "fp16", 3.0, NAN, NAN),
+    (5, "COMPLETE", "bf16", 9.0, 1.9, 0.0),  # lowest loss, but below the band
+    (6, "COMPLETE", "fp16", 4.0, NAN, 0.1),  # non-finite eval loss: not a candidate
+)
+
+
+def test_pick_lowest_eval_loss_in_band():
+    p = S.pick_trial(HAND, (0.01, 0.2))
+    assert (p.trial, p.dtype, p.max_norm, p.rule) == (2, "bf16", 1.5, "in-band-min-loss")
+
+
+def test_pick_falls_back_to_nearest_band_then_none():
+    p = S.pick_trial(HAND[HAND["trial"].isin([0, 3, 4, 5])], (0.01, 0.2))
+    assert (p.trial, p.rule) == (5, "nearest-band")  # |0.0 - 0.01| < |0.9 - 0.2|
+    p = S.pick_trial(HAND[HAND["trial"].isin([0, 5])], (0.5, 0.6))
+    assert (p.trial, p.rule) == (0, "nearest-band")  # 0.3 away beats 0.5 away
+    assert S.pick_trial(HAND[HAND["state"] != "COMPLETE"], (0.01, 0.2)) is None
+    assert S.pick_trial(HAND.iloc[:0], (0.01, 0.2)) is None
+
+
+def test_pick_ties_prefer_less_clipping_then_earlier_trial():
+    t = table((0, "COMPLETE", "fp16", 1.0, 2.0, 0.15), (1, "COMPLETE", "bf16", 2.0, 2.0, 0.05),
+              (2, "COMPLETE", "fp16", 3.0, 2.0, 0.05))
+    assert S.pick_trial(t, (0.0, 0.2)).trial == 1
+
+
+def test_pareto_mask_is_the_non_dominated_set():
+    assert S.pareto_mask([1.0, 2.0, 3.0, 1.5, 1.0], [0.5, 0.1, 0.0, 0.6, 0.5]) == [True, True, True, False, True]
+
+
+# ---------------------------------------------------------------- storage, names, validation
+
+def test_default_storage_sits_beside_the_tracking_store():
+    assert S.default_storage("sqlite:///some/dir/mlflow.db") == "sqlite:///some/dir/optuna.db"
+    assert S.default_storage("sqlite:////abs/dir/mlflow.db") == "sqlite:////abs/dir/optuna.db"
+    assert S.default_storage("http://127.0.0.1:5000") == "sqlite:///mlruns/optuna.db"
+
+
+@pytest.mark.parametrize("url,message", [
+    ("notaurl", "study.storage='notaurl' is not a database URL"),
+    ("postgresql://u:hunter2@db:notaport/x", "study.storage='postgresql://u:***@db:notaport/x' is not a database URL"),
+    ("redis://localhost/0", "scheme 'redis' is not one of sqlite, postgresql, mysql"),
+    ("postgresql://u:hunter2@127.0.0.1:1/optuna", "study.storage='postgresql://u:***@127.0.0.1:1/optuna' cannot be opened"),
+])
+def test_bad_storage_is_one_line_without_password(url, message):
+    with pytest.raises(UserError) as e:
+        S.open_storage(url)
+    text = str(e.value)
+    assert message in text and "\n" not in text and "hunter2" not in text
+
+
+def test_malformed_storage_url_exits_2_from_the_cli(tmp_path):
+    res = run_cli("+experiment=sweep", "study.storage=notaurl", "progress=false", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: study.storage='notaurl' is not a database URL") and "Traceback" not in res.stderr
+
+
+def test_study_name_is_stable_and_follows_the_task():
+    base = S.study_name(compose_cfg("+experiment=sweep"))
+    assert base == S.study_name(compose_cfg("+experiment=sweep", "study.n_trials=20", "study.storage=sqlite:///x.db"))
+    assert base.startswith("gpt-stdlib-pareto-")
+    assert base != S.study_name(compose_cfg("+experiment=sweep", "steps=20"))
+    assert base != S.study_name(compose_cfg("+experiment=sweep", "model.d_model=32", "model.n_head=2"))
+    assert S.study_name(compose_cfg("+experiment=sweep", "study.name=mine")) == "mine"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["study.mode=grid"], "study.mode='grid' is not one of pareto, constrained"),
+    (["study.n_trials=1"], "study.n_trials=1 must be >= 2"),
+    (["study.dtypes=[fp8]"], "study.dtypes=['fp8'] must be distinct values of"),
+    (["study.max_norm_low=5", "study.max_norm_high=1"], "must satisfy 0 < low < high"),
+    (["study.anchor=latest"], "study.anchor='latest' is not 'window' or an MLflow run id"),
+    (["study.target_clip_low=0.5", "study.target_clip_high=0.1"], "must satisfy 0 <= low <= high <= 1"),
+    (["clip=none"], "clip=none: the sweep tunes the global-norm threshold"),
+])
+def test_study_checks_name_the_value(overrides, message):
+    with pytest.raises(UserError) as e:
+        S.validate_study(compose_cfg("+experiment=sweep", *overrides))
+    assert message in str(e.value)
+
+
+def test_unknown_study_key_is_rejected():
+    with pytest.raises(Exception, match="study.n_trails"):
+        compose_cfg("+experiment=sweep", "study.n_trails=3")
