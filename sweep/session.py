@@ -188,6 +188,7 @@ def run_training(
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn, first)
         records = RunRecords()
+        eval_dtype = state.autocast_dtype if cfg.amp.dtype != "fp32" else None
         if ckpt is not None:
             state.load_state_dict(ckpt["engine"])
             torch.set_rng_state(ckpt["rng"])
@@ -203,6 +204,8 @@ def run_training(
             if summary is not None:
                 state.clip = GlobalNormClip(summary.recommended_max_norm)
                 tracker.log_metrics(_window_metrics(summary, schedule.summaries[0]), step=log.step)
+            if cfg.eval_every and log.step % cfg.eval_every == 0 and log.step != cfg.steps:
+                tracker.log_metrics({"eval_loss": evaluate(task, dtype=eval_dtype)}, step=log.step)
             if on_step is not None:
                 on_step(log)
 
@@ -228,7 +231,7 @@ def run_training(
                 status = "KILLED"
                 raise
         metrics = summary_metrics(cfg, records, schedule.summaries, calibrate)
-        metrics["eval_loss"] = evaluate(task, dtype=state.autocast_dtype if cfg.amp.dtype != "fp32" else None)
+        metrics["eval_loss"] = evaluate(task, dtype=eval_dtype)
         tracker.log_metrics(metrics, step=cfg.steps)
         result = RunResult(tracker.run_id, csv_path, metrics, schedule.summaries, records)
         write_artifacts(cfg, tracker, result)

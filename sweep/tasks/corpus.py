@@ -81,7 +81,7 @@ def stdlib_corpus(max_files: int) -> Corpus:
         except OSError:
             continue
         if len(data) >= 2:
-            docs.append((rel, rel.split("/")[0] if "/" in rel else "<toplevel>", data))
+            docs.append((rel, rel.split("/")[0] if "/" in rel else rel[:-3], data))  # package or module
     return Corpus.from_docs(sorted(docs))
 
 

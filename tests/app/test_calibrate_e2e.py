@@ -94,3 +94,19 @@ def test_train_smoke_each_task(store, model, data):
                       f"tracking.uri={store}")
     result = app.run(cfg)
     assert len(pd.read_csv(result.csv_path)) == 4
+
+
+def test_repeated_windows_report_drift(store):
+    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=30", "calibrate.window=5", "calibrate.every=10",
+                      "eval_every=10", f"tracking.uri={store}")
+    result = app.run(cfg)
+    assert [(w.start_step, w.end_step) for w in result.windows] == [(1, 5), (11, 15), (21, 25)]
+    client = MlflowClient(store)
+    drift = client.get_metric_history(result.run_id, "window_drift")
+    assert sorted(h.step for h in drift) == [5, 15, 25] and drift[0].value == pytest.approx(1.0)
+    taus = [w.recommended_max_norm for w in result.windows]
+    assert result.metrics["drift"] == pytest.approx(taus[-1] / taus[0])
+    df = pd.read_csv(result.csv_path)
+    assert df.loc[df["step"].between(16, 20), "max_norm"].eq(taus[1]).all()  # each window's τ is adopted
+    assert sorted(h.step for h in client.get_metric_history(result.run_id, "eval_loss")) == [10, 20, 30]
+    assert "Drift across windows" in (Path(result.csv_path).parent / "report.md").read_text()
