@@ -6,7 +6,7 @@ Depends on torch only. See ``AmpTrainState`` for the step, ``clip_global_l2_norm
 from .calibration import CalibrationSummary, NormCalibrator
 from .clipping import CLIP_MODES, ClipPolicy, GlobalNormClip, NoClip, clip_mode_options, make_clip_policy
 from .diagnosis import Finding, diagnose, format_findings
-from .dpsgd import dp_sgd_grads
+from .dpsgd import DPSGDClip, dp_sgd_grads
 from .forensics import FORENSICS_COLUMNS, StepForensics
 from .policies import (AdaptiveGradClip, PerGroupClip, QuantileClip, StagedNormClip, UpdateNormClip, ValueClip,
                        ZScoreClip)
@@ -18,7 +18,7 @@ from .scaling import HysteresisScaler, LossScaleFloorWarning, LossScaler
 from .state import DTYPES, AmpTrainState, parse_dtype
 
 __all__ = [
-    "AdaptiveGradClip", "CalibrationSummary", "FORENSICS_COLUMNS", "Finding", "HysteresisScaler",
+    "AdaptiveGradClip", "CalibrationSummary", "DPSGDClip", "FORENSICS_COLUMNS", "Finding", "HysteresisScaler",
     "LossScaleFloorWarning", "NormCalibrator", "PerGroupClip", "QuantileClip", "StagedNormClip", "StepForensics",
     "UpdateNormClip", "ValueClip", "ZScoreClip", "clip_mode_options", "diagnose", "dp_sgd_grads", "format_findings",
     "AmpTrainState", "CANONICAL_COLUMNS", "CLIP_MODES", "ClipPolicy", "ClipRatioMonitor", "DTYPES",

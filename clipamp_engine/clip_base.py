@@ -33,6 +33,12 @@ class ClipPolicy:
     """
 
     mode = "base"
+    #: True for policies that produce the gradients themselves from per-example gradients
+    #: (DP-SGD): the step then calls ``backward(model, loss_fn, inputs, targets)`` instead of
+    #: ``loss.backward()``.
+    per_sample = False
+    #: The extra record columns ``after_step`` returns.
+    columns: tuple[str, ...] = ()
 
     def clip_(self, params: list[torch.Tensor], grads: list[torch.Tensor], pre: torch.Tensor,
               step: int) -> torch.Tensor:

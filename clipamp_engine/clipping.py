@@ -16,6 +16,7 @@ mode           what is bounded                                                 s
 ``update``     the optimizer's data update Δθ (decoupled weight decay apart)   none
 ``quantile``   global norm at a quantile of recent norms (AutoClip)            history
 ``zscore``     global norm at an EMA z-score rule (ZClip)                      EMA μ, σ²
+``dpsgd``      every example's gradient norm, plus Gaussian noise (DP-SGD)     noise RNG
 =============  ==============================================================  ==========
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from .clip_base import ClipPolicy, NamedParams, scale_
+from .dpsgd import DPSGDClip
 from .norms import clip_coefficient
 from .policies import (AdaptiveGradClip, PerGroupClip, QuantileClip, StagedNormClip, UpdateNormClip, ValueClip,
                        ZScoreClip)
@@ -73,6 +75,7 @@ CLIP_MODES: dict[str, type[ClipPolicy]] = {
     "update": UpdateNormClip,
     "quantile": QuantileClip,
     "zscore": ZScoreClip,
+    "dpsgd": DPSGDClip,
 }
 
 #: Constructor arguments that are run-time objects, not config options: passed by the caller

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .clip_base import EPS
+from .clip_base import EPS, ClipPolicy
 
-__all__ = ["dp_sgd_grads"]
+__all__ = ["DPSGDClip", "dp_sgd_grads"]
 
 
 def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], inputs: torch.Tensor,
@@ -114,3 +114,52 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.
     stats = torch.stack([clipped.float().mean(), sample_norm.mean(), sample_norm.max()]).tolist()  # sync: the stats
     return {"batch_size": batch, "clip_fraction": stats[0], "mean_sample_norm": stats[1],
             "max_sample_norm": stats[2], "noise_std": noise_std}
+
+
+class DPSGDClip(ClipPolicy):
+    """``clip=dpsgd``: per-example clipping to ``max_norm`` plus Gaussian noise (σ = ``noise_multiplier``).
+
+    The step computes gradients with ``dp_sgd_grads`` instead of ``loss.backward()``; ``clip_``
+    then has nothing left to do. Needs ``accumulation_steps=1`` and bf16/fp32 (the per-example
+    gradients are not loss-scaled). Privacy accounting is out of scope (see the module docstring).
+    A ``(loss_sum, token_count)`` loss is taken per example as its token mean.
+    """
+
+    mode = "dpsgd"
+    per_sample = True
+    columns = ("dp_clip_fraction",)
+
+    def __init__(self, max_norm: float = 1.0, noise_multiplier: float = 1.0, per_layer: bool = False,
+                 seed: int = 0) -> None:
+        if not max_norm > 0 or noise_multiplier < 0:
+            raise ValueError(f"max_norm={max_norm!r} must be > 0 and noise_multiplier={noise_multiplier!r} >= 0")
+        self.max_norm, self.noise_multiplier, self.per_layer = float(max_norm), float(noise_multiplier), per_layer
+        self.generator = torch.Generator().manual_seed(seed)
+        self.last_stats: dict[str, float] = {}
+
+    def backward(self, model: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        def example_loss(output, target):
+            result = loss_fn(output, target)
+            return result[0] / result[1] if isinstance(result, tuple) else result
+
+        gen = self.generator if next(model.parameters()).device.type == "cpu" else None
+        self.last_stats = dp_sgd_grads(model, example_loss, inputs, targets, max_norm=self.max_norm,
+                                       noise_multiplier=self.noise_multiplier, per_layer=self.per_layer,
+                                       generator=gen)
+
+    def clip_(self, params, grads, pre, step):
+        return pre
+
+    @property
+    def threshold(self) -> float:
+        return self.max_norm
+
+    def after_step(self, params, optimizer) -> dict[str, Any]:
+        return {"dp_clip_fraction": self.last_stats.get("clip_fraction", math.nan)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            self.generator.set_state(state["generator"])

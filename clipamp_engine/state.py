@@ -134,6 +134,9 @@ class AmpTrainState:
             raise ValueError("scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
+        if self.clip.per_sample and (accumulation_steps != 1 or dtype == "fp16"):
+            raise ValueError(f"clip mode {self.clip.mode!r} computes per-example gradients: it needs "
+                             f"accumulation_steps=1 and dtype bf16 or fp32 (got {accumulation_steps}, {dtype!r})")
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.scaler = scaler if scaler is not None else LossScaler(
@@ -176,8 +179,9 @@ class AmpTrainState:
         micro = zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
         total = _batch_size(inputs)
         loss_acc = tokens = ref = None
+        per_sample = self.clip.per_sample  # DP-SGD: gradients from clipped per-example gradients
         for x, y in micro:
-            with self.autocast():
+            with self.autocast(), torch.set_grad_enabled(not per_sample):
                 result = self.loss_fn(self.model(x), y)
             if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
                 loss_sum, count = result[0].float(), result[1]
@@ -192,7 +196,10 @@ class AmpTrainState:
             if not bool(torch.isfinite(loss)):  # sync: a non-finite loss never reaches backward
                 self.scaler.back_off()
                 return self._skip("nonfinite_loss", lr, scale, loss_acc, tokens)
-            self.scaler.scale(loss).backward()
+            if per_sample:
+                self.clip.backward(self.model, self.loss_fn, x, y)
+            else:
+                self.scaler.scale(loss).backward()
 
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.params if p.grad is not None]

@@ -91,6 +91,9 @@ class ClipConfig:
     z_thresh: Optional[float] = None  # zscore
     warmup_steps: Optional[int] = None  # zscore
     clip_option: Optional[str] = None  # zscore: adaptive_scaling | mean
+    noise_multiplier: Optional[float] = None  # dpsgd: σ
+    per_layer: Optional[bool] = None  # dpsgd: clip each parameter tensor to max_norm
+    seed: Optional[int] = None  # dpsgd: noise RNG seed
 
 
 @dataclass

@@ -178,15 +178,14 @@ def run_training(
         csv_path = tracker.artifact_path("steps.csv")
         announce(f"steps.csv: {csv_path}")
         start = ckpt["step"] if ckpt else 0
-        columns = APP_COLUMNS + forensic_columns(cfg) + (("update_l2_pre_clip", "update_l2_post_clip")
-                                                         if cfg.clip.mode == "update" else ())
-        writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
         schedule = WindowSchedule(cfg, window_ranges(cfg) if calibrate else [])
         first = None  # the configured policy, built with the optimizer
         if schedule.window_of:
             first = GlobalNormClip(cfg.calibrate.cap) if cfg.calibrate.cap else NoClip()
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn, first)
+        columns = APP_COLUMNS + forensic_columns(cfg) + state.clip.columns
+        writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
         records = RunRecords()
         eval_dtype = state.autocast_dtype if cfg.amp.dtype != "fp32" else None
         if ckpt is not None:

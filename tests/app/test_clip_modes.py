@@ -51,3 +51,13 @@ def test_forensic_columns(uri):
     assert (df["update_norm"] > 0).all() and (df["param_norm"] > 0).all()
     assert df["top_grad_params"].str.count(";").eq(1).all()
     assert (df["zero_grad_count"] == 0).all()
+
+
+def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri):
+    cfg = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "clip.noise_multiplier=0.0",
+                      f"tracking.uri={uri}")
+    df = pd.read_csv(app.run(cfg).csv_path)
+    assert df["dp_clip_fraction"].between(0, 1).all()
+    bad = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "amp.dtype=fp16", f"tracking.uri={uri}")
+    with pytest.raises(ValueError, match="needs accumulation_steps=1 and dtype bf16 or fp32"):
+        app.run(bad)

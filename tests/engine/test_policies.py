@@ -437,6 +437,7 @@ MODE_OPTIONS = {
     "norm": {"max_norm": 0.5}, "none": {}, "value": {"clip_value": 0.05}, "staged": {"stages": [[0, 0.5], [2, 0.1]]},
     "per_group": {"max_norms": [0.5, 0.1]}, "agc": {"clip_factor": 0.01}, "update": {"max_update_norm": 1e-3},
     "quantile": {"quantile": 0.5, "history": 10}, "zscore": {"warmup_steps": 2, "z_thresh": 1.0},
+    "dpsgd": {"max_norm": 0.5, "noise_multiplier": 0.0},
 }
 
 
