@@ -3,7 +3,8 @@
     python -m sweep.report [--tracking-uri URI] [--experiment NAME] [--out report.csv]
 
 reads every run of the experiment into pandas and prints, per run: task, dtype, clip mode,
-quantiles, recommended τ, clipping and skip ratios, losses — the table to pick a threshold from.
+quantiles, recommended τ, clipping and skip ratios, losses — the table to pick a threshold from;
+then, per sweep study (``+experiment=sweep``), its trials and the configuration the pick rule chooses.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def _fmt(v: Any) -> str:
 
 
 def ui_command(uri: str, experiment_id: str | None = None) -> str:
-    """The command that opens the store in the MLflow UI, bound to loopback only."""
-    cmd = f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    """How to see the runs in the MLflow UI: a loopback-only ``mlflow ui``, or the server's page."""
+    page = f"#/experiments/{experiment_id}/runs" if experiment_id else "#/experiments"
     if uri.startswith(("http://", "https://")):
-        cmd = f"open {uri}"
-    where = f"  → http://127.0.0.1:5000/#/experiments/{experiment_id}/runs" if experiment_id else ""
-    return cmd + where
+        return f"open {uri.rstrip('/')}/{page}"
+    return (f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+            f"  → http://127.0.0.1:5000/{page}")
 
 
 def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
@@ -152,6 +153,131 @@ def to_markdown(df) -> str:
     return "\n".join([head, sep, *body]) + "\n"
 
 
+# ---------------------------------------------------------------- sweeps (Optuna studies)
+
+SWEEP_COLUMNS = ("trial", "state", "dtype", "max_norm", "eval_loss", "clip_ratio", "skip_ratio", "final_loss",
+                 "steps_run", "in_band", "pareto", "run_id")
+_OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
+
+
+def sweep_markdown(study_name: str, df, pick, *, band: tuple[float, float], mode: str = "",
+                   heading: str = "##") -> str:
+    """One study as markdown: the pick and its rule, then the trials table (Pareto / in-band marked)."""
+    cols = [c for c in SWEEP_COLUMNS if c in df.columns]
+    shown = df[cols].copy()
+    if "run_id" in shown:
+        shown["run_id"] = shown["run_id"].astype(str).str[:8]
+    states = df["state"].value_counts().to_dict() if len(df) else {}
+    lines = [f"{heading} Study `{study_name}`" + (f" ({mode})" if mode else ""), "",
+             f"- trials: {len(df)} (" + ", ".join(f"{v} {k.lower()}" for k, v in states.items()) + ")",
+             f"- target clipping band: [{band[0]:g}, {band[1]:g}]"]
+    if pick is not None:
+        lines += [f"- **pick: trial {pick.trial}: `amp.dtype={pick.dtype} clip.max_norm={pick.max_norm:.4g}`** "
+                  f"(eval loss {_fmt(pick.eval_loss)}, clipping ratio {pick.clip_ratio:.1%})",
+                  f"- rule `{pick.rule}`: {pick.reason}"]
+    else:
+        lines.append("- pick: none (no completed trial yet)")
+    lines += ["", to_markdown(shown) if len(shown) else "no trials", ""]
+    return "\n".join(lines)
+
+
+_SHORT = {"trial": "#", "state": "state", "dtype": "dtype", "max_norm": "τ", "eval_loss": "eval",
+          "clip_ratio": "clip", "skip_ratio": "skip", "final_loss": "train", "steps_run": "steps"}
+
+
+_STATE = {"COMPLETE": "done", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "queued"}
+
+
+def _sweep_table(df, pick, title: str) -> Table:
+    """Compact terminal table; ``marks``: P = on the Pareto front, B = clipping ratio in the band, ★ = pick."""
+    t = Table(title=title, caption="eval: eval loss; train: mean training loss, last 10 steps; "
+                                   "marks: P Pareto front, B clipping ratio in the band, ★ pick")
+    cols = [c for c in _SHORT if c in df.columns]
+    for c in cols:
+        t.add_column(_SHORT[c], justify="left" if c in ("state", "dtype") else "right")
+    t.add_column("marks")
+    for _, row in df.iterrows():
+        cells = []
+        for c in cols:
+            v = row[c]
+            if c in ("clip_ratio", "skip_ratio") and isinstance(v, float) and not math.isnan(v):
+                cells.append(f"{v:.1%}")
+            elif c == "state":
+                cells.append(_STATE.get(str(v), str(v).lower()))
+            else:
+                cells.append(_fmt(v))
+        picked = pick is not None and int(row["trial"]) == pick.trial
+        marks = ("P" if row.get("pareto", False) else "") + ("B" if row.get("in_band", False) else "") \
+            + ("★" if picked else "")
+        t.add_row(*cells, marks, style="bold green" if picked else None)
+    return t
+
+
+def print_sweep_summary(result, *, uri: str, experiment_id: str, console: Console | None = None) -> None:
+    """Terminal: the study's trials, the pick and its rule, pruning accounting, the UI command."""
+    console = console or Console()
+    console.print(_sweep_table(result.trials, result.pick, f"Study {result.study_name} ({result.mode})"))
+    p = result.pick
+    if p is not None:
+        console.print(f"[bold green]Pick: trial {p.trial}: amp.dtype={p.dtype} clip.max_norm={p.max_norm:.4g}[/] "
+                      f"(eval loss {_fmt(p.eval_loss)}, clipping ratio {p.clip_ratio:.1%}); rule {p.rule}: {p.reason}")
+    else:
+        console.print("no completed trial: no pick")
+    console.print(f"this invocation: {result.trials_run} trials ({result.pruned} pruned, {result.failed} failed) in "
+                  f"{result.wall_s:.0f} s; trial-steps run {result.steps_run} of {result.steps_budget} unpruned "
+                  f"(saved {result.steps_saved}, ≈{result.seconds_saved_est:.0f} s; pruning checks "
+                  f"{result.prune_overhead_s:.2f} s)")
+    console.print(f"Optuna study {result.study_name!r} in {result.storage}; MLflow parent run "
+                  f"{result.parent_run_id}: {ui_command(uri, experiment_id)}")
+
+
+def _search_all(client, experiment_id: str, filter_string: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=filter_string, max_results=1000,
+                                  page_token=token, order_by=["attributes.start_time ASC"])
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tuple[float, float], str]]:
+    """Per study found in MLflow: (name, trials DataFrame, pick, band, mode), from its trial child runs.
+
+    The band and mode come from the study's latest parent run; the pick is ``sweep.study.pick_trial``
+    over the trials recorded so far (every invocation, every worker).
+    """
+    import pandas as pd
+
+    from .study import flag_table, pick_trial
+
+    exp = client.get_experiment_by_name(experiment_name)
+    if exp is None:
+        return []
+    parents = {r.data.tags.get("study"): r for r in _search_all(client, exp.experiment_id, "tags.sweep_role = 'parent'")}
+    trials: dict[str, list] = {}
+    for r in _search_all(client, exp.experiment_id, "tags.sweep_role = 'trial'"):
+        t, m = r.data.tags, r.data.metrics
+        outcome = t.get("outcome", "")
+        state = "RUNNING" if r.info.status == "RUNNING" else _OUTCOME_STATE.get(outcome, "FAIL")
+        trials.setdefault(t.get("study", "?"), []).append({
+            "trial": int(t.get("trial", -1)), "state": state, "dtype": t.get("dtype", ""),
+            "max_norm": float(r.data.params.get("clip.max_norm", t.get("max_norm", "nan"))), "eval_loss": m.get("eval_loss", math.nan),
+            "clip_ratio": m.get("clip_ratio", math.nan), "skip_ratio": m.get("skip_ratio", math.nan),
+            "final_loss": m.get("final_loss", math.nan), "steps_run": int(m.get("steps_run", 0) or 0),
+            "run_id": r.info.run_id})
+    out = []
+    for name, rows in trials.items():
+        parent = parents.get(name)
+        p = parent.data.params if parent else {}
+        band = (float(p.get("study.target_clip_low", 0.0)), float(p.get("study.target_clip_high", 1.0)))
+        df = pd.DataFrame(rows).sort_values("trial").drop_duplicates("trial", keep="last").reset_index(drop=True)
+        df = flag_table(df, band)
+        out.append((name, df, pick_trial(df, band), band, p.get("study.mode", "")))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from .tracking import open_client, resolve_uri
 
@@ -162,19 +288,33 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         uri = resolve_uri(args.tracking_uri)
-        df = runs_table(open_client(uri), args.experiment)
+        client = open_client(uri)
+        df = runs_table(client, args.experiment)
+        sweeps = sweeps_tables(client, args.experiment)
     except UserError as e:
         fail(str(e))
     import pandas as pd
 
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4g}".format):
         print(df.to_string(index=False) if not df.empty else "no runs yet")
+    console = Console(soft_wrap=True)
+    for name, sdf, pick, band, mode in sweeps:
+        console.print(_sweep_table(sdf, pick, f"Study {name}" + (f" ({mode})" if mode else "")))
+        console.print(f"band [{band[0]:g}, {band[1]:g}]; " + (
+            f"[bold green]pick: trial {pick.trial}: amp.dtype={pick.dtype} clip.max_norm={pick.max_norm:.4g}[/] "
+            f"({pick.rule}: {pick.reason})" if pick else "no completed trial: no pick"))
     if args.out:
         if args.out.endswith(".md"):
             with open(args.out, "w") as f:
                 f.write(to_markdown(df))
+                for name, sdf, pick, band, mode in sweeps:
+                    f.write("\n" + sweep_markdown(name, sdf, pick, band=band, mode=mode))
         else:
             df.to_csv(args.out, index=False)
+            if sweeps:
+                stem = args.out[:-4] if args.out.endswith(".csv") else args.out
+                pd.concat([sdf.assign(study=name) for name, sdf, *_ in sweeps]).to_csv(f"{stem}.sweeps.csv", index=False)
+                print(f"saved {stem}.sweeps.csv")
         print(f"saved {args.out}")
     return 0
 

@@ -1,0 +1,63 @@
+"""A real `mlflow server` (sqlite backend, served artifacts) on 127.0.0.1 as the tracking store."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from sweep import app
+from sweep.report import ui_command
+
+from .conftest import TINY, compose_cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    mlflow = Path(sys.executable).with_name("mlflow")
+    proc = subprocess.Popen([str(mlflow), "server", "--backend-store-uri", f"sqlite:///{root}/db.sqlite",
+                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(uri + "/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server did not start within 120 s")
+        yield uri, root
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_run_tracked_on_a_server_uploads_its_artifacts(server):
+    uri, root = server
+    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=8", "calibrate.window=4", f"tracking.uri={uri}")
+    result = app.run(cfg)
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and "recommended_max_norm" in run.data.metrics
+    names = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"steps.csv", "report.md", "quantiles.json"} <= names
+    stored = list((root / "artifacts").rglob("steps.csv"))
+    assert len(stored) == 1 and stored[0].read_text().count("\n") == 9  # header + 8 steps
+    assert ui_command(uri, run.info.experiment_id) == f"open {uri}/#/experiments/{run.info.experiment_id}/runs"
