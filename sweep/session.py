@@ -70,7 +70,8 @@ def window_ranges(cfg: Config) -> list[range]:
     """Calibration windows as 1-based step ranges: the first at step 1, then every ``every`` steps."""
     c = cfg.calibrate
     starts = [1] + (list(range(1 + c.every, cfg.steps + 1, c.every)) if c.every else [])
-    return [range(s, min(s + c.window, cfg.steps + 1)) for s in starts if s + 1 < min(s + c.window, cfg.steps + 1)]
+    windows = [range(s, min(s + c.window, cfg.steps + 1)) for s in starts]
+    return [w for w in windows if len(w) >= 2]  # a window cut short by the end of the run needs 2 steps
 
 
 def _config_dict(cfg: Config) -> dict[str, Any]:
@@ -96,7 +97,10 @@ class WindowSchedule:
         cal.add(log)
         if log.step != w[-1]:
             return None
-        summary = cal.summary()
+        try:
+            summary = cal.summary()
+        except ValueError as e:  # every step of the window was skipped
+            raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None
         self.summaries.append(summary)
         return summary
 
