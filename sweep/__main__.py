@@ -54,12 +54,17 @@ def main(cfg: DictConfig) -> None:
     except UserError as e:
         fail(_one_line(e))
     except RunInterrupted as e:
-        print(f"interrupted ({e}): checkpoint written, run ended KILLED, steps.csv keeps every "
-              f"completed step; continue with the same command plus resume=true", file=sys.stderr)
+        if cfg.get("run") == "sweep":
+            print(f"interrupted ({e}): the trial ended KILLED; re-run the same command to resume the study",
+                  file=sys.stderr)
+        else:
+            print(f"interrupted ({e}): checkpoint written, run ended KILLED, steps.csv keeps every "
+                  f"completed step; continue with the same command plus resume=true", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:
-        print("interrupted mid-step: run ended KILLED, steps.csv keeps every completed step; "
-              "resume=true continues from the last periodic checkpoint", file=sys.stderr)
+        print("interrupted: run ended KILLED, steps.csv keeps every completed step; "
+              + ("re-run the same command to resume the study" if cfg.get("run") == "sweep"
+                 else "resume=true continues from the last checkpoint"), file=sys.stderr)
         sys.exit(130)
 
 

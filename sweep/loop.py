@@ -42,6 +42,12 @@ class RunRecords:
         return sum(losses) / len(losses) if losses else math.nan
 
 
+class StopRun(Exception):
+    """Raised from an ``on_step`` callback to end a run early on purpose (e.g. a pruned trial)."""
+
+    status = "KILLED"
+
+
 class RunInterrupted(KeyboardInterrupt):
     """The loop stopped at a step boundary on SIGINT/SIGTERM (after writing a checkpoint)."""
 

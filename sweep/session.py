@@ -25,7 +25,7 @@ from .config import Config
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from .errors import UserError
 from .faults import FaultInjector
-from .loop import APP_COLUMNS, RunRecords, StopRequest, run_steps
+from .loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
 from .tasks.build import Task, build_task, evaluate
 from .tracking import RunTracker, redact_text, sqlite_path
 from .training import build_state, forensic_columns
@@ -232,6 +232,9 @@ def run_training(
                           checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every)
             except KeyboardInterrupt:
                 status = "KILLED"
+                raise
+            except StopRun as e:
+                status = e.status
                 raise
         metrics = summary_metrics(cfg, records, schedule.summaries, calibrate)
         metrics["eval_loss"] = evaluate(task, dtype=eval_dtype)

@@ -9,6 +9,7 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from sweep import app, study as S
@@ -40,8 +41,11 @@ def optuna_study(result: S.SweepResult, root: Path) -> optuna.Study:
 def pareto(tmp_path_factory):
     root = tmp_path_factory.mktemp("pareto")
     uri = f"sqlite:///{root}/mlruns/mlflow.db"
-    first = app.run(sweep_cfg(uri, "study=pareto", "study.n_trials=3"), ["+experiment=sweep"])
-    second = app.run(sweep_cfg(uri, "study=pareto", "study.n_trials=2"), ["+experiment=sweep"])
+    plain = ("study=pareto", "study.anchor=null")  # log-uniform [max_norm_low, max_norm_high]
+    threads = torch.get_num_threads()
+    first = app.run(sweep_cfg(uri, *plain, "study.n_trials=3", "study.threads=1"), ["+experiment=sweep"])
+    assert torch.get_num_threads() == threads  # study.threads applies to the trials only
+    second = app.run(sweep_cfg(uri, *plain, "study.n_trials=2"), ["+experiment=sweep"])
     return root, uri, first, second
 
 
@@ -58,7 +62,9 @@ def test_pareto_study_holds_every_trial_of_both_invocations(pareto):
     for t in trials:
         assert t.values == [pytest.approx(t.user_attrs["eval_loss"]), pytest.approx(t.user_attrs["clip_ratio"])]
         assert S.default_storage(uri) == f"sqlite:///{root}/mlruns/optuna.db"
-    assert len(second.trials) == 5 and second.trials_run == 2
+    assert len(second.trials) == 5 and second.trials_run == 2 and second.anchor is None
+    lo, hi = S.max_norm_range(compose_cfg("+experiment=sweep", "study.anchor=null"), None)
+    assert all(lo <= t.params["max_norm"] <= hi for t in trials)
     assert second.steps_run == second.steps_budget == 2 * STEPS  # pareto cannot prune
 
 
@@ -161,6 +167,7 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
     client = MlflowClient(uri)
     kids = {k.data.tags.get("trial", k.data.tags["sweep_role"]): k for k in children(client, result.parent_run_id)}
     assert kids["anchor"].info.status == "FINISHED"
+    assert {"clip_ratio", "final_loss", "grad_norm_p95"} <= set(kids["anchor"].data.metrics)
     assert kids["2"].info.status == "FAILED" and "injected failure" in kids["2"].data.tags["error"]
     assert kids["3"].info.status == "KILLED" and kids["3"].data.tags["pruned"] == "true"
     for n in ("2", "3"):  # stopped trials keep their CSV and partial figures
@@ -183,6 +190,30 @@ def test_pruner_only_for_constrained():
     assert isinstance(S._pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
     assert isinstance(S._pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
                       optuna.pruners.NopPruner)
+
+
+def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
+    W, FAIL = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.FAIL
+    study = optuna.create_study(directions=["minimize", "minimize"])
+    anchor = {"p50": 1.0, "p90": 2.0, "p95": 2.5, "p99": 3.0}
+
+    def queued():
+        return sorted((t.system_attrs["fixed_params"]["dtype"], t.system_attrs["fixed_params"].get("max_norm"))
+                      for t in study.get_trials() if t.state == W)
+
+    S.enqueue_dtypes(study, ["fp16", "bf16"], anchor)
+    assert queued() == [("bf16", 2.5), ("fp16", 2.5)]
+    t = study.ask()  # interrupted while training: FAIL, so fp16 at p95 is still to be evaluated
+    assert (t.suggest_categorical("dtype", ["fp16", "bf16"]), t.suggest_float("max_norm", 0.5, 6, log=True)) == ("fp16", 2.5)
+    study.tell(t, state=FAIL)
+    S.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # bf16 is still queued: not queued twice
+    assert queued() == [("bf16", 2.5), ("fp16", 2.5)]
+    for _ in range(2):
+        t = study.ask()
+        t.suggest_categorical("dtype", ["fp16", "bf16"])
+        study.tell(t, [1.0, t.suggest_float("max_norm", 0.5, 6, log=True)])
+    S.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # p95 evaluated for both: only the dtype is fixed
+    assert queued() == [("bf16", None), ("fp16", None)]
 
 
 # ---------------------------------------------------------------- the pick rule (pure)
@@ -283,3 +314,45 @@ def test_study_checks_name_the_value(overrides, message):
 def test_unknown_study_key_is_rejected():
     with pytest.raises(Exception, match="study.n_trails"):
         compose_cfg("+experiment=sweep", "study.n_trails=3")
+
+
+# ---------------------------------------------------------------- a worker killed mid-trial
+
+def test_worker_killed_mid_trial_is_failed_retried_and_its_run_killed(tmp_path, store):
+    """SIGKILL a sweep mid-trial: the next invocation FAILs the silent trial (heartbeat), re-runs its
+    parameters, marks its child run KILLED; no trial stays RUNNING and none is lost."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["+experiment=sweep", *TINY, "study=pareto", "study.anchor=null", "study.n_trials=2",
+            "study.heartbeat_interval=1", "study.grace_period=2", "optim.warmup_steps=2"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    args.append("steps=300")  # the study name follows the budget: both invocations use the same
+    proc = subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(
+            p.stat().st_size > 2000 for p in (tmp_path / "mlruns").rglob("steps.csv")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
+    (name,) = optuna.get_all_study_names(storage)
+    killed = optuna.load_study(study_name=name, storage=storage).trials
+    assert [t.state.name for t in killed] == ["RUNNING", "WAITING"]  # bf16 still enqueued
+    time.sleep(3)  # past the grace period
+    res = run_cli(*args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "lost their worker" in res.stdout
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    states = [t.state.name for t in trials]
+    assert states[0] == "FAIL" and "RUNNING" not in states and states.count("COMPLETE") >= 1
+    retried = [t for t in trials[1:] if t.params == killed[0].params]
+    assert retried and retried[0].state.name == "COMPLETE"  # the lost trial's parameters ran again
+    client = MlflowClient(store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string="tags.trial = '0'")
+    assert [r.info.status for r in runs] == ["KILLED"]
