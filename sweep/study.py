@@ -61,6 +61,12 @@ from .session import flatten, run_training
 from .tracking import RunTracker, redact, redact_text, sqlite_path
 
 
+# Optuna 5 marks heartbeats experimental and warns when they are used outside Study.optimize; our
+# ask/tell loop records them itself (see _run_trial).
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
 class Pruned(optuna.TrialPruned, StopRun):
     """A pruned trial: Optuna's signal, and its child run ends KILLED."""
 
@@ -217,7 +223,7 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
         return optuna.storages.RDBStorage(
             url, engine_kwargs={"pool_pre_ping": True} if scheme != "sqlite" else None,
             heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
     except Exception as e:
         reason = redact_text(" ".join(str(e).split()))[:200]
         raise UserError(f"study.storage={shown!r} cannot be opened ({type(e).__name__}: {reason}): {fix}") from None
@@ -786,7 +792,6 @@ def run_sweep(cfg: "Config", client, experiment_id: str, *, uri: str, tags: dict
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = load_study(cfg, storage, name)
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     recover_stale_trials(study, client, experiment_id, console.print)
     prior = len(study.trials)
     band = (s.target_clip_low, s.target_clip_high)

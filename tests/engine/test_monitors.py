@@ -30,6 +30,7 @@ def test_warns_once_above_threshold_then_rearms():
     assert not m.alarm
 
 
+@pytest.mark.filterwarnings("ignore::clipamp_engine.SkipRateWarning")
 def test_fail_fast_needs_a_full_window():
     m = SkipRateMonitor(window=1000, fail_window=100, fail_above=0.5)
     for i in range(99):
@@ -38,6 +39,7 @@ def test_fail_fast_needs_a_full_window():
         m.update(True, step=99)
 
 
+@pytest.mark.filterwarnings("ignore::clipamp_engine.SkipRateWarning")
 def test_state_roundtrip():
     m = SkipRateMonitor(window=10, fail_window=5)
     for i in range(23):
