@@ -64,7 +64,7 @@ from clipamp_engine import DTYPES, total_norm
 
 from .config import Config
 from .errors import UserError
-from .session import RunResult, _config_dict, flatten, run_training, window_ranges
+from .session import RunResult, flatten, run_training, window_ranges
 from .tasks.build import Batch, Task, build_task
 from .tracking import RunTracker, redact
 
@@ -124,12 +124,12 @@ class SpikeLoss:
 
 @dataclass
 class Crafted:
-    """The corrupted batch, made once per family inside its reference run."""
+    """The corrupted batch of one policy pair, made inside its unspiked twin at the spike step."""
 
     batch: Batch
     k: float  # loss multiplier
     natural_norm: float  # the blob's gradient norm at k = 1
-    peak: float  # running peak in the reference run
+    peak: float  # running peak in the twin
     target: float  # factor × peak
 
 
@@ -227,8 +227,8 @@ def check_spike_config(cfg: Config) -> None:
     if late:
         raise UserError(f"calibrate.every={cfg.calibrate.every} opens a calibration window at steps "
                         f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would turn "
-                        f"clipping off around the spike: pick calibrate.every so no window starts before "
-                        f"steps={cfg.steps} after the spike (or calibrate.every=0)")
+                        f"clipping off after the spike: use calibrate.every=0, or a larger calibrate.every that "
+                        f"opens no window in steps {s.at_step}–{cfg.steps}")
 
 
 def with_overrides(cfg: Config, overrides: Sequence[str], key: str) -> Config:
@@ -454,8 +454,8 @@ def spike_figure(pairs: dict[str, tuple[Arm, Arm]], fp16: dict[str, tuple[Arm, A
     ax_loss.set_title(f"loss ({cfg.model.name}, {ref.family}): spike = {cfg.spike.factor:g}× the running peak")
     ax_ex.axhspan(-tol * 100, tol * 100, color="green", alpha=0.08, label=f"±{tol:.0%}")
     ax_ex.set_xlim(window[0], window[-1])
-    ax_ex.set_ylabel("loss / unspiked twin − 1 (%)")
-    ax_ex.set_title("per-step loss excess over the unspiked twin (identical batches)")
+    ax_ex.set_ylabel("loss / twin's loss − 1 (%), same batches")
+    ax_ex.set_title("loss excess over the unspiked twin, per step")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("pre-clip ‖g‖  (▼ applied, ··· τ)")
     ax_norm.set_title("global gradient norm (spiked runs)")
@@ -525,7 +525,7 @@ def run_spike(cfg: Config, client, experiment_id: str, *, uri: str, tags: dict[s
                               "data": cfg.data.name, "device": cfg.device})
     status = "FAILED"
     try:
-        parent.log_params(flatten(_config_dict(cfg)))
+        parent.log_params(flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)))
         console.print(f"spike: parent run {parent.run_id}; a corrupted batch at step {s.at_step} with "
                       f"‖g‖ = {s.factor:g} × the peak of the {s.peak_window or s.at_step - 1} steps before it")
         common = dict(parent_run_id=parent.run_id, tags=tags, uri=uri, console=console)
@@ -591,8 +591,10 @@ def summary_line(pairs: dict[str, tuple[Arm, Arm]], cfg: Config) -> str:
     last = max(s.horizons)
 
     def rec(m: dict[str, float]) -> str:
-        return (f"back within {s.recovery_tolerance:.0%} for good after {int(m['recovery_steps'])} step(s)"
-                if m["recovered"] else f"not back within {s.recovery_tolerance:.0%} in {int(m['recovery_steps']) - 1} steps")
+        n, tol = int(m["recovery_steps"]), f"{s.recovery_tolerance:.0%}"
+        if m["recovered"]:
+            return f"back within {tol} for good after {n} step(s)"
+        return f"not back within {tol} in {n - 1} steps"
 
     return "; ".join(f"{p}: {_pct(arm.metrics[f'loss_excess_{last}'])} at +{last}, {rec(arm.metrics)}"
                      for p, (_, arm) in pairs.items())

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 #: The fp16 variant's sizes: fp16 matmuls have no fast CPU kernel (the default GPT takes ~1.7 s a
-#: step in fp16), so it runs a smaller GPT (~37 ms a step). ``amp.growth_interval=20`` lets the
+#: step in fp16), so it runs a smaller GPT (20–40 ms a step). ``amp.growth_interval=20`` lets the
 #: loss scale climb to its ceiling within the run, where a long fp16 run sits (2^17–2^18 here).
 FP16_OVERRIDES = ["model.d_model=32", "model.n_layer=2", "model.n_head=2", "model.block_size=64",
                   "data.batch_size=8", "data.seq_len=64", "amp.growth_interval=20"]
