@@ -223,7 +223,7 @@ class AmpTrainState:
         self.scaler.update()
         names = list(clip_extra)
         values = torch.stack([pre, post, mean_loss.detach(), self._tokens_or_nan(tokens).to(pre.device),
-                              *(torch.as_tensor(clip_extra[k], dtype=torch.float32).to(pre.device) for k in names)]
+                              *(torch.as_tensor(clip_extra[n], dtype=torch.float32).to(pre.device) for n in names)]
                              ).tolist()  # sync: the record
         pre_f, post_f, loss_f, tok_f = values[:4]
         extra = {**dict(zip(names, values[4:])), **extra}
