@@ -16,7 +16,9 @@ from mlflow import MlflowClient
 from .conftest import TINY
 
 ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONUNBUFFERED": "1"}
-RUN = ["+experiment=train", *TINY, "seed=1"]
+# constant LR after warm-up: the cosine schedule's length follows `steps`, which the resumed and the
+# uninterrupted runs set differently (the killed run had steps=100000)
+RUN = ["+experiment=train", *TINY, "seed=1", "optim.schedule=constant", "optim.warmup_steps=5"]
 
 
 def _start(tmp: Path, *args: str) -> tuple[subprocess.Popen, Path]:
