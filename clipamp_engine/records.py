@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +68,3 @@ class SkipLog(StepLog):
     def __post_init__(self) -> None:
         if self.skip_reason not in SKIP_REASONS:
             raise ValueError(f"skip_reason={self.skip_reason!r} is not one of {', '.join(SKIP_REASONS)}")
-
-
-def is_finite_number(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

@@ -42,10 +42,6 @@ class RunResult:
     records: RunRecords = field(default_factory=RunRecords)
     status: str = "FINISHED"
 
-    @property
-    def recommended_max_norm(self) -> float | None:
-        return self.windows[0].recommended_max_norm if self.windows else self.metrics.get("recommended_max_norm")
-
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
