@@ -38,6 +38,10 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _pct(v: float) -> str:
+    return "—" if v is None or math.isnan(v) else f"{v:.1%}"
+
+
 def ui_command(uri: str, experiment_id: str | None = None) -> str:
     """How to see the runs in the MLflow UI: a loopback-only ``mlflow ui``, or the server's page."""
     page = f"#/experiments/{experiment_id}/runs" if experiment_id else "#/experiments"
@@ -52,7 +56,7 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
     m = result.metrics
     lines = [f"# clipamp {cfg.run}: {cfg.model.name} on {cfg.data.name}, {cfg.amp.dtype}", "",
              f"- steps: {cfg.steps}, seed {cfg.seed}, clip: {cfg.clip.mode}",
-             f"- skipped steps: {int(m.get('steps_skipped', 0))} (skip ratio {_fmt(m['skip_ratio'])})",
+             f"- skipped steps: {int(m.get('steps_skipped', 0))} (skip ratio {_pct(m['skip_ratio'])})",
              f"- final training loss (last 10 steps): {_fmt(m['final_loss'])}, eval loss: {_fmt(m.get('eval_loss', math.nan))}",
              ""]
     if result.windows:
@@ -68,7 +72,7 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
             lines.append(f"| {t:.4g} | {r:.1%}{mark} |")
         lines += ["", f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** "
                       f"(τ = Quantile_{w.quantile:g} of the window's finite pre-clip norms).", "",
-                  f"Clipping ratio realised after the window at that τ: {_fmt(m['clip_ratio'])}.", ""]
+                  f"Clipping ratio realised after the window at that τ: {_pct(m['clip_ratio'])}.", ""]
         if len(result.windows) > 1:
             lines += ["## Drift across windows", "", "| window | p50 | p95 | τ | τ / first τ |", "|---|---|---|---|---|"]
             for x in result.windows:
@@ -78,7 +82,7 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
     else:
         lines += ["## Norm quantiles over the run", ""]
         lines += [f"- {k[len('grad_norm_'):]}: {_fmt(v)}" for k, v in m.items() if k.startswith("grad_norm_")]
-        lines += [f"- clipping ratio: {_fmt(m['clip_ratio'])}", ""]
+        lines += [f"- clipping ratio: {_pct(m['clip_ratio'])}", ""]
     findings = _diagnosis(result)
     if findings:
         lines += ["## Norm-pattern diagnosis", "", findings, ""]
@@ -112,9 +116,9 @@ def print_run_summary(result: "RunResult", *, uri: str, experiment_id: str, cons
             c.add_row(_fmt(tau) + (" ←" if tau == w.recommended_max_norm else ""), f"{r:.1%}")
         console.print(c)
         console.print(f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] "
-                      f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {_fmt(m['clip_ratio'])}")
+                      f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {_pct(m['clip_ratio'])}")
     console.print(f"final loss {_fmt(m['final_loss'])}, eval loss {_fmt(m.get('eval_loss', math.nan))}, "
-                  f"skip ratio {_fmt(m['skip_ratio'])}")
+                  f"skip ratio {_pct(m['skip_ratio'])}")
     findings = _diagnosis(result)
     if findings:
         console.print(findings)
