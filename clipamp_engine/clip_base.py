@@ -9,15 +9,14 @@ tensor coalesced (``sparse.mul_`` would clear the flag and make ``values()`` rai
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-#: The epsilon added to a norm before dividing (as in ``torch.nn.utils.clip_grad_norm_``).
-EPS = 1e-6
+from .norms import CLIP_EPS, dense_views, group_indices
+
 
 NamedParams = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -65,51 +64,10 @@ class ClipPolicy:
 
 # -- tensor-list helpers (fused, no host sync) ----------------------------------------------
 
-def dense_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Dense tensors to run foreach kernels on: sparse COO tensors contribute their values.
-
-    The values alias the sparse tensor's storage, so in-place ops on them act on the gradient.
-    """
-    return [t._values() if t.is_sparse else t for t in tensors]
-
-
-def _by_key(tensors: Sequence[torch.Tensor], with_dtype: bool) -> dict[tuple, list[int]]:
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        groups[(t.device, t.dtype) if with_dtype else (t.device,)].append(i)
-    return groups
-
-
-def per_tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of each tensor (sparse: of its values) as one 1-D fp32 tensor, in input order.
-
-    One fused ``_foreach_norm`` per (device, dtype) group; the result lives on the first
-    tensor's device.
-    """
-    views = dense_views(tensors)
-    if not views:
-        return torch.zeros(0, dtype=torch.float32)
-    out: list[torch.Tensor | None] = [None] * len(views)
-    for idx in _by_key(views, with_dtype=True).values():
-        norms = torch._foreach_norm([views[i] for i in idx], norm_type, dtype=torch.float32)
-        for i, n in zip(idx, norms):
-            out[i] = n
-    device = views[0].device
-    return torch.stack([n.to(device) for n in out])  # type: ignore[union-attr]
-
-
-def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -> None:
-    """Multiply every tensor (sparse: its values) in place by one factor (fused, no sync)."""
-    views = dense_views(tensors)
-    for (device,), idx in _by_key(views, with_dtype=False).items():
-        f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
-        torch._foreach_mul_([views[i] for i in idx], f)
-
-
 def scale_each_(tensors: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]) -> None:
     """Multiply tensor i in place by ``factors[i]`` (a tensor broadcastable to it; fused)."""
     views = dense_views(tensors)
-    for (device,), idx in _by_key(views, with_dtype=False).items():
+    for (device,), idx in group_indices(views, with_dtype=False).items():
         torch._foreach_mul_([views[i] for i in idx], [factors[i].to(device) for i in idx])
 
 
@@ -119,7 +77,7 @@ def coefficient_above(norm: torch.Tensor, tau: torch.Tensor | float) -> torch.Te
     Unlike ``clip_coefficient`` (torch's ``min(1, τ/(n+ε))``), a norm at or under τ is left
     bit-for-bit untouched, which the adaptive modes need (τ can equal the norm itself).
     """
-    return torch.where(norm > tau, tau / (norm + EPS), torch.ones_like(norm))
+    return torch.where(norm > tau, tau / (norm + CLIP_EPS), torch.ones_like(norm))
 
 
 # -- naming and optimizer structure ---------------------------------------------------------

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .clip_base import ClipPolicy, NamedParams, scale_
+from .clip_base import ClipPolicy, NamedParams
 from .dpsgd import DPSGDClip
-from .norms import clip_coefficient
+from .norms import clip_coefficient, scale_grads_
 from .policies import (AdaptiveGradClip, PerGroupClip, QuantileClip, StagedNormClip, UpdateNormClip, ValueClip,
                        ZScoreClip)
 
@@ -48,7 +48,7 @@ class GlobalNormClip(ClipPolicy):
 
     def clip_(self, params, grads, pre, step):
         coef = clip_coefficient(pre, self.max_norm)
-        scale_(grads, coef)  # sparse grads: their values, so they stay coalesced
+        scale_grads_(grads, coef)  # sparse grads: their values, so they stay coalesced
         return pre * coef
 
     @property

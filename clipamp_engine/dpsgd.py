@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .clip_base import EPS, ClipPolicy
+from .clip_base import ClipPolicy
+from .norms import CLIP_EPS
 
 __all__ = ["DPSGDClip", "dp_sgd_grads"]
 
@@ -95,11 +96,11 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.
     sample_norm = layer_sq.sum(0).sqrt()  # (B,)
     if per_layer:
         c = torch.tensor(bounds, dtype=torch.float32, device=layer_sq.device).unsqueeze(1)
-        coef = torch.clamp(c / (layer_sq.sqrt() + EPS), max=1.0)  # (L, B)
+        coef = torch.clamp(c / (layer_sq.sqrt() + CLIP_EPS), max=1.0)  # (L, B)
         clipped = (coef < 1).any(0)
         sensitivity = math.sqrt(sum(b * b for b in bounds))
     else:
-        coef_b = torch.clamp(bounds[0] / (sample_norm + EPS), max=1.0)
+        coef_b = torch.clamp(bounds[0] / (sample_norm + CLIP_EPS), max=1.0)
         coef = coef_b.expand(len(grads), batch)
         clipped = coef_b < 1
         sensitivity = bounds[0]

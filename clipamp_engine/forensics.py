@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .clip_base import NamedParams, UpdateProbe, param_names, per_tensor_norms
-from .norms import total_norm
+from .clip_base import NamedParams, UpdateProbe, param_names
+from .norms import per_tensor_norms, total_norm
 
 __all__ = ["FORENSICS_COLUMNS", "StepForensics"]
 

@@ -37,11 +37,38 @@ def grads_of(parameters: Params) -> list[torch.Tensor]:
     return grads
 
 
-def _grouped(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[(g.device, g.dtype)].append(g.values() if g.is_sparse else g)
+def dense_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dense tensors to run foreach kernels on: sparse COO tensors contribute their values.
+
+    The values alias the sparse tensor's storage, so in-place ops on them act on the gradient,
+    and a coalesced tensor stays coalesced (``sparse.mul_`` would clear the flag).
+    """
+    return [t._values() if t.is_sparse else t for t in tensors]
+
+
+def group_indices(tensors: list[torch.Tensor], with_dtype: bool) -> dict[tuple, list[int]]:
+    """Indices of ``tensors`` grouped by device (and dtype): one fused kernel per group."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype) if with_dtype else (t.device,)].append(i)
     return groups
+
+
+def per_tensor_norms(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Norm of each tensor (sparse: of its values) as one 1-D fp32 tensor, in input order.
+
+    One fused ``_foreach_norm`` per (device, dtype) group with fp32 accumulation; the result
+    lives on the first tensor's device.
+    """
+    views = dense_views(tensors)
+    if not views:
+        return torch.zeros(0, dtype=torch.float32)
+    out: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+    for idx in group_indices(views, with_dtype=True).values():
+        for i, n in zip(idx, torch._foreach_norm([views[i] for i in idx], norm_type, dtype=torch.float32)):
+            out[i] = n
+    device = views[0].device
+    return torch.stack([n.to(device) for n in out])
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -52,21 +79,15 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    per_group = []
-    for tensors in _grouped(grads).values():
-        per_group.extend(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
-    device = per_group[0].device
-    stacked = torch.stack([n.to(device) for n in per_group])
-    return torch.linalg.vector_norm(stacked, norm_type)
+    return torch.linalg.vector_norm(per_tensor_norms(grads, norm_type), norm_type)
 
 
-def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every gradient in place by the 0-dim tensor ``factor`` (fused, no sync)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        by_device[g.device].append(g._values() if g.is_sparse else g)  # values: the tensor stays coalesced
-    for device, tensors in by_device.items():
-        torch._foreach_mul_(tensors, factor.to(device))
+def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every gradient (sparse: its values) in place by one factor (fused, no sync)."""
+    views = dense_views(grads)
+    for (device,), idx in group_indices(views, with_dtype=False).items():
+        f = factor.to(device) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_([views[i] for i in idx], f)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:

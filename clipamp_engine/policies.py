@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .clip_base import (EPS, ClipPolicy, NamedParams, UpdateProbe, coefficient_above, compile_patterns, dense_views,
-                        embedding_param_ids, param_names, per_tensor_norms, scale_, scale_each_)
-from .norms import clip_coefficient, total_norm
+from .clip_base import (ClipPolicy, NamedParams, UpdateProbe, coefficient_above, compile_patterns,
+                        embedding_param_ids, param_names, scale_each_)
+from .norms import CLIP_EPS, clip_coefficient, dense_views, per_tensor_norms, scale_grads_, total_norm
 
 __all__ = ["AdaptiveGradClip", "PerGroupClip", "QuantileClip", "StagedNormClip", "UpdateNormClip", "ValueClip",
            "ZScoreClip", "unitwise_norm"]
@@ -116,7 +116,7 @@ class StagedNormClip(ClipPolicy):
     def clip_(self, params, grads, pre, step):
         self._tau = self.max_norm_at(step)
         coef = clip_coefficient(pre, self._tau)
-        scale_(grads, coef)
+        scale_grads_(grads, coef)
         return pre * coef
 
     @property
@@ -304,7 +304,7 @@ class AdaptiveGradClip(ClipPolicy):
         grad_norms = [unitwise_norm(grads[i]) for i in sel]
         torch._foreach_clamp_min_(max_norms, self.eps)
         torch._foreach_mul_(max_norms, self.clip_factor)
-        torch._foreach_clamp_min_(grad_norms, EPS)
+        torch._foreach_clamp_min_(grad_norms, CLIP_EPS)
         coef = torch._foreach_div(max_norms, grad_norms)
         torch._foreach_clamp_max_(coef, 1.0)
         scale_each_([grads[i] for i in sel], coef)
@@ -364,7 +364,7 @@ class UpdateNormClip(ClipPolicy):
         norm = total_norm(neg_u)
         coef = clip_coefficient(norm, self.max_update_norm)
         with torch.no_grad():
-            scale_(neg_u, 1.0 - coef)  # θ_new + (1 − c)(θ_decayed − θ_new) = θ_decayed + c·u
+            scale_grads_(neg_u, 1.0 - coef)  # θ_new + (1 − c)(θ_decayed − θ_new) = θ_decayed + c·u
             torch._foreach_add_([p.detach() for p in self._probe.params], neg_u)
         self.last_update_norm, self.last_update_norm_post = norm, norm * coef
         return {"update_l2_pre_clip": norm, "update_l2_post_clip": norm * coef}
@@ -420,7 +420,7 @@ class QuantileClip(ClipPolicy):
         self.seen += 1
         tau = torch.quantile(buf[: min(self._filled, self.history)], self.quantile)
         coef = coefficient_above(pre, tau)
-        scale_(grads, coef)
+        scale_grads_(grads, coef)
         self._tau = tau
         return pre * coef
 
@@ -537,7 +537,7 @@ class ZScoreClip(ClipPolicy):
                 return pre
             self._tau = torch.full_like(pre, self.max_norm)
             coef = coefficient_above(pre, self._tau)
-            scale_(grads, coef)
+            scale_grads_(grads, coef)
             return pre * coef
 
         mean, var = self.mean.to(pre.device), self.var.to(pre.device)
@@ -552,7 +552,7 @@ class ZScoreClip(ClipPolicy):
         if self.max_norm is not None:
             tau = torch.clamp(tau, max=self.max_norm)
         coef = coefficient_above(pre, tau)
-        scale_(grads, coef)
+        scale_grads_(grads, coef)
         fed = torch.where(spike, target, pre)
         a = self.alpha
         self.mean = a * mean + (1 - a) * fed

@@ -67,6 +67,8 @@ def _batch_size(batch: Any) -> int:
 class _NoForensics:
     """Forensics off: no snapshots, no extra columns."""
 
+    columns: tuple[str, ...] = ()
+
     def before_step(self, params, grads, optimizer) -> None:
         pass
 

@@ -28,7 +28,7 @@ from .faults import FaultInjector
 from .loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
 from .tasks.build import Task, build_task, evaluate
 from .tracking import RunTracker, redact_text, sqlite_path
-from .training import build_state, forensic_columns
+from .training import build_state
 
 
 @dataclass
@@ -184,7 +184,7 @@ def run_training(
             first = GlobalNormClip(cfg.calibrate.cap) if cfg.calibrate.cap else NoClip()
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn, first)
-        columns = APP_COLUMNS + forensic_columns(cfg) + state.clip.columns
+        columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
         records = RunRecords()
         eval_dtype = state.autocast_dtype if cfg.amp.dtype != "fp32" else None

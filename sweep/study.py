@@ -56,7 +56,7 @@ import optuna
 from clipamp_engine import DTYPES
 
 from .errors import UserError
-from .loop import StopRequest, StopRun
+from .loop import RunRecords, StopRequest, StopRun
 from .session import flatten, run_training
 from .tracking import RunTracker, redact, redact_text, sqlite_path
 
@@ -476,14 +476,10 @@ def _child_run_id(client, experiment_id: str, parent_run_id: str, number: int) -
     return runs[0].info.run_id if runs else None
 
 
-def _partial_metrics(logs: list[tuple[float, bool, bool]]) -> dict[str, float]:
-    """clip/skip ratios and final loss over the steps a stopped trial did run (as ``RunRecords``)."""
-    taken = [(loss, clipped) for loss, clipped, skipped in logs if not skipped]
-    losses = [x for x, _ in taken if math.isfinite(x)][-10:]
-    return {"clip_ratio": sum(c for _, c in taken) / len(taken) if taken else math.nan,
-            "skip_ratio": sum(s for *_, s in logs) / len(logs) if logs else math.nan,
-            "final_loss": sum(losses) / len(losses) if losses else math.nan,
-            "steps_run": float(len(logs))}
+def _partial_metrics(records: RunRecords) -> dict[str, float]:
+    """clip/skip ratios and final loss over the steps a stopped trial did run."""
+    return {"clip_ratio": records.clip_ratio(), "skip_ratio": records.skip_ratio(),
+            "final_loss": records.final_loss(), "steps_run": float(len(records.rows))}
 
 
 def _run_trial(cfg, study, trial, *, storage, client, experiment_id, parent, tags, lo, hi, counters, ui) -> None:
@@ -497,7 +493,7 @@ def _run_trial(cfg, study, trial, *, storage, client, experiment_id, parent, tag
     n = trial.number
     tcfg = trial_config(cfg, dtype, max_norm)
     prunable = s.mode == "constrained" and s.pruner != "none"
-    logs: list[tuple[float, bool, bool]] = []
+    logs = RunRecords()  # the steps this trial ran, also when it is stopped early
     window: list[float] = []
     ui.start_trial(n, dtype, max_norm, cfg.steps)
     t0 = time.perf_counter()
@@ -514,7 +510,7 @@ def _run_trial(cfg, study, trial, *, storage, client, experiment_id, parent, tag
         if time.monotonic() - beat[0] >= s.heartbeat_interval:  # this worker is alive
             storage.record_heartbeat(trial._trial_id)
             beat[0] = time.monotonic()
-        logs.append((float(log.loss), bool(log.clipped), bool(log.skipped)))
+        logs.rows.append(log.row())
         counters.steps_run += 1
         ui.step(log.step)
         if not prunable:
@@ -547,11 +543,11 @@ def _run_trial(cfg, study, trial, *, storage, client, experiment_id, parent, tag
         _set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id or ""})
         if run_id:
             _mark_child(client, run_id, "KILLED", {"pruned": "true", "outcome": "pruned",
-                                                  "pruned_at_step": str(len(logs))}, part)
+                                                  "pruned_at_step": str(len(logs.rows))}, part)
         study.tell(trial, state=TrialState.PRUNED)
         counters.pruned += 1
-        counters.seconds_saved += (cfg.steps - len(logs)) * wall / max(1, len(logs))
-        ui.end_trial(n, "PRUNED", f"pruned at step {len(logs)}, train loss {part['final_loss']:.4g}")
+        counters.seconds_saved += (cfg.steps - len(logs.rows)) * wall / max(1, len(logs.rows))
+        ui.end_trial(n, "PRUNED", f"pruned at step {len(logs.rows)}, train loss {part['final_loss']:.4g}")
         return
     except (KeyboardInterrupt, UserError):
         study.tell(trial, state=TrialState.FAIL)
@@ -575,10 +571,10 @@ def _run_trial(cfg, study, trial, *, storage, client, experiment_id, parent, tag
     wall = time.perf_counter() - t0
     values = {"eval_loss": m.get("eval_loss", math.nan), "clip_ratio": m.get("clip_ratio", math.nan),
               "skip_ratio": m.get("skip_ratio", math.nan), "final_loss": m.get("final_loss", math.nan),
-              "steps_run": float(len(logs)), "wall_s": wall}
+              "steps_run": float(len(logs.rows)), "wall_s": wall}
     _set_attrs(trial, {**values, "run_id": result.run_id})
     client.set_tag(result.run_id, "outcome", "complete")
-    client.log_metric(result.run_id, "steps_run", float(len(logs)), step=cfg.steps)
+    client.log_metric(result.run_id, "steps_run", float(len(logs.rows)), step=cfg.steps)
     if not (math.isfinite(values["eval_loss"]) and math.isfinite(values["clip_ratio"])):
         reason = f"non-finite eval loss ({values['eval_loss']}) or clipping ratio ({values['clip_ratio']})"
         trial.set_user_attr("error", reason)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from clipamp_engine import (CLIP_MODES, FORENSICS_COLUMNS, AmpTrainState, ClipPolicy, HysteresisScaler,
-                            StepForensics, clip_mode_options, make_clip_policy)
+from clipamp_engine import (CLIP_MODES, AmpTrainState, ClipPolicy, HysteresisScaler, StepForensics,
+                            clip_mode_options, make_clip_policy)
 
 from .config import ClipConfig, Config, OptimConfig
 from .errors import UserError
@@ -99,10 +99,3 @@ def build_state(cfg: Config, model: torch.nn.Module, loss_fn, clip: ClipPolicy |
 
 def model_device(model: torch.nn.Module) -> str:
     return next(model.parameters()).device.type
-
-
-def forensic_columns(cfg: Config) -> tuple[str, ...]:
-    """The CSV columns the configured forensics add."""
-    f = cfg.forensics
-    on = (f.update_norm, f.param_norm, f.top_k > 0, f.zero_grads)
-    return tuple(c for c, flag in zip(FORENSICS_COLUMNS, on) if flag)
