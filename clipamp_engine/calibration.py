@@ -13,15 +13,21 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .records import StepLog
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
+
+
+class CalibrationError(ValueError):
+    """A calibration window cannot recommend a threshold (e.g. every step of it was skipped)."""
 
 
 def quantiles(values: Sequence[float], qs: Iterable[float]) -> list[float]:
@@ -56,6 +62,10 @@ class CalibrationSummary:
             "candidate_clip_ratios": {f"{k:g}": v for k, v in self.candidate_clip_ratios.items()},
         }
 
+    def as_state(self) -> dict[str, Any]:
+        """Plain values for a checkpoint; ``CalibrationSummary(**state)`` restores it exactly."""
+        return dataclasses.asdict(self)
+
 
 def _label(q: float) -> str:
     return f"p{q * 100:g}"
@@ -88,6 +98,14 @@ class NormCalibrator:
         if log.token_count:
             self.token_norms.append(log.grad_l2_pre_clip * math.sqrt(log.token_count))
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"norms": list(self.norms), "token_norms": list(self.token_norms), "steps": list(self.steps),
+                "n_skipped": self.n_skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.norms, self.token_norms = list(state["norms"]), list(state["token_norms"])
+        self.steps, self.n_skipped = list(state["steps"]), int(state["n_skipped"])
+
     def clip_ratio_at(self, tau: float) -> float:
         """Share of the window's finite norms above τ (the steps τ would have clipped)."""
         if not self.norms:
@@ -96,7 +114,7 @@ class NormCalibrator:
 
     def summary(self) -> CalibrationSummary:
         if not self.norms:
-            raise ValueError(
+            raise CalibrationError(
                 f"calibration window (steps {self.steps[0] if self.steps else '?'}-"
                 f"{self.steps[-1] if self.steps else '?'}) has no finite norm: every step was skipped")
         qs = list(REPORTED_QUANTILES)
@@ -113,3 +131,47 @@ class NormCalibrator:
             start_step=self.steps[0], end_step=self.steps[-1], n_finite=len(self.norms),
             n_skipped=self.n_skipped, quantiles=named, token_quantiles=tok, quantile=self.quantile,
             recommended_max_norm=tau, candidate_clip_ratios={t: self.clip_ratio_at(t) for t in thresholds})
+
+
+class CalibrationWindows:
+    """Where the calibration windows of a run lie: the first at step 1, then one every ``every`` steps.
+
+    Each window is ``window`` steps long; with ``total_steps`` known, a window cut short by the
+    end of the run is kept only if it still has 2 steps (a quantile of one norm says nothing).
+
+    Args:
+        window: steps per window (>= 2).
+        every: steps between window starts (0: one window; else >= ``window``, no overlap).
+        total_steps: the run length, if known (``None``: windows never end early).
+    """
+
+    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None) -> None:
+        if not _is_int(window) or window < 2:
+            raise ValueError(f"window={window!r} must be an integer >= 2 steps")
+        if not _is_int(every) or every < 0 or (every and every < window):
+            raise ValueError(f"every={every!r} must be 0 (one window) or an integer >= window={window}")
+        if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+            raise ValueError(f"total_steps={total_steps!r} must be an integer >= 1 (or None: unknown)")
+        self.window, self.every, self.total_steps = int(window), int(every), total_steps
+
+    def window_at(self, step: int) -> range | None:
+        """The window (a range of 1-based steps) that contains ``step``, or ``None``."""
+        if step < 1 or (self.total_steps is not None and step > self.total_steps):
+            return None
+        start = 1 + (step - 1) // self.every * self.every if self.every else 1
+        end = start + self.window
+        if self.total_steps is not None:
+            end = min(end, self.total_steps + 1)
+        return range(start, end) if start <= step < end and end - start >= 2 else None
+
+    def ranges(self) -> list[range]:
+        """Every window of the run, in order (needs ``total_steps``)."""
+        if self.total_steps is None:
+            raise ValueError("the windows of a run of unknown length cannot be listed: pass total_steps")
+        starts = range(1, self.total_steps + 1, self.every) if self.every else [1]
+        return [w for w in map(self.window_at, starts) if w is not None]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+

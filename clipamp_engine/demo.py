@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .csvlog import StepCSVWriter
 from .monitors import SkipRateExceeded, SkipRateMonitor
-from .state import AmpTrainState
+from .step import AmpTrainState
 
 
 def _parser() -> argparse.ArgumentParser:

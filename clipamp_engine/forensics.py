@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from .clip_base import NamedParams, UpdateProbe, param_names
+from .clip.base import NamedParams, param_names
+from .clip.update import UpdateProbe
 from .norms import per_tensor_norms, total_norm
 
 __all__ = ["FORENSICS_COLUMNS", "StepForensics"]

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .clipping import ClipPolicy, GlobalNormClip
+from .clip.base import ClipPolicy
+from .clip.fixed import GlobalNormClip
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import grads_of, scale_grads_, total_norm
 from .records import SkipLog, StepLog
@@ -158,7 +159,8 @@ class AmpTrainState:
         """Run one optimizer step over ``(inputs, targets)``; return a ``StepLog`` or ``SkipLog``.
 
         Raises ``SkipRateExceeded`` (with the step's record as ``.record``) when the fail-fast
-        skip-rate check trips.
+        skip-rate check trips, and the clip policy's ``ValueError`` from ``observe`` (e.g. a
+        ``CalibrationError``), also with ``.record``.
         """
         self.step_count += 1
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -167,6 +169,11 @@ class AmpTrainState:
             record = self._step(inputs, targets, lr, scale)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.clip.observe(record)  # e.g. a calibration window closes
+        except ValueError as e:
+            e.record = record
+            raise
         if not record.skipped:
             self.clip_monitor.add(record.clipped)
         try:

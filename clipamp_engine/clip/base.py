@@ -1,4 +1,4 @@
-"""The clipping-policy base class and the fused tensor-list helpers the policies share.
+"""The clipping-policy base class and the helpers the policies share.
 
 Gradients reach a policy as the list ``grads_of`` returned (``None`` skipped, sparse COO
 coalesced). Sparse gradients are handled through their values tensor (``_values()``), never
@@ -9,13 +9,15 @@ tensor coalesced (``sparse.mul_`` would clear the flag and make ``values()`` rai
 from __future__ import annotations
 
 import re
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .norms import CLIP_EPS, dense_views, group_indices
+from ..norms import CLIP_EPS, dense_views, group_indices
+from ..records import StepLog
 
 
 NamedParams = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -28,7 +30,8 @@ class ClipPolicy:
     unscaled, accumulated), the finite pre-clip global L2 norm (0-dim fp32 tensor) and the
     1-based step; it scales the gradients in place and returns the post-clip global L2 norm
     as a 0-dim tensor (no host sync). It is only called on steps that are taken, so a
-    skipped step never changes a policy's state.
+    skipped step never changes what a policy learnt from gradients; ``observe`` then sees
+    every finished record, taken or skipped (host values, no sync).
     """
 
     mode = "base"
@@ -55,11 +58,35 @@ class ClipPolicy:
         """Called right after the optimizer update of a taken step; returns extra record columns."""
         return {}
 
+    def observe(self, record: StepLog) -> None:
+        """Called with every step's finished record (``StepLog`` or ``SkipLog``) right after it is built.
+
+        A ``ValueError`` raised here reaches the caller of ``AmpTrainState.step`` with the
+        record attached as ``.record`` (the step itself already happened).
+        """
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+# -- option checks and record values ---------------------------------------------------------
+
+def positive(name: str, value: Any) -> float:
+    """``value`` as a finite float > 0, else a ``ValueError`` naming the option."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a number > 0") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    return v
+
+
+def host_float(t: torch.Tensor | None) -> float | None:
+    return None if t is None else float(t)  # sync: a record field, read once per step after the record's sync
 
 
 # -- tensor-list helpers (fused, no host sync) ----------------------------------------------
@@ -117,66 +144,3 @@ def compile_patterns(patterns: Iterable[str], option: str) -> list[re.Pattern[st
         except (re.error, TypeError) as e:
             raise ValueError(f"{option}: {pat!r} is not a valid regular expression ({e})") from None
     return compiled
-
-
-def is_decoupled(group: Mapping[str, Any], optimizer: torch.optim.Optimizer, override: bool | None) -> bool:
-    """Whether ``group``'s weight decay is decoupled (AdamW-style ``θ ← θ(1 − lr·wd)``).
-
-    ``override`` wins when given; otherwise the group's ``decoupled_weight_decay`` flag
-    (torch ``Adam``/``AdamW``), else ``isinstance(optimizer, AdamW)``. Coupled (L2) decay
-    is part of the gradient and therefore of the data update.
-    """
-    if override is not None:
-        return override
-    flag = group.get("decoupled_weight_decay")
-    if flag is not None:
-        return bool(flag)
-    return isinstance(optimizer, torch.optim.AdamW)
-
-
-class UpdateProbe:
-    """Snapshot of parameters before an optimizer step, to measure (and bound) the data update.
-
-    Memory: one copy of the snapshotted parameters in their own dtype, allocated once and
-    reused while the set of parameters with gradients stays the same. Time: one copy before
-    the step, two fused passes after (decay + difference, then the norm).
-
-    The *data update* of a step is ``u = θ_new − θ_old · (1 − lr·wd)`` for param groups with
-    decoupled weight decay (AdamW), and ``u = θ_new − θ_old`` otherwise (coupled L2 decay is
-    in the gradient, so it is part of the data update).
-    """
-
-    def __init__(self, decoupled_weight_decay: bool | None = None) -> None:
-        self.decoupled_weight_decay = decoupled_weight_decay
-        self._key: tuple[int, ...] | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._params: list[torch.Tensor] = []
-
-    def snapshot(self, params: Sequence[torch.Tensor]) -> None:
-        key = tuple(id(p) for p in params)
-        if key != self._key:
-            self._buffers = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
-            self._key = key
-        self._params = list(params)
-        with torch.no_grad():
-            if self._buffers:
-                torch._foreach_copy_(self._buffers, [p.detach() for p in params])
-
-    def negative_update(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """Turn the snapshot into ``−u`` in place (``θ_old·(1 − lr·wd) − θ_new``) and return it."""
-        where = {id(p): i for i, p in enumerate(self._params)}
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                wd = group.get("weight_decay", 0.0)
-                if not wd or not is_decoupled(group, optimizer, self.decoupled_weight_decay):
-                    continue
-                bufs = [self._buffers[where[id(p)]] for p in group["params"] if id(p) in where]
-                if bufs:
-                    torch._foreach_mul_(bufs, 1.0 - group["lr"] * wd)
-            if self._buffers:
-                torch._foreach_sub_(self._buffers, [p.detach() for p in self._params])
-        return self._buffers
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self._params

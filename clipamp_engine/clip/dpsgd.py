@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from .clip_base import ClipPolicy
-from .norms import CLIP_EPS
+from ..norms import CLIP_EPS
+from .base import ClipPolicy
 
 __all__ = ["DPSGDClip", "dp_sgd_grads"]
 

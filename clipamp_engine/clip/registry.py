@@ -1,8 +1,9 @@
-"""Clipping policies: how gradients are clipped once their pre-clip global norm is known.
+"""The one dispatch point over the closed set of clipping modes ``CLIP_MODES``.
 
-A policy is a small object; state that must survive a checkpoint goes through
-``state_dict()`` / ``load_state_dict()``. ``make_clip_policy`` is the one dispatch point over
-the closed set of modes ``CLIP_MODES``:
+A policy is a small object (``clip.base.ClipPolicy``); state that must survive a checkpoint
+goes through ``state_dict()`` / ``load_state_dict()``. Every constructor option is a plain
+value (float, int, str, bool, list, dict) with a default, so the app can expose them as
+config keys; run-time objects (``CONTEXT_ARGS``) are keyword-only.
 
 =============  ==============================================================  ==========
 mode           what is bounded                                                 state
@@ -17,6 +18,7 @@ mode           what is bounded                                                 s
 ``quantile``   global norm at a quantile of recent norms (AutoClip)            history
 ``zscore``     global norm at an EMA z-score rule (ZClip)                      EMA μ, σ²
 ``dpsgd``      every example's gradient norm, plus Gaussian noise (DP-SGD)     noise RNG
+``calibrated`` global L2 norm at τ = Quantile_q of a calibration window        window, τ
 =============  ==============================================================  ==========
 """
 
@@ -27,42 +29,15 @@ from typing import Any
 
 import torch
 
-from .clip_base import ClipPolicy, NamedParams
+from .adaptive import QuantileClip, ZScoreClip
+from .agc import AdaptiveGradClip
+from .base import ClipPolicy, NamedParams
+from .calibrated import CalibratedClip
 from .dpsgd import DPSGDClip
-from .norms import clip_coefficient, scale_grads_
-from .policies import (AdaptiveGradClip, PerGroupClip, QuantileClip, StagedNormClip, UpdateNormClip, ValueClip,
-                       ZScoreClip)
+from .fixed import GlobalNormClip, NoClip, PerGroupClip, StagedNormClip, ValueClip
+from .update import UpdateNormClip
 
-__all__ = ["CLIP_MODES", "ClipPolicy", "GlobalNormClip", "NoClip", "clip_mode_options", "make_clip_policy"]
-
-
-class GlobalNormClip(ClipPolicy):
-    """Global L2 clipping at a fixed τ: ``g ← g · min(1, τ / (‖g‖ + 1e-6))`` (projection on the τ-ball)."""
-
-    mode = "norm"
-
-    def __init__(self, max_norm: float = 1.0) -> None:
-        if not max_norm > 0:
-            raise ValueError(f"max_norm={max_norm!r} must be > 0 (use clip mode 'none' to disable clipping)")
-        self.max_norm = float(max_norm)
-
-    def clip_(self, params, grads, pre, step):
-        coef = clip_coefficient(pre, self.max_norm)
-        scale_grads_(grads, coef)  # sparse grads: their values, so they stay coalesced
-        return pre * coef
-
-    @property
-    def threshold(self) -> float:
-        return self.max_norm
-
-
-class NoClip(ClipPolicy):
-    """Measure and record norms, never clip."""
-
-    mode = "none"
-
-    def clip_(self, params, grads, pre, step):
-        return pre
+__all__ = ["CLIP_MODES", "CONTEXT_ARGS", "clip_mode_options", "make_clip_policy"]
 
 
 CLIP_MODES: dict[str, type[ClipPolicy]] = {
@@ -76,11 +51,12 @@ CLIP_MODES: dict[str, type[ClipPolicy]] = {
     "quantile": QuantileClip,
     "zscore": ZScoreClip,
     "dpsgd": DPSGDClip,
+    "calibrated": CalibratedClip,
 }
 
 #: Constructor arguments that are run-time objects, not config options: passed by the caller
 #: to every mode and forwarded only to the policies that take them.
-CONTEXT_ARGS = ("named_params", "optimizer")
+CONTEXT_ARGS = ("named_params", "optimizer", "total_steps")
 
 
 def clip_mode_options(mode: str) -> dict[str, Any]:
@@ -107,7 +83,8 @@ def _mode_class(mode: str) -> type[ClipPolicy]:
 
 
 def make_clip_policy(mode: str = "norm", *, named_params: NamedParams | None = None,
-                     optimizer: torch.optim.Optimizer | None = None, **options: Any) -> ClipPolicy:
+                     optimizer: torch.optim.Optimizer | None = None, total_steps: int | None = None,
+                     **options: Any) -> ClipPolicy:
     """Build the policy for ``mode`` with its options.
 
     Args:
@@ -117,6 +94,8 @@ def make_clip_policy(mode: str = "norm", *, named_params: NamedParams | None = N
             the others, so a caller can always pass it.
         optimizer: the optimizer; forwarded to ``per_group`` (τ by param-group index),
             ignored by the others.
+        total_steps: the run length; forwarded to ``calibrated`` (a window cut by the end of
+            the run), ignored by the others.
         **options: the mode's own options (see ``clip_mode_options(mode)``).
 
     Raises:
@@ -130,8 +109,8 @@ def make_clip_policy(mode: str = "norm", *, named_params: NamedParams | None = N
         raise ValueError(f"clip mode {mode!r} has no option {', '.join(map(repr, unknown))}; "
                          f"its options are: {', '.join(valid) or '(none)'}")
     accepted = inspect.signature(cls.__init__).parameters
-    context = {k: v for k, v in (("named_params", named_params), ("optimizer", optimizer))
-               if k in accepted and v is not None}
+    given = {"named_params": named_params, "optimizer": optimizer, "total_steps": total_steps}
+    context = {k: v for k, v in given.items() if k in accepted and v is not None}
     try:
         return cls(**options, **context)
     except TypeError as e:

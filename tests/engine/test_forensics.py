@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from clipamp_engine import AmpTrainState
-from clipamp_engine.clipping import make_clip_policy
+from clipamp_engine.clip import make_clip_policy
 from clipamp_engine.forensics import FORENSICS_COLUMNS, StepForensics
 from clipamp_engine.norms import grads_of
 

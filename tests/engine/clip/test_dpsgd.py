@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from clipamp_engine.dpsgd import dp_sgd_grads
+from clipamp_engine.clip.dpsgd import dp_sgd_grads
 
 
 def _linear_loss(out, y):

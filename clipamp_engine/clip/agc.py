@@ -1,0 +1,109 @@
+"""Unit-wise adaptive gradient clipping (AGC): each unit's gradient bounded relative to its weight.
+
+References:
+    Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image Recognition Without
+    Normalization", arXiv:2102.06171 (NFNets, AGC).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..norms import CLIP_EPS, total_norm
+from .base import ClipPolicy, NamedParams, compile_patterns, embedding_param_ids, param_names, positive, scale_each_
+
+__all__ = ["DEFAULT_AGC_EXCLUDE", "AdaptiveGradClip", "unitwise_norm"]
+
+#: Default AGC exclusions by name (embeddings); 1-D tensors (biases, norm scales) are excluded
+#: by ``exclude_1d``, and ``nn.Embedding`` weights by type when ``named_params`` is the model.
+DEFAULT_AGC_EXCLUDE = (r"(^|\.)(wte|wpe|tok|pos)\.weight$", r"embed")
+
+
+def unitwise_norm(x: torch.Tensor) -> torch.Tensor:
+    """NFNets unit-wise L2 norm (fp32): one norm per output unit (dim 0), reduced over the
+    other dims and kept broadcastable; a vector or scalar is a single unit."""
+    if x.ndim <= 1:
+        return torch.linalg.vector_norm(x, dtype=torch.float32)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=torch.float32)
+
+
+class AdaptiveGradClip(ClipPolicy):
+    """Unit-wise adaptive gradient clipping (AGC, NFNets).
+
+    For every unit *i* (a row of a weight matrix, an output channel of a conv kernel: dim 0,
+    reduced over the other dims; a vector as one unit)::
+
+        max_i = λ · max(‖W_i‖, eps)
+        G_i ← G_i · max_i / ‖G_i‖   if ‖G_i‖ > max_i   (else unchanged)
+
+    with ``λ = clip_factor``. A relative bound: the same gradient norm is fine for a large
+    weight and too much for a small one. Units change by different factors, so the
+    full gradient's direction changes. Biases, norm scales and embeddings have small or
+    special norms and are excluded by default, as in the paper (which also leaves the final
+    classifier unclipped: add its name to ``exclude``). Sparse gradients are never clipped
+    by AGC. The unit norms cost one reduction per tensor (no fused kernel reduces over
+    dims); the coefficients and the scaling are fused.
+
+    Args:
+        clip_factor: λ (paper: 0.01 for large batches; up to ~0.16 for small ones).
+        eps: floor on the weight norm, so zero-initialised units can still move (1e-3).
+        exclude: regexes (``re.search``) over parameter names to leave unclipped; ``None``
+            means ``DEFAULT_AGC_EXCLUDE`` plus every ``nn.Embedding`` weight when
+            ``named_params`` is the model (without ``named_params`` only ``exclude_1d``
+            applies). Explicit non-empty patterns need ``named_params``.
+        exclude_1d: leave 1-D (and 0-D) parameters unclipped (biases, norm scales).
+        named_params: ``model`` or ``model.named_parameters()`` (context).
+
+    References:
+        Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image Recognition Without
+        Normalization", arXiv:2102.06171 (NFNets, AGC).
+    """
+
+    mode = "agc"
+
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: Sequence[str] | None = None,
+                 exclude_1d: bool = True, *, named_params: NamedParams | None = None) -> None:
+        self.clip_factor = positive("clip_factor", clip_factor)
+        self.eps = positive("eps", eps)
+        self.exclude_1d = bool(exclude_1d)
+        if isinstance(exclude, str):
+            exclude = [exclude]
+        names = param_names(named_params)
+        if exclude is None:
+            patterns = DEFAULT_AGC_EXCLUDE
+            self._excluded_ids = embedding_param_ids(named_params)
+        else:
+            patterns = tuple(exclude)
+            self._excluded_ids = set()
+            if patterns and named_params is None:
+                raise ValueError("agc exclude patterns match parameter names: pass "
+                                 "named_params=model.named_parameters() (or the model), or exclude=[]")
+        regexes = compile_patterns(patterns, "agc exclude")
+        self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
+        self._key: tuple | None = None
+        self._selected: list[int] = []
+
+    def _select(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[int]:
+        key = tuple(map(id, params))
+        if key != self._key:
+            self._selected = [i for i, (p, g) in enumerate(zip(params, grads))
+                              if id(p) not in self._excluded_ids and not g.is_sparse
+                              and not (self.exclude_1d and p.ndim <= 1)]
+            self._key = key
+        return self._selected
+
+    def clip_(self, params, grads, pre, step):
+        sel = self._select(params, grads)
+        if not sel:
+            return pre
+        max_norms = [unitwise_norm(params[i].detach()) for i in sel]  # one reduction per tensor
+        grad_norms = [unitwise_norm(grads[i]) for i in sel]
+        torch._foreach_clamp_min_(max_norms, self.eps)
+        torch._foreach_mul_(max_norms, self.clip_factor)
+        torch._foreach_clamp_min_(grad_norms, CLIP_EPS)
+        coef = torch._foreach_div(max_norms, grad_norms)
+        torch._foreach_clamp_max_(coef, 1.0)
+        scale_each_([grads[i] for i in sel], coef)
+        return total_norm(grads)

@@ -1,0 +1,67 @@
+"""AGC (NFNets unit-wise clipping) against the paper's rule and timm's reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from clipamp_engine.clip import AdaptiveGradClip, make_clip_policy, unitwise_norm
+
+from .helpers import _clip, _params_with_grads
+
+
+# -- AGC --------------------------------------------------------------------------------------
+
+def test_agc_acceptance_fixture_row_units():
+    """ones(2,3) weights, grad 10·ones, λ=0.01: each row's weight norm is √3, its max grad norm
+    0.01·√3; the row gradient 10·ones(3) (norm 10√3) is scaled to 0.01√3, i.e. 0.01 per entry."""
+    (w,) = _params_with_grads(10 * torch.ones(2, 3), values=[torch.ones(2, 3)])
+    pre, post = _clip(make_clip_policy("agc", clip_factor=0.01), [w])
+    torch.testing.assert_close(w.grad, torch.full((2, 3), 0.01))
+    torch.testing.assert_close(post, torch.tensor(0.01 * math.sqrt(6)))
+
+
+def _timm_agc_reference(p: torch.Tensor, g: torch.Tensor, clip_factor: float, eps: float) -> torch.Tensor:
+    max_norm = unitwise_norm(p).clamp(min=eps) * clip_factor
+    grad_norm = unitwise_norm(g)
+    clipped = g * (max_norm / grad_norm.clamp(min=1e-6))
+    return torch.where(grad_norm < max_norm, g, clipped)
+
+
+def test_agc_matches_unitwise_reference_on_conv_and_linear_and_skips_1d():
+    torch.manual_seed(0)
+    conv, lin = nn.Conv2d(3, 4, 3), nn.Linear(5, 6)
+    model = nn.Sequential(conv, nn.Flatten(), lin)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * torch.rand(()) * 0.3
+    p_conv = (conv.weight.detach().clone(), conv.weight.grad.clone())
+    p_lin = (lin.weight.detach().clone(), lin.weight.grad.clone())
+    bias_grad = lin.bias.grad.clone()
+    _clip(make_clip_policy("agc", clip_factor=0.05, named_params=model), list(model.parameters()))
+    torch.testing.assert_close(conv.weight.grad, _timm_agc_reference(*p_conv, 0.05, 1e-3))
+    torch.testing.assert_close(lin.weight.grad, _timm_agc_reference(*p_lin, 0.05, 1e-3))
+    assert torch.equal(lin.bias.grad, bias_grad)  # 1-D excluded by default
+
+
+def test_agc_excludes_embeddings_by_type_and_name():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(4, 3)
+            self.word_embeddings = nn.Parameter(torch.ones(4, 3))
+            self.proj = nn.Linear(3, 3, bias=False)
+
+    m = M()
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 100.0)
+    _clip(make_clip_policy("agc", named_params=m), list(m.parameters()))
+    assert torch.equal(m.tok.weight.grad, torch.full((4, 3), 100.0))
+    assert torch.equal(m.word_embeddings.grad, torch.full((4, 3), 100.0))
+    assert m.proj.weight.grad.abs().max() < 1.0
+    # configurable: exclude nothing by name, keep 1-D exclusion
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 100.0)
+    _clip(AdaptiveGradClip(exclude=[], named_params=m), list(m.parameters()))
+    assert m.word_embeddings.grad.abs().max() < 1.0
