@@ -1,0 +1,32 @@
+"""The engine imports none of the app's libraries (it must stay usable in any torch loop)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import clipamp_engine
+
+APP_LIBRARIES = ("hydra", "omegaconf", "optuna", "mlflow", "rich", "pandas")
+
+_CHILD = textwrap.dedent("""
+    import importlib, pkgutil, sys
+    import clipamp_engine
+    names = [m.name for m in pkgutil.walk_packages(clipamp_engine.__path__, "clipamp_engine.")]
+    for name in names:
+        importlib.import_module(name)
+    loaded = sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:]))
+    print(len(names), " ".join(loaded))
+""")
+
+
+def test_engine_and_every_submodule_import_no_app_library():
+    root = Path(clipamp_engine.__file__).resolve().parents[1]  # the child imports this same package
+    out = subprocess.run([sys.executable, "-c", _CHILD, *APP_LIBRARIES], capture_output=True, text=True,
+                         timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    count, *loaded = out.stdout.split()
+    assert int(count) >= 20  # every module was walked (clip/ included), not just the package
+    assert loaded == [], f"the engine imported {loaded}"
