@@ -5,21 +5,21 @@ goes through ``state_dict()`` / ``load_state_dict()``. Every constructor option 
 value (float, int, str, bool, list, dict) with a default, so the app can expose them as
 config keys; run-time objects (``CONTEXT_ARGS``) are keyword-only.
 
-=============  ==============================================================  ==========
-mode           what is bounded                                                 state
-=============  ==============================================================  ==========
-``norm``       global L2 norm of the gradient at a fixed τ (a projection)      none
-``none``       nothing (norms are still measured and recorded)                 none
-``value``      every gradient coordinate to ``[-clip_value, clip_value]``      none
-``staged``     global L2 norm at a τ that depends on the step range            none
-``per_group``  each param group's / name pattern's gradient norm at its τ_j    none
-``agc``        each unit's gradient norm relative to its weight norm (NFNets)  none
-``update``     the optimizer's data update Δθ (decoupled weight decay apart)   none
-``quantile``   global norm at a quantile of recent norms (AutoClip)            history
-``zscore``     global norm at an EMA z-score rule (ZClip)                      EMA μ, σ²
-``dpsgd``      every example's gradient norm, plus Gaussian noise (DP-SGD)     noise RNG
-``calibrated`` global L2 norm at τ = Quantile_q of a calibration window        window, τ
-=============  ==============================================================  ==========
+==============  ==============================================================  ==========
+mode            what is bounded                                                 state
+==============  ==============================================================  ==========
+``norm``        global L2 norm of the gradient at a fixed τ (a projection)      none
+``none``        nothing (norms are still measured and recorded)                 none
+``value``       every gradient coordinate to ``[-clip_value, clip_value]``      none
+``staged``      global L2 norm at a τ that depends on the step range            none
+``per_group``   each param group's / name pattern's gradient norm at its τ_j    none
+``agc``         each unit's gradient norm relative to its weight norm (NFNets)  none
+``update``      the optimizer's data update Δθ (decoupled weight decay apart)   none
+``quantile``    global norm at a quantile of recent norms (AutoClip)            history
+``zscore``      global norm at an EMA z-score rule (ZClip)                      EMA μ, σ²
+``dpsgd``       every example's gradient norm, plus Gaussian noise (DP-SGD)     noise RNG
+``calibrated``  global L2 norm at τ = Quantile_q of a calibration window        window, τ
+==============  ==============================================================  ==========
 """
 
 from __future__ import annotations
