@@ -20,11 +20,11 @@ import torch
 from mlflow import MlflowClient
 
 from clipamp_engine import StepCSVWriter
-from sweep.config import Config
-from sweep.loop import APP_COLUMNS, RunRecords, run_steps
+from sweep.config.schema import Config
+from sweep.run.loop import APP_COLUMNS, RunRecords, run_steps
 from sweep.tasks.build import build_task
-from sweep.tracking import RunTracker, ensure_experiment
-from sweep.training import build_state
+from sweep.run.tracking import RunTracker, ensure_experiment
+from sweep.run.build import build_state
 
 
 def main() -> None:

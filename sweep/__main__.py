@@ -13,10 +13,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .config import register
-from .errors import UserError, fail
-from .loop import RunInterrupted
-from .tracking import redact_text
+from sweep.config.schema import register
+from sweep.errors import UserError, fail
+from sweep.run.loop import RunInterrupted
+from sweep.run.tracking import redact_text
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 register()
@@ -47,7 +47,7 @@ def precheck(argv: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from .app import run
+    from sweep.app import run
 
     try:
         run(OmegaConf.to_object(cfg), list(HydraConfig.get().overrides.task))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from .config import Config, validate
-from .report import print_run_summary
-from .session import run_training
-from .tracking import ensure_experiment, open_client, redact, resolve_uri
+from sweep.config.schema import Config, validate
+from sweep.report.tables import print_run_summary
+from sweep.run.pipeline import run_training
+from sweep.run.tracking import ensure_experiment, open_client, redact, resolve_uri
 
 
 def run(cfg: Config, overrides: list[str] | None = None) -> object:
@@ -24,9 +24,9 @@ def run(cfg: Config, overrides: list[str] | None = None) -> object:
         print_run_summary(result, uri=redact(uri), experiment_id=experiment_id, console=console)
         return result
     if cfg.run == "sweep":
-        from .study import run_sweep
+        from sweep.experiments.study.sweep import run_sweep
 
         return run_sweep(cfg, client, experiment_id, uri=uri, tags=tags, console=console)
-    from .spike import run_spike
+    from sweep.experiments.spike.experiment import run_spike
 
     return run_spike(cfg, client, experiment_id, uri=uri, tags=tags, console=console)

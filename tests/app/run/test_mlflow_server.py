@@ -13,9 +13,9 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep import app
-from sweep.report import ui_command
+from sweep.report.tables import ui_command
 
-from .conftest import TINY, compose_cfg
+from tests.app.helpers import TINY, compose_cfg
 
 
 def _free_port() -> int:

@@ -13,7 +13,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from .conftest import TINY, run_cli
+from tests.app.helpers import TINY, run_cli
 
 SECRET = "hunter2pg"
 

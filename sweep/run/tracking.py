@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from .errors import UserError
+from sweep.errors import UserError
 
 DEFAULT_URI = "sqlite:///mlruns/mlflow.db"
 SUPPORTED_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")

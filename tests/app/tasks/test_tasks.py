@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from sweep.tasks import DataConfig, ModelConfig, build_task, evaluate, lm_loss
 from sweep.tasks import corpus as C
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+from tests.app.helpers import CONF
+
 TINY_GPT = dict(name="gpt", d_model=32, n_layer=1, n_head=2, block_size=32)
 TINY_LSTM = dict(name="lstm", d_model=32, hidden=64, n_layer=1)
 

@@ -11,8 +11,8 @@ import torch
 from clipamp_engine import (CLIP_MODES, AmpTrainState, ClipPolicy, HysteresisScaler, StepForensics,
                             clip_mode_options, make_clip_policy)
 
-from .config import ClipConfig, Config, OptimConfig
-from .errors import UserError
+from sweep.config.schema import ClipConfig, Config, OptimConfig
+from sweep.errors import UserError
 
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ import pytest
 from clipamp_engine import CLIP_MODES
 from sweep import app
 
-from .conftest import CONF, TINY, compose_cfg
+from tests.app.helpers import CONF, TINY, compose_cfg
 
 MODES = sorted(p.stem for p in (CONF / "clip").glob("*.yaml"))
 

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from clipamp_engine import CANONICAL_COLUMNS
 from sweep import app
 
-from .conftest import TINY, compose_cfg
+from tests.app.helpers import TINY, compose_cfg
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ from hydra.core.config_store import ConfigStore
 
 from clipamp_engine import DTYPES
 
-from .errors import UserError
-from .faults import FaultsConfig
-from .spike_config import SpikeConfig
-from .study_config import StudyConfig
-from .tasks.config import DataConfig, ModelConfig
+from sweep.errors import UserError
+from sweep.run.faults import FaultsConfig
+from sweep.config.spike import SpikeConfig
+from sweep.config.study import StudyConfig
+from sweep.tasks.config import DataConfig, ModelConfig
 
 RUNS = ("calibrate", "train", "sweep", "spike")
 SCHEDULES = ("cosine", "linear", "constant")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from mlflow import MlflowClient
 
-from sweep.report import ui_command
-from sweep.tracking import redact, redact_text
+from sweep.report.tables import ui_command
+from sweep.run.tracking import redact, redact_text
 
-from .conftest import TINY, run_cli
+from tests.app.helpers import TINY, run_cli
 
 SECRET = "hunter2"
 

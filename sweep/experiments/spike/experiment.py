@@ -62,11 +62,11 @@ from rich.table import Table
 
 from clipamp_engine import DTYPES, total_norm
 
-from .config import Config
-from .errors import UserError
-from .session import RunResult, flatten, run_training, window_ranges
-from .tasks.build import Batch, Task, build_task
-from .tracking import RunTracker, redact
+from sweep.config.schema import Config
+from sweep.errors import UserError
+from sweep.run.pipeline import RunResult, flatten, run_training, window_ranges
+from sweep.tasks.build import Batch, Task, build_task
+from sweep.run.tracking import RunTracker, redact
 
 #: The clipping policies compared (each as an unspiked twin + a spiked run); fp16 runs the last only.
 POLICIES = ("none", "fixed", "calibrated")

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from .errors import UserError, fail
+from sweep.errors import UserError, fail
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .session import RunResult
+    from sweep.config.schema import Config
+    from sweep.run.pipeline import RunResult
 
 SUMMARY_COLUMNS = {
     "tags.mlflow.runName": "run", "tags.run": "experiment", "tags.model": "model", "tags.data": "data",
@@ -254,7 +254,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
     """
     import pandas as pd
 
-    from .study import flag_table, pick_trial
+    from sweep.experiments.study.sweep import flag_table, pick_trial
 
     exp = client.get_experiment_by_name(experiment_name)
     if exp is None:
@@ -283,7 +283,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .tracking import open_client, resolve_uri
+    from sweep.run.tracking import open_client, resolve_uri
 
     ap = argparse.ArgumentParser(prog="python -m sweep.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")

@@ -12,11 +12,12 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from sweep import app, study as S
+from sweep import app
+import sweep.experiments.study.sweep as S
 from sweep.errors import UserError
-from sweep.report import main as report_main
+from sweep.report.tables import main as report_main
 
-from .conftest import TINY, compose_cfg, run_cli
+from tests.app.helpers import TINY, compose_cfg, run_cli
 
 STEPS = 8
 

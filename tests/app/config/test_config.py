@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sweep.config import RUNS, validate
+from sweep.config.schema import RUNS, validate
 from sweep.errors import UserError
 
-from .conftest import EXPERIMENTS, compose_cfg, run_cli
+from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
 
 
 def test_every_experiment_file_is_a_known_run():

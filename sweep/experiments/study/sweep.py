@@ -55,10 +55,10 @@ import optuna
 
 from clipamp_engine import DTYPES
 
-from .errors import UserError
-from .loop import RunRecords, StopRequest, StopRun
-from .session import flatten, run_training
-from .tracking import RunTracker, redact, redact_text, sqlite_path
+from sweep.errors import UserError
+from sweep.run.loop import RunRecords, StopRequest, StopRun
+from sweep.run.pipeline import flatten, run_training
+from sweep.run.tracking import RunTracker, redact, redact_text, sqlite_path
 
 
 # Optuna 5 marks heartbeats experimental and warns when they are used outside Study.optimize; our
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from rich.console import Console
 
-    from .config import Config
+    from sweep.config.schema import Config
 
 MODES = ("pareto", "constrained")
 SAMPLERS = ("tpe", "random", "nsga2")
@@ -721,7 +721,7 @@ def plot_sweep(df: "pd.DataFrame", pick: Pick | None, path: Path, *, band: tuple
 
 
 def _write_parent_artifacts(tracker: RunTracker, result: SweepResult, cfg: "Config") -> None:
-    from .report import sweep_markdown
+    from sweep.report.tables import sweep_markdown
 
     df = result.trials
     df.to_csv(tracker.artifact_path("trials.csv"), index=False)
@@ -777,7 +777,7 @@ def run_sweep(cfg: "Config", client, experiment_id: str, *, uri: str, tags: dict
     from omegaconf import OmegaConf
     from rich.console import Console
 
-    from .report import print_sweep_summary
+    from sweep.report.tables import print_sweep_summary
 
     console = console or Console()
     validate_study(cfg)

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from .conftest import TINY
+from tests.app.helpers import TINY
 
 ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONUNBUFFERED": "1"}
 # constant LR after warm-up: the cosine schedule's length follows `steps`, which the resumed and the

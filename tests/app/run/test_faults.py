@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from sweep.checkpoint import non_finite_state
-from sweep.faults import FAULTS, FaultInjector, FaultsConfig
+from sweep.run.checkpoint import non_finite_state
+from sweep.run.faults import FAULTS, FaultInjector, FaultsConfig
 from sweep.tasks.build import build_task
-from sweep.training import build_state
+from sweep.run.build import build_state
 
-from .conftest import TINY, compose_cfg
+from tests.app.helpers import TINY, compose_cfg
 
 FAULT_STEP, STEPS = 4, 12
 MATRIX: list[tuple] = []

@@ -12,9 +12,9 @@ from mlflow import MlflowClient
 
 from sweep import app
 from sweep.errors import UserError
-from sweep.spike import SpikeLoss, check_spike_config, recovery_steps, with_overrides
+from sweep.experiments.spike.experiment import SpikeLoss, check_spike_config, recovery_steps, with_overrides
 
-from .conftest import TINY, compose_cfg, run_cli
+from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
 HORIZONS = (1, 5, 20, 100)

@@ -21,14 +21,14 @@ from omegaconf import OmegaConf
 from clipamp_engine import GlobalNormClip, NoClip, StepCSVWriter, StepLog
 from clipamp_engine.calibration import REPORTED_QUANTILES, CalibrationSummary, NormCalibrator, quantiles
 
-from .config import Config
-from .checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from .errors import UserError
-from .faults import FaultInjector
-from .loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
-from .tasks.build import Task, build_task, evaluate
-from .tracking import RunTracker, redact_text, sqlite_path
-from .training import build_state
+from sweep.config.schema import Config
+from sweep.run.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from sweep.errors import UserError
+from sweep.run.faults import FaultInjector
+from sweep.run.loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
+from sweep.tasks.build import Task, build_task, evaluate
+from sweep.run.tracking import RunTracker, redact_text, sqlite_path
+from sweep.run.build import build_state
 
 
 @dataclass
@@ -303,8 +303,8 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
 
 def write_artifacts(cfg: Config, tracker: RunTracker, result: RunResult) -> None:
     """config.yaml, quantiles.json, report.md and plots into the run's artifacts."""
-    from .plots import plot_run
-    from .report import run_report_markdown
+    from sweep.report.plots import plot_run
+    from sweep.report.tables import run_report_markdown
 
     tracker.artifact_path("config.yaml").write_text(redact_text(OmegaConf.to_yaml(OmegaConf.structured(cfg))))
     payload = {"metrics": result.metrics, "windows": [w.as_dict() for w in result.windows]}

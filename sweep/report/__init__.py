@@ -1,0 +1,1 @@
+"""Presentation: run and sweep reports, tables, plots; ``python -m sweep.report``."""

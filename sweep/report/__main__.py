@@ -1,0 +1,5 @@
+import sys
+
+from sweep.report.tables import main
+
+sys.exit(main())

@@ -1,0 +1,37 @@
+"""Shared test helpers: compose the real conf/ tree, tiny task sizes, run the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = REPO / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+#: Small enough that any experiment runs in seconds on 2 CPU cores.
+TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.block_size=32",
+        "data.batch_size=4", "data.seq_len=32", "data.max_files=40", "data.eval_batches=1",
+        "progress=false", "tracking.plots=false"]
+
+
+def compose_cfg(*overrides: str):
+    """The typed Config object that ``python -m sweep`` would run with these overrides."""
+    from sweep.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "sweep", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
