@@ -1,5 +1,6 @@
-"""The app's config schema (Hydra structured configs) and its checks."""
+"""The app's config: the schema (``schema``), its checks (``validate``), plain-data views (``convert``)."""
 
-from sweep.config.schema import Config, register, validate
+from sweep.config.schema import Config, register, window_ranges
+from sweep.config.validate import validate
 
-__all__ = ["Config", "register", "validate"]
+__all__ = ["Config", "register", "validate", "window_ranges"]

@@ -1,8 +1,14 @@
-"""The app's structured-config schema (Hydra/OmegaConf) and its semantic checks.
+"""The app's config schema: one structured-config dataclass per ``conf/`` group, in one place.
 
-The schema rejects unknown keys and wrong types while Hydra composes ``conf/``; ``validate``
-then checks meaning (ranges, allowed sets, files) and raises ``UserError`` with one line naming
-the value, what is allowed and the fix.
+Hydra composes ``conf/`` onto ``Config`` (registered as ``base_config``), so unknown keys and wrong
+types are refused while composing; ``sweep.config.validate`` then checks meaning. The YAML files
+set only what differs from the defaults here (a test keeps it that way).
+
+Choices: OmegaConf 2.3 refuses ``typing.Literal`` annotations ("Unexpected type annotation"), and
+an ``Enum`` would change every logged value and message. So a choice is a ``str`` field made with
+``choice(default, ALLOWED)``: the allowed tuple rides in the field's metadata, the one place
+``validate`` (and ``build_task``) read it from. Engine-owned choices (dtypes, clip modes) come from
+the engine itself.
 """
 
 from __future__ import annotations
@@ -12,30 +18,65 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from clipamp_engine import DTYPES
-
-from sweep.errors import UserError
-from sweep.run.faults import FaultsConfig
-from sweep.config.spike import SpikeConfig
-from sweep.config.study import StudyConfig
-from sweep.tasks.config import DataConfig, ModelConfig
+from clipamp_engine import CLIP_MODES, DTYPES
 
 RUNS = ("calibrate", "train", "sweep", "spike")
-SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+MODEL_NAMES = ("gpt", "lstm", "linear", "custom")
+DATA_NAMES = ("stdlib", "text", "synthetic")
+STUDY_MODES = ("pareto", "constrained")
+SAMPLERS = ("tpe", "random", "nsga2")
+PRUNERS = ("median", "none")
+
+
+def choice(default: Optional[str], allowed: tuple[str, ...], fix: str = "") -> Any:
+    """A ``str`` field whose value must be one of ``allowed`` (``fix``: how to pass a valid one)."""
+    return field(default=default, metadata={"choices": tuple(allowed), "fix": fix})
+
+
+@dataclass
+class ModelConfig:
+    """Which network to train (``conf/model/``). Defaults are the ``gpt`` task (~0.8M params)."""
+
+    name: str = choice("gpt", MODEL_NAMES, "pass model=gpt (or lstm, linear, custom)")
+    _target_: Optional[str] = None  # custom: dotted path of an nn.Module class/factory
+    loss_target: Optional[str] = None  # custom: dotted path of loss_fn(output, targets)
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # custom: constructor kwargs
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    block_size: int = 128  # >= data.seq_len
+    dropout: float = 0.0
+    hidden: int = 256  # lstm hidden size (n_layer layers)
+    in_features: int = 16  # linear
+    out_features: int = 1  # linear
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from (``conf/data/``). Defaults: the stdlib's own source code."""
+
+    name: str = choice("stdlib", DATA_NAMES, "pass data=stdlib (or text, synthetic)")
+    path: Optional[str] = None  # text: a corpus file or a directory of files
+    batch_size: int = 16
+    seq_len: int = 128  # max tokens per sequence (<= model.block_size for gpt)
+    max_files: int = 400  # stdlib: cap on documents read (deterministic choice)
+    eval_fraction: float = 0.05  # held-out documents
+    eval_batches: int = 4
 
 
 @dataclass
 class OptimConfig:
     """Optimizer and LR schedule (warmup then cosine/linear decay to ``min_lr_ratio``·lr)."""
 
-    name: str = "adamw"
+    name: str = choice("adamw", OPTIMIZERS)
     lr: float = 3e-3
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     momentum: float = 0.9  # sgd only
     warmup_steps: int = 20
-    schedule: str = "cosine"
+    schedule: str = choice("cosine", SCHEDULES)
     min_lr_ratio: float = 0.1
 
 
@@ -43,7 +84,7 @@ class OptimConfig:
 class AmpConfig:
     """Autocast dtype and the loss scaler (fp16 only)."""
 
-    dtype: str = "bf16"
+    dtype: str = choice("bf16", tuple(DTYPES))
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -66,14 +107,15 @@ class ForensicsConfig:
 
 @dataclass
 class ClipConfig:
-    """``clip=MODE`` and the options of every mode (``clipamp_engine.clip_mode_options``).
+    """``clip=MODE`` and the options of every mode: exactly the union of
+    ``clipamp_engine.clip_mode_options(mode)`` over ``CLIP_MODES`` (tested).
 
-    Each ``conf/clip/MODE.yaml`` sets its mode's options; the others stay null. An option set
-    for a mode that does not take it is refused.
+    ``conf/clip/MODE.yaml`` lists its mode's options at the engine defaults (tested); the others
+    stay null. An option set for a mode that does not take it is refused.
     """
 
-    mode: str = "norm"
-    max_norm: Optional[float] = None  # norm: τ; zscore: optional ceiling
+    mode: str = choice("norm", tuple(CLIP_MODES), "pass clip=MODE with a file of conf/clip/")
+    max_norm: Optional[float] = None  # norm, dpsgd: τ; zscore: optional ceiling
     clip_value: Optional[float] = None  # value
     stages: Optional[List[List[float]]] = None  # staged: [[start_step, τ], ...]
     max_norms: Optional[List[float]] = None  # per_group: τ_j by optimizer param group
@@ -98,7 +140,8 @@ class ClipConfig:
 
 @dataclass
 class CalibrateConfig:
-    """Calibration windows: measure pre-clip norms, then clip at τ = Quantile_q."""
+    """Calibration windows: record pre-clip norms for ``window`` steps (clipping off, or at
+    ``cap``), then clip at τ = Quantile_q(norms), q = ``quantile``; ``every``: repeat windows."""
 
     window: int = 100
     quantile: float = 0.95
@@ -109,7 +152,7 @@ class CalibrateConfig:
 
 @dataclass
 class TrackingConfig:
-    """MLflow. ``uri`` null: ``$MLFLOW_TRACKING_URI`` if set, else the embedded sqlite store."""
+    """MLflow. ``uri`` null: ``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///mlruns/mlflow.db``."""
 
     uri: Optional[str] = None
     experiment: str = "clipamp"
@@ -118,8 +161,83 @@ class TrackingConfig:
 
 
 @dataclass
+class StudyConfig:
+    """The Optuna sweep of max_norm × dtype (``+experiment=sweep``; ``conf/study/``)."""
+
+    mode: str = choice("pareto", STUDY_MODES, "pass study=pareto or study=constrained")
+    n_trials: int = 8  # trials added by one invocation (a resumed study keeps its earlier ones)
+    name: Optional[str] = None  # default: derived from task and mode; same name + storage = resume
+    # default: sqlite:///<dir>/optuna.db beside a sqlite:///<dir>/mlflow.db tracking store (else mlruns/);
+    # shared workers: postgresql://USER@HOST:PORT/DB with the password in $PGPASSWORD or ~/.pgpass
+    storage: Optional[str] = None
+    sampler: str = choice("tpe", SAMPLERS)  # seeded from cfg.seed
+    startup_trials: int = 4  # tpe: seeded random trials before TPE models the history
+    dtypes: List[str] = field(default_factory=lambda: ["fp16", "bf16"])
+    # max_norm search space: log-uniform [max_norm_low, max_norm_high] unless `anchor` is set:
+    # anchor "window" runs a calibration window first (calibrate.window steps, no clipping), a run id
+    # reuses a calibrate run's grad_norm_p50..p99; the range is then
+    # [anchor_low * p50, anchor_high * p99] and each dtype is tried first at the run's p95.
+    max_norm_low: float = 0.05
+    max_norm_high: float = 20.0
+    anchor: Optional[str] = None
+    anchor_low: float = 0.5
+    anchor_high: float = 2.0
+    # The band of clipping ratios the pick accepts (constrained: also the trials' constraint).
+    target_clip_low: float = 0.01
+    target_clip_high: float = 0.2
+    # constrained only (multi-objective studies cannot prune): median pruner on the training loss
+    pruner: str = choice("median", PRUNERS)
+    prune_warmup: float = 0.3  # fraction of steps a trial always runs before it may be pruned
+    report_every: int = 10  # steps between trial.report(mean training loss of those steps); each ≈ 1 storage commit
+    # torch intra-op threads while the trials run (0: torch's default). 1 suits small CPU tasks on a
+    # shared machine or several sweep workers per host: idle-spinning threads of an oversubscribed
+    # CPU made the default sweep up to 6x slower here; 2 threads were only ~20% faster when idle.
+    threads: int = 0
+    # A worker killed mid-trial: its trial stops sending heartbeats; the next invocation (or any
+    # worker) marks it FAIL, its child run KILLED, and re-enqueues its parameters once.
+    heartbeat_interval: int = 10  # seconds between a running trial's heartbeats
+    grace_period: int = 60  # a RUNNING trial silent this long is stale
+
+
+#: The fp16 spike variant's sizes: fp16 matmuls have no fast CPU kernel (the default GPT takes ~1.7 s
+#: a step in fp16), so it runs a smaller GPT (20–40 ms a step). ``amp.growth_interval=20`` lets the
+#: loss scale climb to its ceiling within the run, where a long fp16 run sits (2^17–2^18 here).
+FP16_OVERRIDES = ["model.d_model=32", "model.n_layer=2", "model.n_head=2", "model.block_size=64",
+                  "data.batch_size=8", "data.seq_len=64", "amp.growth_interval=20"]
+
+
+@dataclass
+class SpikeConfig:
+    """The seed's bad-batch replay (``+experiment=spike``; see ``sweep.experiments.spike``)."""
+
+    at_step: int = 150  # the corrupted batch is fed at this step (after a calibration window ends)
+    factor: float = 20.0  # its pre-clip gradient norm = factor × the running peak
+    peak_window: int = 50  # the running peak is over this many steps before the spike (0: since step 1)
+    fixed_max_norm: float = 1.0  # the "common threshold" arm
+    horizons: List[int] = field(default_factory=lambda: [1, 5, 20, 100])  # loss_excess_H, steps after
+    recovery_tolerance: float = 0.05  # "recovered": loss within 5% of the unspiked reference to the end
+    fp16: bool = True  # also run the fp16 variant (reference + calibrated, overflow expected)
+    fp16_overrides: List[str] = field(default_factory=lambda: list(FP16_OVERRIDES))  # KEY=VALUE on top
+    figure_out: Optional[str] = None  # also copy the parent run's figure here, e.g. docs/spike.png
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection (``sweep.run.faults``): the 1-based steps each fault hits; off by default."""
+
+    inf_grad: List[int] = field(default_factory=list)
+    nan_grad: List[int] = field(default_factory=list)
+    nan_loss: List[int] = field(default_factory=list)
+    loss_spike: List[int] = field(default_factory=list)  # float targets × spike_factor (the seed's
+    spike_factor: float = 1e8                             # exercise), else the loss × spike_factor
+    overflow: List[int] = field(default_factory=list)
+    overflow_factor: float = 1e5
+    nan_input: List[int] = field(default_factory=list)
+
+
+@dataclass
 class Config:
-    run: Optional[str] = None  # set by +experiment=NAME
+    run: Optional[str] = choice(None, RUNS)  # set by +experiment=NAME
     steps: int = 300
     seed: int = 0
     device: str = "cpu"
@@ -143,69 +261,12 @@ class Config:
 
 def register() -> None:
     """Register the schema so ``conf/config.yaml`` can extend it (defaults: ``base_config``)."""
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    ConfigStore.instance().store(name="base_config", node=Config)
 
 
-def _one_of(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise UserError(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
-
-
-def validate(cfg: Config) -> None:
-    """Semantic checks after composition; raise ``UserError`` naming value, allowed set and fix."""
-    if cfg.run is None:
-        raise UserError(f"no experiment chosen: add +experiment=NAME with NAME one of {', '.join(RUNS)}")
-    _one_of("run", cfg.run, RUNS)
-    if cfg.steps < 1:
-        raise UserError(f"steps={cfg.steps} must be >= 1")
-    if cfg.accumulation_steps < 1:
-        raise UserError(f"accumulation_steps={cfg.accumulation_steps} must be >= 1")
-    if cfg.data.batch_size < cfg.accumulation_steps:
-        raise UserError(f"data.batch_size={cfg.data.batch_size} must be >= accumulation_steps={cfg.accumulation_steps}")
-    _one_of("amp.dtype", cfg.amp.dtype, tuple(DTYPES))
-    _one_of("optim.name", cfg.optim.name, OPTIMIZERS)
-    _one_of("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    if not cfg.optim.lr > 0:
-        raise UserError(f"optim.lr={cfg.optim.lr} must be > 0")
-    if cfg.clip.max_norm is not None and not cfg.clip.max_norm > 0:
-        raise UserError(f"clip.max_norm={cfg.clip.max_norm} must be > 0 (use clip=none to disable clipping)")
+def window_ranges(cfg: Config) -> list[range]:
+    """Calibration windows as 1-based step ranges: the first at step 1, then every ``every`` steps."""
     c = cfg.calibrate
-    if not 0.0 < c.quantile < 1.0:
-        raise UserError(f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95")
-    if c.window < 2:
-        raise UserError(f"calibrate.window={c.window} must be >= 2 steps")
-    if cfg.run == "calibrate" and c.window > cfg.steps:
-        raise UserError(f"calibrate.window={c.window} is larger than steps={cfg.steps}: "
-                        f"lower calibrate.window or raise steps")
-    if c.cap is not None and not c.cap > 0:
-        raise UserError(f"calibrate.cap={c.cap} must be > 0 or null (no clipping during the window)")
-    if c.every < 0 or (c.every and c.every < c.window):
-        raise UserError(f"calibrate.every={c.every} must be 0 (one window) or >= calibrate.window={c.window}")
-    if cfg.checkpoint_every < 0:
-        raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
-    if cfg.device != "cpu" and not _device_available(cfg.device):
-        raise UserError(f"device={cfg.device!r} is not available on this machine; use device=cpu")
-    if cfg.amp.dtype == "fp16" and not _fp16_autocast_ok(cfg.device):
-        raise UserError(f"amp.dtype=fp16 is not supported on device={cfg.device!r}; use amp.dtype=bf16 or fp32")
-    if cfg.tracking.flush_every < 1:
-        raise UserError(f"tracking.flush_every={cfg.tracking.flush_every} must be >= 1")
-
-
-def _device_available(device: str) -> bool:
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        return False
-    if dev.type == "cuda":
-        return torch.cuda.is_available()
-    mod = getattr(torch, dev.type, None)
-    return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
-
-
-def _fp16_autocast_ok(device: str) -> bool:
-    import torch
-
-    return torch.amp.is_autocast_available(torch.device(device).type)
+    starts = [1] + (list(range(1 + c.every, cfg.steps + 1, c.every)) if c.every else [])
+    windows = [range(s, min(s + c.window, cfg.steps + 1)) for s in starts]
+    return [w for w in windows if len(w) >= 2]  # a window cut short by the end of the run needs 2 steps

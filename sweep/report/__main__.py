@@ -1,5 +1,5 @@
 import sys
 
-from sweep.report.tables import main
+from sweep.report.cli import main
 
 sys.exit(main())

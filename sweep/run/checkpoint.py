@@ -1,4 +1,5 @@
-"""Checkpoints of a run: written atomically, never from non-finite parameters or optimizer state."""
+"""Checkpoints of a run: where they live, written atomically (never from non-finite parameters or
+optimizer state), and which run a ``resume=`` continues."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 import torch
 
 from clipamp_engine import AmpTrainState, total_norm
+
+from sweep.errors import UserError
+from sweep.run.tracking import sqlite_path
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -42,3 +46,42 @@ def save_checkpoint(path: Path, state: AmpTrainState, **extra: Any) -> bool:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def checkpoint_path(uri: str, run_id: str) -> Path:
+    """Local checkpoint of a run: beside a sqlite store, else under ./mlruns/checkpoints/."""
+    db = sqlite_path(uri)
+    root = db.parent / "checkpoints" if db is not None else Path("mlruns") / "checkpoints"
+    return root / run_id / CHECKPOINT_NAME
+
+
+def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str) -> str:
+    """The run id to resume: ``resume`` itself, or the latest run named ``run_name`` with a checkpoint."""
+    if resume.lower() not in ("true", "last"):
+        try:
+            client.get_run(resume)
+        except Exception:
+            raise UserError(f"resume={resume!r} is not a run id in this tracking store; "
+                            f"use resume=true for the latest run named {run_name!r}") from None
+        return resume
+    runs = client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{run_name}'",
+                              order_by=["attributes.start_time DESC"], max_results=50)
+    for run in runs:
+        if checkpoint_path(uri, run.info.run_id).exists():
+            return run.info.run_id
+    raise UserError(f"resume=true: no run named {run_name!r} with a checkpoint in experiment "
+                    f"{experiment_id}; start a new run (drop resume=) or pass resume=RUN_ID")
+
+
+def load_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str,
+                   steps: int) -> tuple[str, dict[str, Any]]:
+    """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``."""
+    run_id = find_resumable(client, experiment_id, run_name, uri, resume)
+    path = checkpoint_path(uri, run_id)
+    if not path.exists():
+        raise UserError(f"resume={run_id}: no checkpoint at {path}; the run cannot be resumed")
+    ckpt = load_checkpoint(path)
+    if ckpt["step"] >= steps:
+        raise UserError(f"resume={run_id}: the checkpoint is at step {ckpt['step']} >= steps={steps}; "
+                        f"raise steps= to train further")
+    return run_id, ckpt

@@ -1,4 +1,4 @@
-"""Fault injection as config (``faults.*``, off by default), usable from any experiment.
+"""Fault injection as config (``faults.*``, ``FaultsConfig``; off by default), usable from any experiment.
 
 Each fault names the steps it hits. Gradient faults write into the first trainable parameter's
 gradient during backward; loss faults act on the loss the engine checks; ``overflow`` multiplies
@@ -8,25 +8,15 @@ writes a NaN into the first layer's input (or, for byte ids, into the embedding'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, List
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-FAULTS = ("inf_grad", "nan_grad", "nan_loss", "loss_spike", "overflow", "nan_input")
+from sweep.config.schema import FaultsConfig
 
-
-@dataclass
-class FaultsConfig:
-    inf_grad: List[int] = field(default_factory=list)
-    nan_grad: List[int] = field(default_factory=list)
-    nan_loss: List[int] = field(default_factory=list)
-    loss_spike: List[int] = field(default_factory=list)  # float targets × spike_factor (the seed's
-    spike_factor: float = 1e8                             # exercise), else the loss × spike_factor
-    overflow: List[int] = field(default_factory=list)
-    overflow_factor: float = 1e5
-    nan_input: List[int] = field(default_factory=list)
+#: The faults: the step-list fields of ``FaultsConfig`` (the others are their factors).
+FAULTS = tuple(k for k, v in vars(FaultsConfig()).items() if isinstance(v, list))
 
 
 def _first_trainable(model: nn.Module) -> nn.Parameter:
@@ -43,7 +33,7 @@ class FaultInjector:
     def __init__(self, cfg: FaultsConfig, model: nn.Module, loss_fn: Callable) -> None:
         self.cfg = cfg
         self.steps = {name: set(getattr(cfg, name)) for name in FAULTS}
-        self.model, self._loss_fn = model, loss_fn
+        self._loss_fn = loss_fn
         self.step = 0
         self._grad_done = False
         self.fired: list[tuple[int, str]] = []

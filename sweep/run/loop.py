@@ -84,9 +84,10 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def progress_bar(enabled: bool, label: str) -> Progress:
+def progress_bar(enabled: bool, label: str = "{task.description}", console: Any = None) -> Progress:
+    """The app's one progress display: label, bar, n/total, elapsed, and an ``info`` field per task."""
     return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.fields[info]}"), disable=not enabled, transient=False)
+                    TextColumn("{task.fields[info]}"), console=console, disable=not enabled, transient=False)
 
 
 def run_steps(

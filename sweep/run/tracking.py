@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from math import isfinite
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -109,6 +109,43 @@ def ensure_experiment(client, name: str, uri: str) -> str:
         return exp.experiment_id
 
 
+def metric_batch(metrics: dict[str, float | None], step: int) -> list:
+    """``Metric`` entities of one step, None and non-finite values dropped (the CSV keeps them)."""
+    from mlflow.entities import Metric
+
+    ts = int(time.time() * 1000)
+    return [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None and isfinite(v)]
+
+
+def log_metrics(client, run_id: str, metrics: dict[str, float | None], step: int = 0,
+                tags: dict[str, str] | None = None) -> None:
+    """One ``log_batch`` of finite metrics (and tags) on any run, running or ended."""
+    from mlflow.entities import RunTag
+
+    batch = metric_batch(metrics, step)
+    run_tags = [RunTag(k, redact_text(str(v))) for k, v in (tags or {}).items()]
+    if batch or run_tags:
+        client.log_batch(run_id, metrics=batch, tags=run_tags)
+
+
+@dataclass(frozen=True)
+class Store:
+    """Where runs go: an MLflow client on ``uri``, the experiment, and tags every run of this invocation gets."""
+
+    client: Any
+    experiment_id: str
+    uri: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, uri: str | None, experiment: str, overrides: list[str] | None = None) -> "Store":
+        """Resolve ``uri`` (see ``resolve_uri``), check it, create the experiment if needed."""
+        uri = resolve_uri(uri)
+        client = open_client(uri)
+        tags = {"overrides": redact_text(" ".join(overrides or [])), "tracking_uri": redact(uri)}
+        return cls(client, ensure_experiment(client, experiment, uri), uri, tags)
+
+
 class RunTracker:
     """One MLflow run: params, buffered per-step metrics, summary metrics and artifacts.
 
@@ -121,7 +158,6 @@ class RunTracker:
                  parent_run_id: str | None = None, flush_every: int = 50) -> None:
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-        self.client = client
         tags = {k: redact_text(str(v)) for k, v in (tags or {}).items()}
         if parent_run_id:
             tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
@@ -139,8 +175,7 @@ class RunTracker:
 
     def _init_common(self, client, run, flush_every: int) -> None:
         self.client = client
-        self.run_id = run.info.run_id
-        self.experiment_id = run.info.experiment_id
+        self.run_id, self.run_name = run.info.run_id, run.info.run_name
         self.flush_every = flush_every
         self._buffer: list = []
         self._steps_buffered = 0
@@ -162,17 +197,11 @@ class RunTracker:
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, redact_text(str(v))) for k, v in tags.items()])
+        log_metrics(self.client, self.run_id, {}, tags=tags)
 
     def add_step(self, step: int, metrics: dict[str, float | None]) -> None:
         """Buffer one step's metrics (non-finite and None dropped); flush every ``flush_every`` steps."""
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items()
-                            if v is not None and isfinite(v))
+        self._buffer.extend(metric_batch(metrics, step))
         self._steps_buffered += 1
         if self._steps_buffered >= self.flush_every:
             self.flush()
@@ -184,25 +213,13 @@ class RunTracker:
 
     def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
         """Summary metrics, sent at once (non-finite dropped)."""
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None and isfinite(v)]
-        if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+        log_metrics(self.client, self.run_id, metrics, step)
 
     def artifact_path(self, name: str) -> Path:
         """Where to write artifact ``name`` (it is part of the run once written, or at ``end``)."""
         path = self.artifact_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
-
-    def add_artifact(self, local: str | os.PathLike, name: str | None = None) -> Path:
-        """Copy a local file into the run's artifacts."""
-        dest = self.artifact_path(name or Path(local).name)
-        if Path(local).resolve() != dest.resolve():
-            shutil.copyfile(local, dest)
-        return dest
 
     def end(self, status: str = "FINISHED") -> None:
         """Flush, upload (remote stores) and close the run with ``status`` (FINISHED/FAILED/KILLED)."""

@@ -5,6 +5,6 @@
     loss_sum, n_tokens = task.loss_fn(task.model(batch.inputs), batch.targets)
 """
 from .build import Batch, Task, build_task, evaluate, lm_loss, mse_loss
-from .config import DataConfig, ModelConfig
+from ..config.schema import DataConfig, ModelConfig
 
 __all__ = ["Batch", "DataConfig", "ModelConfig", "Task", "build_task", "evaluate", "lm_loss", "mse_loss"]

@@ -14,11 +14,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 from . import corpus as C
 from ..errors import UserError
-from .config import DATA_NAMES, MODEL_NAMES, DataConfig, ModelConfig
+from ..config.schema import DATA_NAMES, MODEL_NAMES, DataConfig, ModelConfig
 from .models import GPT, LSTMLM
 
 EVAL_SEED = 0x5EED  # eval batches are the same for every trial seed
@@ -52,13 +53,7 @@ def mse_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(x: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-        if OmegaConf.is_config(x):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return x
+    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
 def _as(schema: type, cfg: Any) -> Any:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sweep.config.schema import RUNS, validate
+from sweep.config import validate
+from sweep.config.schema import RUNS
 from sweep.errors import UserError
 
 from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
@@ -78,6 +79,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[m[:40] for _, m in BAD_INPUTS])
 def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")

@@ -17,6 +17,8 @@ from sweep import app
 
 from tests.app.helpers import TINY, compose_cfg
 
+pytestmark = pytest.mark.slow  # end to end: real runs through the app
+
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory, store_template):

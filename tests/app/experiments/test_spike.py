@@ -12,7 +12,10 @@ from mlflow import MlflowClient
 
 from sweep import app
 from sweep.errors import UserError
-from sweep.experiments.spike.experiment import SpikeLoss, check_spike_config, recovery_steps, with_overrides
+from sweep.config import validate
+from sweep.config.convert import with_overrides
+from sweep.experiments.spike.batch import SpikeLoss
+from sweep.experiments.spike.measure import recovery_steps
 
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
@@ -45,6 +48,7 @@ def csv_of(arm) -> pd.DataFrame:
     return pd.read_csv(arm.result.csv_path)
 
 
+@pytest.mark.slow
 def test_children_exist_under_the_parent_with_the_five_metrics(spiked):
     cfg, uri, result, figure = spiked
     client = MlflowClient(uri)
@@ -64,6 +68,7 @@ def test_children_exist_under_the_parent_with_the_five_metrics(spiked):
     assert figure.exists() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size < 200_000
 
 
+@pytest.mark.slow
 def test_each_spiked_run_is_its_twin_until_the_spike(spiked):
     _, _, result, _ = spiked
     for twin, arm in list(result.pairs.values()) + list(result.fp16.values()):
@@ -75,6 +80,7 @@ def test_each_spiked_run_is_its_twin_until_the_spike(spiked):
         np.testing.assert_array_equal(ref["data_source"][AT:], hit["data_source"][AT:])  # then the same data again
 
 
+@pytest.mark.slow
 def test_spike_norm_is_factor_times_the_running_peak(spiked):
     _, _, result, _ = spiked
     for name in ("none", "fixed", "calibrated"):
@@ -90,6 +96,7 @@ def test_spike_norm_is_factor_times_the_running_peak(spiked):
         assert twin["grad_l2_pre_clip"][AT - 1] < 3 * peak  # the twin's normal batch is no spike
 
 
+@pytest.mark.slow
 def test_clipped_arms_apply_at_most_tau_and_tau_is_the_window_quantile(spiked):
     cfg, _, result, _ = spiked
     fixed = csv_of(result.arms["fixed"]).iloc[AT - 1]
@@ -103,6 +110,7 @@ def test_clipped_arms_apply_at_most_tau_and_tau_is_the_window_quantile(spiked):
     assert none["grad_l2_post_clip"] == none["grad_l2_pre_clip"] and not none["clipped"]
 
 
+@pytest.mark.slow
 def test_fp16_skips_or_clips_the_spike_and_continues_finite(spiked):
     _, _, result, _ = spiked
     assert result.fp16_ok is True
@@ -119,6 +127,7 @@ def test_fp16_skips_or_clips_the_spike_and_continues_finite(spiked):
     assert all(bool(torch.isfinite(p).all()) for p in arm.task.model.parameters())
 
 
+@pytest.mark.slow
 def test_logged_loss_excess_equals_the_csvs(spiked):
     cfg, uri, result, _ = spiked
     client = MlflowClient(uri)
@@ -163,7 +172,7 @@ def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():
 def test_bad_spike_configs_are_one_line_user_errors(overrides, message):
     cfg = compose_cfg("+experiment=spike", *overrides)
     with pytest.raises(UserError) as e:
-        check_spike_config(cfg)
+        validate(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -174,6 +183,7 @@ def test_bad_fp16_override_is_a_user_error():
     assert "spike.fp16_overrides=" in str(e.value) and "no_such_key" in str(e.value)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_spike_inside_the_window_in_one_line(tmp_path):
     res = run_cli("+experiment=spike", "spike.at_step=10", cwd=tmp_path, timeout=120)
     assert res.returncode == 2, res.stderr

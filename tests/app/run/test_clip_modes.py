@@ -13,6 +13,8 @@ from sweep import app
 
 from tests.app.helpers import CONF, TINY, compose_cfg
 
+pytestmark = pytest.mark.slow  # end to end: real runs through the app
+
 MODES = sorted(p.stem for p in (CONF / "clip").glob("*.yaml"))
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from sweep.run.checkpoint import non_finite_state
-from sweep.run.faults import FAULTS, FaultInjector, FaultsConfig
+from sweep.config.schema import FaultsConfig
+from sweep.run.faults import FAULTS, FaultInjector
 from sweep.tasks.build import build_task
 from sweep.run.build import build_state
 

@@ -15,6 +15,8 @@ from mlflow import MlflowClient
 
 from tests.app.helpers import TINY
 
+pytestmark = pytest.mark.slow  # end to end: real runs through the app
+
 ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONUNBUFFERED": "1"}
 # constant LR after warm-up: the cosine schedule's length follows `steps`, which the resumed and the
 # uninterrupted runs set differently (the killed run had steps=100000)

@@ -13,9 +13,11 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep import app
-from sweep.report.tables import ui_command
+from sweep.report.format import ui_command
 
 from tests.app.helpers import TINY, compose_cfg
+
+pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
 
 def _free_port() -> int:

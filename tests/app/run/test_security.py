@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from mlflow import MlflowClient
 
-from sweep.report.tables import ui_command
+from sweep.report.format import ui_command
 from sweep.run.tracking import redact, redact_text
 
 from tests.app.helpers import TINY, run_cli
@@ -18,6 +19,7 @@ def test_redaction():
     assert "--host 127.0.0.1" in ui_command("sqlite:///mlruns/mlflow.db")
 
 
+@pytest.mark.slow
 def test_password_never_reaches_run_or_terminal(tmp_path, store):
     res = run_cli("+experiment=train", *TINY, "steps=3", f"study.storage=postgresql://bob:{SECRET}@127.0.0.1:1/x",
                   cwd=tmp_path)
@@ -34,6 +36,7 @@ def test_password_never_reaches_run_or_terminal(tmp_path, store):
             assert SECRET not in f.read_text(), f
 
 
+@pytest.mark.slow
 def test_unreachable_tracking_server_message_is_redacted(tmp_path):
     res = run_cli("+experiment=train", *TINY, "steps=3", f"tracking.uri=http://bob:{SECRET}@127.0.0.1:9/",
                   cwd=tmp_path)

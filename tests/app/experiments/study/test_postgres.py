@@ -15,6 +15,8 @@ from mlflow import MlflowClient
 
 from tests.app.helpers import TINY, run_cli
 
+pytestmark = pytest.mark.slow  # end to end: real runs through the app
+
 SECRET = "hunter2pg"
 
 

@@ -3,6 +3,7 @@ the Optuna and MLflow clients; the pick rule on hand-made tables; storage URL mi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -13,9 +14,14 @@ import torch
 from mlflow import MlflowClient
 
 from sweep import app
-import sweep.experiments.study.sweep as S
+from sweep.config import validate
+from sweep.experiments.study import space, storage
+from sweep.experiments.study import trial as trial_module
+from sweep.experiments.study.result import SweepResult
+from sweep.pick import pick_trial
+from sweep.run.tracking import Store
 from sweep.errors import UserError
-from sweep.report.tables import main as report_main
+from sweep.report.cli import main as report_main
 
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
@@ -32,7 +38,7 @@ def children(client: MlflowClient, parent_run_id: str) -> list:
     return client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
 
 
-def optuna_study(result: S.SweepResult, root: Path) -> optuna.Study:
+def optuna_study(result: SweepResult, root: Path) -> optuna.Study:
     return optuna.load_study(study_name=result.study_name, storage=f"sqlite:///{root}/mlruns/optuna.db")
 
 
@@ -50,6 +56,7 @@ def pareto(tmp_path_factory):
     return root, uri, first, second
 
 
+@pytest.mark.slow
 def test_pareto_study_holds_every_trial_of_both_invocations(pareto):
     root, uri, first, second = pareto
     assert first.study_name == second.study_name  # same command → same study, resumed
@@ -62,13 +69,14 @@ def test_pareto_study_holds_every_trial_of_both_invocations(pareto):
         assert {t.params["dtype"] for t in mine} == {"fp16", "bf16"}
     for t in trials:
         assert t.values == [pytest.approx(t.user_attrs["eval_loss"]), pytest.approx(t.user_attrs["clip_ratio"])]
-        assert S.default_storage(uri) == f"sqlite:///{root}/mlruns/optuna.db"
+        assert storage.default_storage(uri) == f"sqlite:///{root}/mlruns/optuna.db"
     assert len(second.trials) == 5 and second.trials_run == 2 and second.anchor is None
-    lo, hi = S.max_norm_range(compose_cfg("+experiment=sweep", "study.anchor=null"), None)
+    lo, hi = space.max_norm_range(compose_cfg("+experiment=sweep", "study.anchor=null"), None)
     assert all(lo <= t.params["max_norm"] <= hi for t in trials)
     assert second.steps_run == second.steps_budget == 2 * STEPS  # pareto cannot prune
 
 
+@pytest.mark.slow
 def test_parent_and_children_in_mlflow(pareto):
     root, uri, first, second = pareto
     client = MlflowClient(uri)
@@ -86,6 +94,7 @@ def test_parent_and_children_in_mlflow(pareto):
             assert sorted(h.step for h in steps) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_parent_holds_table_front_plot_and_pick(pareto):
     root, uri, first, second = pareto
     client = MlflowClient(uri)
@@ -95,7 +104,7 @@ def test_parent_holds_table_front_plot_and_pick(pareto):
     assert "plots/loss_vs_clip_ratio.png" in {a.path for a in client.list_artifacts(second.parent_run_id, "plots")}
     table = pd.read_csv(Path(client.download_artifacts(second.parent_run_id, "trials.csv")))
     assert len(table) == 5 and set(table["dtype"]) == {"fp16", "bf16"}
-    pick = S.pick_trial(table, second.band)  # the logged pick is the rule applied to the logged table
+    pick = pick_trial(table, second.band)  # the logged pick is the rule applied to the logged table
     assert pick == second.pick
     assert run.data.tags["pick_dtype"] == pick.dtype and run.data.params["pick_trial"] == str(pick.trial)
     assert run.data.metrics["pick_max_norm"] == pytest.approx(pick.max_norm)
@@ -107,6 +116,7 @@ def test_parent_holds_table_front_plot_and_pick(pareto):
                     & ((done["eval_loss"] < p["eval_loss"]) | (done["clip_ratio"] < p["clip_ratio"]))).any()
 
 
+@pytest.mark.slow
 def test_report_command_reads_the_sweep(pareto, tmp_path, capsys):
     root, uri, first, second = pareto
     out = tmp_path / "report.md"
@@ -129,20 +139,21 @@ class PruneFromTrial(optuna.pruners.BasePruner):
         return trial.number >= self.first and trial.last_step is not None
 
 
+@pytest.mark.slow
 def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    real_run_training = S.run_training
+    real_run_training = trial_module.run_training
 
-    def flaky(cfg, *args, on_step=None, **kwargs):  # trial 2 raises mid-run
+    def flaky(cfg, store, spec, hooks):  # trial 2 raises mid-run
         def hook(log):
-            if on_step is not None:
-                on_step(log)
-            if "trial-2-" in kwargs["run_name"] and log.step == 3:
+            if hooks.step is not None:
+                hooks.step(log)
+            if "trial-2-" in spec.name and log.step == 3:
                 raise RuntimeError("injected failure")
-        return real_run_training(cfg, *args, on_step=hook, **kwargs)
+        return real_run_training(cfg, store, spec, dataclasses.replace(hooks, step=hook))
 
-    monkeypatch.setattr(S, "run_training", flaky)
-    monkeypatch.setattr(S, "_pruner", lambda cfg: PruneFromTrial(3))
+    monkeypatch.setattr(trial_module, "run_training", flaky)
+    monkeypatch.setattr(storage, "make_pruner", lambda cfg: PruneFromTrial(3))
     cfg = sweep_cfg(uri, "study=constrained", "study.n_trials=4", "study.anchor=window", "calibrate.window=6",
                     "study.report_every=2")
     result = app.run(cfg, ["+experiment=sweep"])
@@ -151,7 +162,7 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
     assert states == ["COMPLETE", "COMPLETE", "FAIL", "PRUNED"]
     assert len(study.directions) == 1
     anchor = study.user_attrs["anchor"]
-    lo, hi = S.max_norm_range(cfg, {k: anchor[k] for k in S.QUANTILE_KEYS})
+    lo, hi = space.max_norm_range(cfg, {k: anchor[k] for k in space.QUANTILE_KEYS})
     for t in study.get_trials():
         assert lo <= t.params["max_norm"] <= hi
     for t in study.get_trials()[:2]:  # the enqueued trial of each dtype sits at the window's p95
@@ -179,17 +190,17 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
 
     # a calibrate run's id anchors a new study the same way as its window
     fresh = optuna.create_study()
-    q = S.resolve_anchor(sweep_cfg(uri, f"study.anchor={kids['anchor'].info.run_id}"), fresh, client,
-                         kids["anchor"].info.experiment_id, result.parent_run_id, {}, print)
-    assert q == pytest.approx({k: anchor[k] for k in S.QUANTILE_KEYS})
+    q = space.resolve_anchor(sweep_cfg(uri, f"study.anchor={kids['anchor'].info.run_id}"), fresh,
+                             Store(client, kids["anchor"].info.experiment_id, uri), result.parent_run_id, print)
+    assert q == pytest.approx({k: anchor[k] for k in space.QUANTILE_KEYS})
 
 
 def test_pruner_only_for_constrained():
     cfg = compose_cfg("+experiment=sweep", "study=constrained", "steps=100")
-    p = S._pruner(cfg)
+    p = storage.make_pruner(cfg)
     assert isinstance(p, optuna.pruners.MedianPruner) and p._n_warmup_steps == 30
-    assert isinstance(S._pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
-    assert isinstance(S._pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
+    assert isinstance(storage.make_pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
+    assert isinstance(storage.make_pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
                       optuna.pruners.NopPruner)
 
 
@@ -202,70 +213,27 @@ def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
         return sorted((t.system_attrs["fixed_params"]["dtype"], t.system_attrs["fixed_params"].get("max_norm"))
                       for t in study.get_trials() if t.state == W)
 
-    S.enqueue_dtypes(study, ["fp16", "bf16"], anchor)
+    space.enqueue_dtypes(study, ["fp16", "bf16"], anchor)
     assert queued() == [("bf16", 2.5), ("fp16", 2.5)]
     t = study.ask()  # interrupted while training: FAIL, so fp16 at p95 is still to be evaluated
     assert (t.suggest_categorical("dtype", ["fp16", "bf16"]), t.suggest_float("max_norm", 0.5, 6, log=True)) == ("fp16", 2.5)
     study.tell(t, state=FAIL)
-    S.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # bf16 is still queued: not queued twice
+    space.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # bf16 is still queued: not queued twice
     assert queued() == [("bf16", 2.5), ("fp16", 2.5)]
     for _ in range(2):
         t = study.ask()
         t.suggest_categorical("dtype", ["fp16", "bf16"])
         study.tell(t, [1.0, t.suggest_float("max_norm", 0.5, 6, log=True)])
-    S.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # p95 evaluated for both: only the dtype is fixed
+    space.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # p95 evaluated for both: only the dtype is fixed
     assert queued() == [("bf16", None), ("fp16", None)]
-
-
-# ---------------------------------------------------------------- the pick rule (pure)
-
-def table(*rows) -> pd.DataFrame:
-    cols = ["trial", "state", "dtype", "max_norm", "eval_loss", "clip_ratio"]
-    return pd.DataFrame([dict(zip(cols, r)) for r in rows], columns=cols)
-
-
-NAN = math.nan
-HAND = table(
-    (0, "COMPLETE", "bf16", 0.5, 2.0, 0.9),
-    (1, "COMPLETE", "fp16", 1.0, 2.2, 0.15),
-    (2, "COMPLETE", "bf16", 1.5, 2.1, 0.05),
-    (3, "PRUNED", "bf16", 2.0, 1.0, 0.1),  # better, in band, but pruned: never picked
-    (4, "FAIL", "fp16", 3.0, NAN, NAN),
-    (5, "COMPLETE", "bf16", 9.0, 1.9, 0.0),  # lowest loss, but below the band
-    (6, "COMPLETE", "fp16", 4.0, NAN, 0.1),  # non-finite eval loss: not a candidate
-)
-
-
-def test_pick_lowest_eval_loss_in_band():
-    p = S.pick_trial(HAND, (0.01, 0.2))
-    assert (p.trial, p.dtype, p.max_norm, p.rule) == (2, "bf16", 1.5, "in-band-min-loss")
-
-
-def test_pick_falls_back_to_nearest_band_then_none():
-    p = S.pick_trial(HAND[HAND["trial"].isin([0, 3, 4, 5])], (0.01, 0.2))
-    assert (p.trial, p.rule) == (5, "nearest-band")  # |0.0 - 0.01| < |0.9 - 0.2|
-    p = S.pick_trial(HAND[HAND["trial"].isin([0, 5])], (0.5, 0.6))
-    assert (p.trial, p.rule) == (0, "nearest-band")  # 0.3 away beats 0.5 away
-    assert S.pick_trial(HAND[HAND["state"] != "COMPLETE"], (0.01, 0.2)) is None
-    assert S.pick_trial(HAND.iloc[:0], (0.01, 0.2)) is None
-
-
-def test_pick_ties_prefer_less_clipping_then_earlier_trial():
-    t = table((0, "COMPLETE", "fp16", 1.0, 2.0, 0.15), (1, "COMPLETE", "bf16", 2.0, 2.0, 0.05),
-              (2, "COMPLETE", "fp16", 3.0, 2.0, 0.05))
-    assert S.pick_trial(t, (0.0, 0.2)).trial == 1
-
-
-def test_pareto_mask_is_the_non_dominated_set():
-    assert S.pareto_mask([1.0, 2.0, 3.0, 1.5, 1.0], [0.5, 0.1, 0.0, 0.6, 0.5]) == [True, True, True, False, True]
 
 
 # ---------------------------------------------------------------- storage, names, validation
 
 def test_default_storage_sits_beside_the_tracking_store():
-    assert S.default_storage("sqlite:///some/dir/mlflow.db") == "sqlite:///some/dir/optuna.db"
-    assert S.default_storage("sqlite:////abs/dir/mlflow.db") == "sqlite:////abs/dir/optuna.db"
-    assert S.default_storage("http://127.0.0.1:5000") == "sqlite:///mlruns/optuna.db"
+    assert storage.default_storage("sqlite:///some/dir/mlflow.db") == "sqlite:///some/dir/optuna.db"
+    assert storage.default_storage("sqlite:////abs/dir/mlflow.db") == "sqlite:////abs/dir/optuna.db"
+    assert storage.default_storage("http://127.0.0.1:5000") == "sqlite:///mlruns/optuna.db"
 
 
 @pytest.mark.parametrize("url,message", [
@@ -276,11 +244,12 @@ def test_default_storage_sits_beside_the_tracking_store():
 ])
 def test_bad_storage_is_one_line_without_password(url, message):
     with pytest.raises(UserError) as e:
-        S.open_storage(url)
+        storage.open_storage(url)
     text = str(e.value)
     assert message in text and "\n" not in text and "hunter2" not in text
 
 
+@pytest.mark.slow
 def test_malformed_storage_url_exits_2_from_the_cli(tmp_path):
     res = run_cli("+experiment=sweep", "study.storage=notaurl", "progress=false", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
@@ -289,12 +258,12 @@ def test_malformed_storage_url_exits_2_from_the_cli(tmp_path):
 
 
 def test_study_name_is_stable_and_follows_the_task():
-    base = S.study_name(compose_cfg("+experiment=sweep"))
-    assert base == S.study_name(compose_cfg("+experiment=sweep", "study.n_trials=20", "study.storage=sqlite:///x.db"))
+    base = storage.study_name(compose_cfg("+experiment=sweep"))
+    assert base == storage.study_name(compose_cfg("+experiment=sweep", "study.n_trials=20", "study.storage=sqlite:///x.db"))
     assert base.startswith("gpt-stdlib-pareto-")
-    assert base != S.study_name(compose_cfg("+experiment=sweep", "steps=20"))
-    assert base != S.study_name(compose_cfg("+experiment=sweep", "model.d_model=32", "model.n_head=2"))
-    assert S.study_name(compose_cfg("+experiment=sweep", "study.name=mine")) == "mine"
+    assert base != storage.study_name(compose_cfg("+experiment=sweep", "steps=20"))
+    assert base != storage.study_name(compose_cfg("+experiment=sweep", "model.d_model=32", "model.n_head=2"))
+    assert storage.study_name(compose_cfg("+experiment=sweep", "study.name=mine")) == "mine"
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -308,7 +277,7 @@ def test_study_name_is_stable_and_follows_the_task():
 ])
 def test_study_checks_name_the_value(overrides, message):
     with pytest.raises(UserError) as e:
-        S.validate_study(compose_cfg("+experiment=sweep", *overrides))
+        validate(compose_cfg("+experiment=sweep", *overrides))
     assert message in str(e.value)
 
 
@@ -319,6 +288,7 @@ def test_unknown_study_key_is_rejected():
 
 # ---------------------------------------------------------------- a worker killed mid-trial
 
+@pytest.mark.slow
 def test_worker_killed_mid_trial_is_failed_retried_and_its_run_killed(tmp_path, store):
     """SIGKILL a sweep mid-trial: the next invocation FAILs the silent trial (heartbeat), re-runs its
     parameters, marks its child run KILLED; no trial stays RUNNING and none is lost."""

@@ -1,0 +1,163 @@
+"""``validate(cfg)``: the meaning checks after composition, one entry point dispatching on ``cfg.run``.
+
+Every check raises ``UserError`` with one line naming the value, what is allowed and the fix.
+Choices are checked generically from the schema (``choice`` fields); ``check_common`` holds the
+rest of what every run needs, ``check_study`` / ``check_spike`` what their experiment adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from clipamp_engine import DTYPES
+
+from sweep.config.schema import RUNS, Config, window_ranges
+from sweep.errors import UserError
+
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def validate(cfg: Config) -> None:
+    """All checks for ``cfg.run``: choices, the common ones, then the experiment's own."""
+    if cfg.run is None:
+        raise UserError(f"no experiment chosen: add +experiment=NAME with NAME one of {', '.join(RUNS)}")
+    check_choices(cfg)
+    check_common(cfg)
+    {"sweep": check_study, "spike": check_spike}.get(cfg.run, lambda cfg: None)(cfg)
+
+
+def check_choices(node: Any, prefix: str = "") -> None:
+    """Every ``choice`` field of ``node`` (recursively) holds one of its allowed values."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            check_choices(value, f"{prefix}{f.name}.")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            fix = f.metadata["fix"]
+            raise UserError(f"{prefix}{f.name}={value!r} is not one of {', '.join(f.metadata['choices'])}"
+                            + (f": {fix}" if fix else ""))
+
+
+def check_common(cfg: Config) -> None:
+    """Ranges every run needs: steps, accumulation, LR, clip threshold, calibration, device, tracking."""
+    if cfg.steps < 1:
+        raise UserError(f"steps={cfg.steps} must be >= 1")
+    if cfg.accumulation_steps < 1:
+        raise UserError(f"accumulation_steps={cfg.accumulation_steps} must be >= 1")
+    if cfg.data.batch_size < cfg.accumulation_steps:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} must be >= accumulation_steps={cfg.accumulation_steps}")
+    if not cfg.optim.lr > 0:
+        raise UserError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if cfg.clip.max_norm is not None and not cfg.clip.max_norm > 0:
+        raise UserError(f"clip.max_norm={cfg.clip.max_norm} must be > 0 (use clip=none to disable clipping)")
+    check_calibrate(cfg)
+    if cfg.checkpoint_every < 0:
+        raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
+    if cfg.device != "cpu" and not _device_available(cfg.device):
+        raise UserError(f"device={cfg.device!r} is not available on this machine; use device=cpu")
+    if cfg.amp.dtype == "fp16" and not _fp16_autocast_ok(cfg.device):
+        raise UserError(f"amp.dtype=fp16 is not supported on device={cfg.device!r}; use amp.dtype=bf16 or fp32")
+    if cfg.tracking.flush_every < 1:
+        raise UserError(f"tracking.flush_every={cfg.tracking.flush_every} must be >= 1")
+
+
+def check_calibrate(cfg: Config) -> None:
+    c = cfg.calibrate
+    if not 0.0 < c.quantile < 1.0:
+        raise UserError(f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95")
+    if c.window < 2:
+        raise UserError(f"calibrate.window={c.window} must be >= 2 steps")
+    if cfg.run == "calibrate" and c.window > cfg.steps:
+        raise UserError(f"calibrate.window={c.window} is larger than steps={cfg.steps}: "
+                        f"lower calibrate.window or raise steps")
+    if c.cap is not None and not c.cap > 0:
+        raise UserError(f"calibrate.cap={c.cap} must be > 0 or null (no clipping during the window)")
+    if c.every < 0 or (c.every and c.every < c.window):
+        raise UserError(f"calibrate.every={c.every} must be 0 (one window) or >= calibrate.window={c.window}")
+
+
+def check_study(cfg: Config) -> None:
+    """``+experiment=sweep``: the study's ranges, dtypes, anchor and band."""
+    s = cfg.study
+    if not s.dtypes or len(set(s.dtypes)) != len(s.dtypes) or any(d not in DTYPES for d in s.dtypes):
+        raise UserError(f"study.dtypes={list(s.dtypes)} must be distinct values of {', '.join(DTYPES)}, "
+                        f"e.g. study.dtypes=[fp16,bf16]")
+    if s.n_trials < len(s.dtypes):
+        raise UserError(f"study.n_trials={s.n_trials} must be >= {len(s.dtypes)} (one trial per dtype in "
+                        f"study.dtypes={list(s.dtypes)} comes first in every sweep)")
+    for name in ("max_norm", "anchor"):
+        low, high = getattr(s, f"{name}_low"), getattr(s, f"{name}_high")
+        if not 0 < low < high:
+            raise UserError(f"study.{name}_low={low} and study.{name}_high={high} must satisfy 0 < low < high")
+    if s.anchor is not None and s.anchor != "window" and not _RUN_ID.match(s.anchor):
+        raise UserError(f"study.anchor={s.anchor!r} is not 'window' or an MLflow run id (32 hex digits): pass "
+                        f"study.anchor=window, the id of a calibrate run, or null for the max_norm_low/high range")
+    if not 0.0 <= s.target_clip_low <= s.target_clip_high <= 1.0:
+        raise UserError(f"study.target_clip_low={s.target_clip_low}, study.target_clip_high={s.target_clip_high} "
+                        f"must satisfy 0 <= low <= high <= 1")
+    if not 0.0 <= s.prune_warmup < 1.0:
+        raise UserError(f"study.prune_warmup={s.prune_warmup} must be in [0, 1)")
+    for key, low in (("report_every", 1), ("threads", 0), ("startup_trials", 0)):
+        if getattr(s, key) < low:
+            raise UserError(f"study.{key}={getattr(s, key)} must be >= {low}"
+                            + (" (0: torch's default)" if key == "threads" else ""))
+    if cfg.clip.mode != "norm":
+        raise UserError(f"clip={cfg.clip.mode}: the sweep tunes the global-norm threshold clip.max_norm; "
+                        f"pass clip=norm")
+
+
+def check_spike(cfg: Config) -> None:
+    """``+experiment=spike``: byte data, positive sizes, the spike after the window and before the end."""
+    s = cfg.spike
+    if cfg.data.name == "synthetic":
+        raise UserError("spike needs byte data (the corrupted batch is a binary blob): "
+                        "pass data=stdlib or data=text, not data=synthetic")
+    for key, example in (("factor", "20"), ("fixed_max_norm", "1.0"), ("recovery_tolerance", "0.05 (5%)")):
+        if not getattr(s, key) > 0:
+            raise UserError(f"spike.{key}={getattr(s, key)} must be > 0, e.g. "
+                            + (f"spike.{key}={example}" if key != "recovery_tolerance" else example))
+    if not s.horizons or any(h < 1 for h in s.horizons):
+        raise UserError(f"spike.horizons={list(s.horizons)} must be positive step counts, e.g. [1,5,20,100]")
+    if s.peak_window < 0:
+        raise UserError(f"spike.peak_window={s.peak_window} must be >= 0 (0: the peak since step 1)")
+    last = max(s.horizons)
+    if not 2 <= s.at_step <= cfg.steps - last:
+        raise UserError(f"spike.at_step={s.at_step} must be in [2, steps - {last}] with steps={cfg.steps} "
+                        f"(the last horizon is +{last}): raise steps to >= {s.at_step + last} or lower spike.at_step")
+    _check_spike_windows(cfg)
+
+
+def _check_spike_windows(cfg: Config) -> None:
+    s, windows = cfg.spike, window_ranges(cfg)
+    if not windows or windows[0][-1] >= s.at_step:
+        w = windows[0] if windows else range(1, 1)
+        raise UserError(f"spike.at_step={s.at_step} must land after the calibration window ends "
+                        f"(calibrate.window={cfg.calibrate.window} ends at step {w[-1] if w else '?'}): "
+                        f"raise spike.at_step or lower calibrate.window")
+    late = [w for w in windows if w[-1] >= s.at_step]
+    if late:
+        raise UserError(f"calibrate.every={cfg.calibrate.every} opens a calibration window at steps "
+                        f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would turn "
+                        f"clipping off after the spike: use calibrate.every=0, or a larger calibrate.every that "
+                        f"opens no window in steps {s.at_step}–{cfg.steps}")
+
+
+def _device_available(device: str) -> bool:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        return False
+    if dev.type == "cuda":
+        return torch.cuda.is_available()
+    mod = getattr(torch, dev.type, None)
+    return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
+
+
+def _fp16_autocast_ok(device: str) -> bool:
+    import torch
+
+    return torch.amp.is_autocast_available(torch.device(device).type)

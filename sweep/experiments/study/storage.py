@@ -1,0 +1,152 @@
+"""Where a study lives and what it is called: Optuna RDB storage, the study's name, sampler and pruner,
+and the recovery of trials whose worker died."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from sweep.config.schema import Config
+from sweep.errors import UserError
+from sweep.run.tracking import redact, redact_text, sqlite_path
+
+STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
+
+
+def default_storage(tracking_uri: str) -> str:
+    """``sqlite:///X/optuna.db`` beside a ``sqlite:///X/mlflow.db`` tracking store, else ``mlruns/``."""
+    db = sqlite_path(tracking_uri)
+    folder = db.parent.as_posix() if db is not None else "mlruns"
+    return f"sqlite:///{folder}/optuna.db"
+
+
+def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 60):
+    """An Optuna ``RDBStorage`` on ``url``; malformed, unsupported or unreachable → one-line ``UserError``."""
+    from sqlalchemy.engine import make_url
+
+    shown = redact_text(redact(url))
+    fix = ("pass study.storage=sqlite:///mlruns/optuna.db or postgresql://USER@HOST:PORT/DB "
+           "(password in $PGPASSWORD or ~/.pgpass)")
+    try:
+        parsed = make_url(url)
+        scheme = parsed.get_backend_name()
+        _ = parsed.port  # a non-numeric port fails here
+    except Exception as e:
+        raise UserError(f"study.storage={shown!r} is not a database URL ({redact_text(type(e).__name__)}): {fix}") from None
+    if scheme not in STORAGE_SCHEMES:
+        raise UserError(f"study.storage={shown!r}: scheme {scheme!r} is not one of {', '.join(STORAGE_SCHEMES)}: {fix}")
+    if scheme == "sqlite":
+        if not parsed.database:
+            raise UserError(f"study.storage={shown!r} names no database file: {fix}")
+        try:
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"study.storage={shown!r}: cannot create {Path(parsed.database).parent}/ "
+                            f"({e.strerror}): {fix}") from None
+    if parsed.drivername == "postgresql" and not _importable("psycopg") and _importable("psycopg2"):
+        # SQLAlchemy >= 2.1 maps a bare postgresql:// to psycopg 3; use the psycopg2 we ship
+        url = parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
+    try:
+        return optuna.storages.RDBStorage(
+            url, engine_kwargs={"pool_pre_ping": True} if scheme != "sqlite" else None,
+            heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+    except Exception as e:
+        reason = redact_text(" ".join(str(e).split()))[:200]
+        raise UserError(f"study.storage={shown!r} cannot be opened ({type(e).__name__}: {reason}): {fix}") from None
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _changed(node: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of a config dataclass that differ from its schema defaults (so a field added to the
+    schema later, with a default, does not rename existing studies)."""
+    values, defaults = dataclasses.asdict(node), dataclasses.asdict(type(node)())
+    return {k: v for k, v in values.items() if k not in drop and v != defaults.get(k)}
+
+
+def task_key(cfg: Config) -> dict[str, Any]:
+    """What makes two trials comparable: task, budget, seed and search space (not n_trials, storage)."""
+    s = cfg.study
+    space = {"mode": s.mode, "dtypes": list(s.dtypes), "low": s.max_norm_low, "high": s.max_norm_high,
+             "anchor": s.anchor, "anchor_low": s.anchor_low, "anchor_high": s.anchor_high}
+    if s.mode == "constrained":
+        space["band"] = [s.target_clip_low, s.target_clip_high]
+    if s.anchor == "window":
+        space["window"] = [cfg.calibrate.window, cfg.calibrate.cap, cfg.amp.dtype]
+    key = {"steps": cfg.steps, "seed": cfg.seed, "accumulation_steps": cfg.accumulation_steps,
+           "device": cfg.device, "space": space}
+    for name in ("model", "data", "optim", "amp", "clip", "faults", "forensics"):
+        node = getattr(cfg, name, None)
+        if dataclasses.is_dataclass(node):
+            changed = _changed(node, drop=("dtype", "max_norm"))
+            if changed:
+                key[name] = changed
+    return key
+
+
+def study_name(cfg: Config) -> str:
+    """``study.name`` or ``<model>-<data>-<mode>-<steps>steps-<hash of task and search space>``."""
+    if cfg.study.name:
+        return cfg.study.name
+    key = json.dumps(task_key(cfg), sort_keys=True, default=str)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return f"{cfg.model.name}-{cfg.data.name}-{cfg.study.mode}-{cfg.steps}steps-{digest}"
+
+
+def make_sampler(cfg: Config, seed: int):
+    s = cfg.study
+    if s.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if s.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, s.n_trials // 2))
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials, multivariate=True)
+
+
+def make_pruner(cfg: Config):
+    s = cfg.study
+    if s.mode != "constrained" or s.pruner == "none":
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=len(s.dtypes), n_min_trials=len(s.dtypes),
+                                       n_warmup_steps=int(s.prune_warmup * cfg.steps), interval_steps=1)
+
+
+def load_study(cfg: Config, storage, name: str):
+    """Create or resume (``load_if_exists``) the study; its sampler seeded from ``cfg.seed``."""
+    directions = ["minimize", "minimize"] if cfg.study.mode == "pareto" else ["minimize"]
+    existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    prior = existing[name].n_trials if name in existing else 0
+    if name in existing and len(existing[name].directions) != len(directions):
+        raise UserError(f"study.name={name!r} exists with {len(existing[name].directions)} objective(s), "
+                        f"but study.mode={cfg.study.mode} needs {len(directions)}: pass another study.name")
+    return optuna.create_study(storage=storage, study_name=name, directions=directions, load_if_exists=True,
+                               sampler=make_sampler(cfg, cfg.seed + prior), pruner=make_pruner(cfg))
+
+
+def recover_stale_trials(study, client, experiment_id: str, say) -> list[int]:
+    """FAIL the trials of workers that died mid-trial (no heartbeat within the grace period).
+
+    Optuna's ``fail_stale_trials`` marks them FAIL and its ``RetryFailedTrialCallback`` enqueues
+    their parameters once, so the next ``ask`` re-runs them; their child runs end KILLED.
+    """
+    before = {t.number for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING"}
+    optuna.storages.fail_stale_trials(study)
+    stale = sorted(t.number for t in study.get_trials(deepcopy=False)
+                   if t.number in before and t.state.name == "FAIL")
+    for n in stale:
+        runs = client.search_runs([experiment_id], filter_string=(
+            f"tags.study = '{study.study_name}' and tags.trial = '{n}' and attributes.status = 'RUNNING'"))
+        for run in runs:
+            client.set_tag(run.info.run_id, "outcome", "worker died")
+            client.set_terminated(run.info.run_id, status="KILLED")
+    if stale:
+        say(f"trials {stale} lost their worker: marked FAIL, their runs KILLED, their parameters re-enqueued")
+    return stale

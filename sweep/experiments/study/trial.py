@@ -1,0 +1,207 @@
+"""One trial of a study: suggest (dtype, max_norm), train it as a child run, tell Optuna how it ended.
+
+Pruned → PRUNED in Optuna, its child run KILLED with tag ``pruned=true`` and its ratios over the
+steps it ran; an exception → FAIL / FAILED with tag ``error`` (the sweep goes on); a user mistake
+or Ctrl-C → FAIL, and the sweep stops.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from sweep.config.convert import child_config
+from sweep.config.schema import Config
+from sweep.errors import UserError
+from sweep.experiments.study.progress import TrialProgress
+from sweep.run.loop import RunRecords, StopRun
+from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
+from sweep.run.tracking import RunTracker, Store, log_metrics, redact_text
+
+
+class Pruned(optuna.TrialPruned, StopRun):
+    """A pruned trial: Optuna's signal, and its child run ends KILLED."""
+
+
+@dataclass
+class Counters:
+    """This invocation's accounting: optimizer steps the trials ran, pruned/failed trials, pruning cost."""
+
+    steps_run: int = 0
+    pruned: int = 0
+    failed: int = 0
+    seconds_saved: float = 0.0
+    prune_overhead: float = 0.0
+
+
+@dataclass
+class TrialContext:
+    """What every trial of one invocation shares."""
+
+    cfg: Config
+    study: Any  # optuna.Study
+    storage: Any  # optuna.storages.RDBStorage (heartbeats)
+    store: Store
+    parent_run_id: str
+    lo: float  # max_norm range
+    hi: float
+    ui: TrialProgress
+    artifacts: Callable | None = None  # the child runs' report hook (RunHooks.artifacts)
+    counters: Counters = field(default_factory=Counters)
+
+
+def trial_config(cfg: Config, dtype: str, max_norm: float) -> Config:
+    c = child_config(cfg)
+    c.amp.dtype, c.clip.max_norm = dtype, float(max_norm)
+    return c
+
+
+class _Watch:
+    """Sees every step of a trial: heartbeats, the records so far, the pruning reports."""
+
+    def __init__(self, ctx: TrialContext, trial) -> None:
+        s = ctx.cfg.study
+        self.ctx, self.trial, self.s = ctx, trial, s
+        self.prunable = s.mode == "constrained" and s.pruner != "none"
+        self.records = RunRecords()  # the steps this trial ran, also when it is stopped early
+        self.window: list[float] = []
+        self.beat = time.monotonic()
+        ctx.storage.record_heartbeat(trial._trial_id)  # ask/tell has no heartbeat thread: beat from the loop
+
+    def on_step(self, log) -> None:
+        ctx, s = self.ctx, self.s
+        if time.monotonic() - self.beat >= s.heartbeat_interval:  # this worker is alive
+            ctx.storage.record_heartbeat(self.trial._trial_id)
+            self.beat = time.monotonic()
+        self.records.rows.append(log.row())
+        ctx.counters.steps_run += 1
+        ctx.ui.step(log.step)
+        if not self.prunable:
+            return
+        if math.isfinite(log.loss):
+            self.window.append(float(log.loss))
+        if log.step % s.report_every == 0 and self.window:
+            t = time.perf_counter()
+            self.trial.report(sum(self.window) / len(self.window), log.step)
+            self.window.clear()
+            prune = self.trial.should_prune()
+            ctx.counters.prune_overhead += time.perf_counter() - t
+            if prune:
+                raise Pruned(f"trial {self.trial.number} pruned at step {log.step}")
+
+    def constrain(self, clip_ratio: float) -> None:
+        """Constrained mode: the clipping ratio must lie in the target band (``trial.set_constraint``)."""
+        if self.s.mode == "constrained" and math.isfinite(clip_ratio):
+            self.trial.set_constraint("clip_ratio_low", self.s.target_clip_low - clip_ratio)
+            self.trial.set_constraint("clip_ratio_high", clip_ratio - self.s.target_clip_high)
+
+    def partial_metrics(self) -> dict[str, float]:
+        """clip/skip ratios and final loss over the steps a stopped trial did run."""
+        r = self.records
+        return {"clip_ratio": r.clip_ratio(), "skip_ratio": r.skip_ratio(), "final_loss": r.final_loss(),
+                "steps_run": float(len(r.rows))}
+
+
+def run_trial(ctx: TrialContext, trial) -> None:
+    """Suggest, train (one child run), tell Optuna. Pruned → PRUNED/KILLED, exception → FAIL/FAILED."""
+    cfg = ctx.cfg
+    dtype = trial.suggest_categorical("dtype", list(cfg.study.dtypes))
+    max_norm = trial.suggest_float("max_norm", ctx.lo, ctx.hi, log=True)
+    n = trial.number
+    ctx.ui.start_trial(n, dtype, max_norm, cfg.steps)
+    t0 = time.perf_counter()
+    watch = _Watch(ctx, trial)
+    for k, v in {"trial": n, "dtype": dtype, "max_norm": max_norm, "parent_run_id": ctx.parent_run_id,
+                 "seed": cfg.seed}.items():
+        trial.set_user_attr(k, v)
+    spec = RunSpec(f"trial-{n}-{dtype}-{max_norm:.3g}", parent_run_id=ctx.parent_run_id,
+                   tags={"sweep_role": "trial", "study": ctx.study.study_name, "trial": str(n),
+                         "max_norm": f"{max_norm:.6g}", "sweep_parent": ctx.parent_run_id})
+    hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=lambda line: None)
+    try:
+        result = run_training(trial_config(cfg, dtype, max_norm), ctx.store, spec, hooks)
+    except optuna.TrialPruned:
+        _tell_pruned(ctx, trial, watch, time.perf_counter() - t0)
+    except (KeyboardInterrupt, UserError):
+        ctx.study.tell(trial, state=TrialState.FAIL)
+        raise
+    except Exception as e:
+        _tell_failed(ctx, trial, watch, spec, time.perf_counter() - t0, e)
+    else:
+        _tell_complete(ctx, trial, watch, result, time.perf_counter() - t0)
+
+
+def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
+    part, ran = watch.partial_metrics(), len(watch.records.rows)
+    watch.constrain(part["clip_ratio"])
+    run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
+    set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id or ""})
+    if run_id:
+        end_child(ctx.store, run_id, "KILLED", {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran)},
+                  part)
+    ctx.study.tell(trial, state=TrialState.PRUNED)
+    ctx.counters.pruned += 1
+    ctx.counters.seconds_saved += (ctx.cfg.steps - ran) * wall / max(1, ran)
+    ctx.ui.end_trial(trial.number, "PRUNED", f"pruned at step {ran}, train loss {part['final_loss']:.4g}")
+
+
+def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: float, e: Exception) -> None:
+    reason = redact_text(f"{type(e).__name__}: {' '.join(str(e).split())}")[:500]
+    part = watch.partial_metrics()
+    run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
+    if run_id is None:  # failed before run_training opened its run: record one anyway
+        tracker = RunTracker(ctx.store.client, ctx.store.experiment_id, spec.name,
+                             tags={**ctx.store.tags, **spec.tags}, parent_run_id=ctx.parent_run_id)
+        tracker.end("FAILED")
+        run_id = tracker.run_id
+    set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id, "error": reason})
+    end_child(ctx.store, run_id, "FAILED", {"outcome": "failed", "error": reason}, part)
+    ctx.study.tell(trial, state=TrialState.FAIL)
+    ctx.counters.failed += 1
+    ctx.ui.end_trial(trial.number, "FAIL", reason)
+
+
+def _tell_complete(ctx: TrialContext, trial, watch: _Watch, result: RunResult, wall: float) -> None:
+    m, client, ran = result.metrics, ctx.store.client, float(len(watch.records.rows))
+    values = {"eval_loss": m.get("eval_loss", math.nan), "clip_ratio": m.get("clip_ratio", math.nan),
+              "skip_ratio": m.get("skip_ratio", math.nan), "final_loss": m.get("final_loss", math.nan),
+              "steps_run": ran, "wall_s": wall}
+    set_attrs(trial, {**values, "run_id": result.run_id})
+    client.set_tag(result.run_id, "outcome", "complete")
+    client.log_metric(result.run_id, "steps_run", ran, step=ctx.cfg.steps)
+    if not (math.isfinite(values["eval_loss"]) and math.isfinite(values["clip_ratio"])):
+        reason = f"non-finite eval loss ({values['eval_loss']}) or clipping ratio ({values['clip_ratio']})"
+        trial.set_user_attr("error", reason)
+        end_child(ctx.store, result.run_id, "FAILED", {"outcome": "failed", "error": reason}, {})
+        ctx.study.tell(trial, state=TrialState.FAIL)
+        ctx.counters.failed += 1
+        ctx.ui.end_trial(trial.number, "FAIL", reason)
+        return
+    watch.constrain(values["clip_ratio"])
+    pareto = ctx.cfg.study.mode == "pareto"
+    ctx.study.tell(trial, [values["eval_loss"], values["clip_ratio"]] if pareto else values["eval_loss"])
+    ctx.ui.end_trial(trial.number, "COMPLETE", f"eval {values['eval_loss']:.4g}  clip {values['clip_ratio']:.1%}  "
+                                               f"skip {values['skip_ratio']:.1%}  ({wall:.1f} s)")
+
+
+def child_run_id(store: Store, parent_run_id: str, number: int) -> str | None:
+    runs = store.client.search_runs([store.experiment_id], max_results=1, filter_string=(
+        f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.trial = '{number}'"))
+    return runs[0].info.run_id if runs else None
+
+
+def set_attrs(trial, values: dict[str, Any]) -> None:
+    for k, v in values.items():
+        trial.set_user_attr(k, v if not isinstance(v, float) or math.isfinite(v) else None)
+
+
+def end_child(store: Store, run_id: str, status: str, tags: dict[str, str], metrics: dict[str, float]) -> None:
+    """Close a trial's child run that ``run_training`` did not finish: its tags, metrics and status."""
+    log_metrics(store.client, run_id, metrics, step=0, tags=tags)
+    store.client.set_terminated(run_id, status=status)

@@ -1,0 +1,103 @@
+"""The schema is the one home of the config: clip options tied to the engine's, YAML files that
+set only what differs from it, choices checked from the fields that declare them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from clipamp_engine import CLIP_MODES, clip_mode_options, make_clip_policy
+from sweep.config import validate
+from sweep.config.schema import ClipConfig, Config
+from sweep.errors import UserError
+from sweep.run.build import clip_options
+
+from tests.app.helpers import CONF, compose_cfg
+
+#: Deliberate app choices that differ from the engine's defaults (behaviour kept from before the
+#: restructuring): clip=quantile guards against spikes (top decile) where AutoClip's paper default
+#: p=10 clips ~90% of steps; clip=staged shows a two-stage schedule, not the engine's single stage.
+APP_CHOICES = {("quantile", "quantile"): 0.9, ("staged", "stages"): [[0.0, 2.0], [100.0, 1.0]]}
+GROUPS = ("model", "data", "optim", "amp", "calibrate", "tracking", "study")
+
+
+def test_clip_config_holds_exactly_the_engine_options():
+    options = {k for mode in CLIP_MODES for k in clip_mode_options(mode)}
+    fields = {f.name for f in dataclasses.fields(ClipConfig)} - {"mode"}
+    assert fields == options, f"missing from ClipConfig: {options - fields}; not an engine option: {fields - options}"
+
+
+@pytest.mark.parametrize("mode", sorted(CLIP_MODES))
+def test_clip_yaml_lists_every_option_of_its_mode_at_the_engine_default(mode):
+    values = yaml.safe_load((CONF / "clip" / f"{mode}.yaml").read_text())
+    assert values.pop("mode") == mode
+    defaults = clip_mode_options(mode)
+    assert set(values) == set(defaults), mode
+    for key, value in values.items():
+        expected = APP_CHOICES.get((mode, key), defaults[key])
+        assert value == expected, f"conf/clip/{mode}.yaml {key}={value!r}, engine default {defaults[key]!r}"
+        if (mode, key) in APP_CHOICES:
+            assert value != defaults[key], f"{mode}.{key} now equals the engine default: drop it from APP_CHOICES"
+    cfg = compose_cfg("+experiment=train", f"clip={mode}")
+    assert clip_options(cfg.clip) == {k: v for k, v in values.items() if v is not None}  # nothing dropped
+    model = torch.nn.Linear(2, 2)
+    make_clip_policy(mode, named_params=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     **clip_options(cfg.clip))  # and the engine takes them
+
+
+@pytest.mark.parametrize("mode", sorted(CLIP_MODES))
+def test_every_engine_option_is_reachable_by_override(mode):
+    for key, default in clip_mode_options(mode).items():
+        if isinstance(default, (bool, int, float)) and not isinstance(default, bool):
+            cfg = compose_cfg("+experiment=train", f"clip={mode}", f"clip.{key}={default * 2}")
+            assert clip_options(cfg.clip)[key] == default * 2
+
+
+def _schema_default(node: object, key: str):
+    f = {f.name: f for f in dataclasses.fields(node)}[key]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_group_files_set_only_what_differs_from_the_schema(group):
+    node = getattr(Config(), group)
+    for path in sorted((CONF / group).glob("*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        for key, value in values.items():
+            if value == path.stem:  # the key naming the option itself (name: gpt, dtype: fp16, mode: pareto)
+                continue
+            assert value != _schema_default(node, key), f"{path.relative_to(CONF)}: {key}={value!r} is the default"
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def test_top_level_and_experiment_files_set_only_what_they_change():
+    top = yaml.safe_load((CONF / "config.yaml").read_text())
+    plain = {k: v for k, v in top.items() if k not in ("defaults", "hydra")}
+    assert all(v != getattr(Config(), k) for k, v in plain.items()), plain
+    base = compose_cfg()
+    for path in sorted((CONF / "experiment").glob("*.yaml")):
+        for key, value in _leaves(yaml.safe_load(path.read_text())).items():
+            node = base
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert value != node, f"{path.relative_to(CONF)}: {key}={value!r} is already the composed default"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.name=rmsprop", "optim.name='rmsprop' is not one of adamw, adam, sgd"),
+    ("optim.schedule=step", "optim.schedule='step' is not one of cosine, linear, constant"),
+    ("study.sampler=grid", "study.sampler='grid' is not one of tpe, random, nsga2"),
+    ("model.name=mlp", "model.name='mlp' is not one of gpt, lstm, linear, custom: pass model=gpt"),
+])
+def test_choices_are_checked_from_the_schema(override, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(compose_cfg("+experiment=train", override))

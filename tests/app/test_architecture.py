@@ -1,0 +1,146 @@
+"""The app's shape: its import graph has no cycle and points down the layers; modules and functions
+stay small; importing it leaves global state (warning filters) alone."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.app.helpers import REPO
+
+SWEEP = REPO / "sweep"
+#: The experiments' entry points: they (and the app) call the reports; nothing below them does.
+ENTRY_POINTS = {"sweep.app", "sweep.__main__", "sweep.experiments.training", "sweep.experiments.study.sweep",
+                "sweep.experiments.spike.experiment"}
+#: Layers that never import presentation or experiments.
+LOWER = ("sweep.errors", "sweep.config", "sweep.tasks", "sweep.run", "sweep.pick")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = SWEEP) -> dict[str, set[str]]:
+    """Module → the ``sweep`` modules it imports anywhere in its body (function-level and
+    ``TYPE_CHECKING`` imports included; ``from pkg import name`` counts ``pkg.name`` when that is a module)."""
+    modules = {module_name(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of nodes (first = last), or None (iterative DFS, three colours)."""
+    colour = {n: 0 for n in graph}
+    for start in graph:
+        if colour[start]:
+            continue
+        stack, path = [(start, iter(sorted(graph[start])))], [start]
+        colour[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(child) == 1:
+                return path[path.index(child):] + [child]
+            elif colour.get(child) == 0:
+                colour[child] = 1
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+                path.append(child)
+    return None
+
+
+def test_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"b2"}, "b2": {"b"}}) == ["b", "b2", "b"]
+
+
+def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
+    pkg = tmp_path / "sweep"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sweep.sub.b\n")
+    import tests.app.test_architecture as me
+
+    old = me.REPO
+    me.REPO = tmp_path
+    try:
+        graph = import_graph(pkg)
+    finally:
+        me.REPO = old
+    assert graph["sweep.sub"] == {"sweep.sub.b"} and graph["sweep.sub.b"] == {"sweep.c"}
+    assert find_cycle(graph) == ["sweep.c", "sweep.sub.b", "sweep.c"]
+
+
+def test_app_import_graph_is_acyclic():
+    graph = import_graph()
+    assert len(graph) > 30 and "sweep.run.pipeline" in graph["sweep.experiments.training"]
+    assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    up = [(m, t) for m, ts in graph.items() for t in ts
+          if m.startswith(LOWER) and t.startswith(("sweep.report", "sweep.experiments", "sweep.app"))]
+    assert not up, f"lower layers import presentation or experiments: {up}"
+    report = [(m, t) for m, ts in graph.items() for t in ts if m.startswith("sweep.report") and t in ENTRY_POINTS]
+    assert not report, f"reports import an entry point: {report}"
+
+
+def _long_functions(path: Path, limit: int = 60) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            doc = ast.get_docstring(node) or ""
+            if n > limit and "long because" not in doc:
+                out.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_modules_and_functions_are_small():
+    big = [f"{p.relative_to(REPO)} ({n})" for p in SWEEP.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 350]
+    assert not big, f"app modules over 350 lines: {big}"
+    long = [f for p in SWEEP.rglob("*.py") for f in _long_functions(p)]
+    assert not long, f"functions over 60 lines without 'long because' in their docstring: {long}"
+
+
+def test_importing_the_app_leaves_warning_filters_alone():
+    third_party = "torch, numpy, pandas, matplotlib.pyplot, mlflow, optuna, hydra, omegaconf, rich, sqlalchemy"
+    code = (f"import warnings, {third_party}; before = list(warnings.filters); "
+            "import sweep.app, sweep.report.cli, sweep.experiments.study.sweep; "
+            "assert warnings.filters == before, set(map(str, warnings.filters)) - set(map(str, before))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("module", ["sweep.report.cli", "sweep.app"])
+def test_graph_names_real_modules(module):
+    assert module in import_graph()
