@@ -15,6 +15,7 @@ from sweep.config.schema import Config, window_ranges
 from sweep.experiments.spike.measure import Arm, loss_excess
 from sweep.report.format import markdown_table, pct
 from sweep.report.plots import plt, save
+from sweep.tasks.build import count_text
 
 if TYPE_CHECKING:
     from sweep.run.tracking import RunTracker
@@ -26,8 +27,7 @@ Pairs = dict[str, tuple[Arm, Arm]]
 
 
 def model_size(arm: Arm) -> str:
-    n = sum(p.numel() for p in arm.task.model.parameters())
-    return f"{n / 1e6:.2f}M params" if n >= 10_000 else f"{n} params"
+    return f"{count_text(sum(p.numel() for p in arm.task.model.parameters()))} params"
 
 
 def table_title(cfg: Config) -> str:

@@ -120,7 +120,7 @@ def run_steps(
             row = log.with_extra(
                 phase=phase_of(step), data_source=batch.data_source,
                 grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None,
-                scaler_at_floor=getattr(state.scaler, "at_floor", False)).row()
+                scaler_at_floor=state.scaler.at_floor).row()
             writer.write(row)
             records.rows.append(row)
             tracker.add_step(log.step, {k: row[k] for k in STEP_METRICS} | {"clipped": float(log.clipped)})

@@ -168,7 +168,7 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         train = (_synthetic(w_star, bs, g, device) for _ in itertools.count())
         where = f"synthetic y = x @ W* + 0.1 noise ({ins}->{outs})"
         return Task(model, loss_fn or mse_loss, train, eval_batches,
-                    f"{mname} {_fmt(n_params)} params on {where}")
+                    f"{mname} {count_text(n_params)} params on {where}")
 
     full = C.stdlib_corpus(int(data_cfg.max_files)) if dname == "stdlib" else C.text_corpus(data_cfg.path)
     train_c, eval_c = C.split_corpus(full, float(data_cfg.eval_fraction))
@@ -176,7 +176,7 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
     eval_batches = [_lm_batch(eval_c, bs, T, ge, device) for _ in range(data_cfg.eval_batches)]
     g = torch.Generator().manual_seed(seed)
     train = (_lm_batch(train_c, bs, T, g, device) for _ in itertools.count())
-    desc = (f"{mname} {_fmt(n_params)} params on {dname} ({len(full)} docs, {_fmt_bytes(full.nbytes)}; "
+    desc = (f"{mname} {count_text(n_params)} params on {dname} ({len(full)} docs, {_fmt_bytes(full.nbytes)}; "
             f"{len(eval_c)} held out)")
     return Task(model, loss_fn or lm_loss, train, eval_batches, desc)
 
@@ -196,7 +196,8 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
-def _fmt(n: int) -> str:
+def count_text(n: int) -> str:
+    """A parameter count: ``0.84M`` from 10,000 up, else the number."""
     return f"{n / 1e6:.2f}M" if n >= 10_000 else str(n)
 
 

@@ -132,6 +132,7 @@ def test_modules_and_functions_are_small():
     assert not long, f"functions over 60 lines without 'long because' in their docstring: {long}"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch, mlflow, optuna, …
 def test_importing_the_app_leaves_warning_filters_alone():
     third_party = "torch, numpy, pandas, matplotlib.pyplot, mlflow, optuna, hydra, omegaconf, rich, sqlalchemy"
     code = (f"import warnings, {third_party}; before = list(warnings.filters); "

@@ -85,11 +85,9 @@ def task_key(cfg: Config) -> dict[str, Any]:
     key = {"steps": cfg.steps, "seed": cfg.seed, "accumulation_steps": cfg.accumulation_steps,
            "device": cfg.device, "space": space}
     for name in ("model", "data", "optim", "amp", "clip", "faults", "forensics"):
-        node = getattr(cfg, name, None)
-        if dataclasses.is_dataclass(node):
-            changed = _changed(node, drop=("dtype", "max_norm"))
-            if changed:
-                key[name] = changed
+        changed = _changed(getattr(cfg, name), drop=("dtype", "max_norm"))
+        if changed:
+            key[name] = changed
     return key
 
 

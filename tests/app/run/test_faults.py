@@ -46,23 +46,34 @@ def _run(dtype: str, accumulation: int, fault: str | None):
     return state, logs, faults
 
 
+#: The full matrix is end to end (slow); one case per fault family stays in the fast subset.
+FAST_CASES = {("nan_grad", "bf16", 1), ("nan_loss", "fp32", 1)}
+CASES = [pytest.param(f, d, a, marks=() if (f, d, a) in FAST_CASES else pytest.mark.slow, id=f"{f}-{d}-{a}")
+         for f in FAULTS for d in ("fp16", "bf16", "fp32") for a in (1, 4)]
+
+
 @pytest.fixture(scope="module")
 def controls():
-    return {(d, a): _run(d, a, None)[1] for d in ("fp16", "bf16", "fp32") for a in (1, 4)}
+    return {}
 
 
-@pytest.mark.parametrize("accumulation", [1, 4])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("fault", FAULTS)
+def control(controls, dtype: str, accumulation: int):
+    """The fault-free run of the same config (made once per module, on first use)."""
+    if (dtype, accumulation) not in controls:
+        controls[(dtype, accumulation)] = _run(dtype, accumulation, None)[1]
+    return controls[(dtype, accumulation)]
+
+
+@pytest.mark.parametrize("fault,dtype,accumulation", CASES)
 def test_fault_is_contained(fault, dtype, accumulation, controls):
     state, logs, faults = _run(dtype, accumulation, fault)
     hit = logs[FAULT_STEP - 1]
     outcome = hit.skip_reason if hit.skipped else ("clipped" if hit.clipped else "taken")
     allowed = EXPECTED[fault].get(dtype, EXPECTED[fault]["*"])
-    control = controls[(dtype, accumulation)]
+    control_logs = control(controls, dtype, accumulation)
     tail = lambda ls: sum(l.loss for l in ls[-3:]) / 3  # noqa: E731
     MATRIX.append((fault, dtype, accumulation, outcome, hit.grad_l2_pre_clip, hit.scaler_scale,
-                   logs[FAULT_STEP].scaler_scale, tail(logs), tail(control)))
+                   logs[FAULT_STEP].scaler_scale, tail(logs), tail(control_logs)))
     assert (FAULT_STEP, fault) in faults.fired
     assert outcome in allowed, f"{fault}/{dtype}/acc{accumulation}: {outcome} not in {allowed}"
     assert non_finite_state(state) is None  # params and optimizer state finite
@@ -72,9 +83,10 @@ def test_fault_is_contained(fault, dtype, accumulation, controls):
     if hit.skipped and dtype == "fp16":
         assert logs[FAULT_STEP].scaler_scale == hit.scaler_scale / 2  # backed off
     assert all(math.isfinite(l.loss) for l in logs[FAULT_STEP:])  # training went on
-    assert tail(logs) == pytest.approx(tail(control), rel=0.10)  # and is back on the control's trend
+    assert tail(logs) == pytest.approx(tail(control_logs), rel=0.10)  # and is back on the control's trend
 
 
+@pytest.mark.slow
 def test_print_matrix():
     """Shown in the CI log (pytest -rA / the terminal summary) as the fault table."""
     if not MATRIX:
