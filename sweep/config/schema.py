@@ -13,12 +13,14 @@ the engine itself.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
 from clipamp_engine import CLIP_MODES, DTYPES
+from clipamp_engine.calibration import CalibrationWindows
 
 RUNS = ("calibrate", "train", "sweep", "spike")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -127,8 +129,12 @@ class ClipConfig:
     exclude_1d: Optional[bool] = None  # agc: leave biases / norm scales unclipped
     max_update_norm: Optional[float] = None  # update: ρ
     decoupled_weight_decay: Optional[bool] = None  # update: null = detect per group
-    quantile: Optional[float] = None  # quantile (AutoClip)
+    quantile: Optional[float] = None  # quantile (AutoClip), calibrated: q of τ = Quantile_q
     history: Optional[int] = None  # quantile
+    window: Optional[int] = None  # calibrated: steps per calibration window
+    every: Optional[int] = None  # calibrated: steps between window starts (0: one window)
+    candidates: Optional[List[float]] = None  # calibrated: thresholds whose clipping ratio is reported
+    cap: Optional[float] = None  # calibrated: τ while the first window measures (null: no clipping)
     alpha: Optional[float] = None  # zscore (ZClip)
     z_thresh: Optional[float] = None  # zscore
     warmup_steps: Optional[int] = None  # zscore
@@ -265,8 +271,15 @@ def register() -> None:
 
 
 def window_ranges(cfg: Config) -> list[range]:
-    """Calibration windows as 1-based step ranges: the first at step 1, then every ``every`` steps."""
-    c = cfg.calibrate
-    starts = [1] + (list(range(1 + c.every, cfg.steps + 1, c.every)) if c.every else [])
-    windows = [range(s, min(s + c.window, cfg.steps + 1)) for s in starts]
-    return [w for w in windows if len(w) >= 2]  # a window cut short by the end of the run needs 2 steps
+    """The calibration windows ``cfg.calibrate`` puts in a run of ``cfg.steps`` (1-based step ranges)."""
+    return CalibrationWindows(cfg.calibrate.window, cfg.calibrate.every, cfg.steps).ranges()
+
+
+def calibrated(cfg: Config) -> Config:
+    """``cfg`` with ``clip=calibrated`` set from ``calibrate.*``: what a calibrate run (or a spike's
+    calibrated arm, or a sweep's anchor window) does, so its logged params say so."""
+    c = copy.deepcopy(cfg)
+    k = cfg.calibrate
+    c.clip = ClipConfig(mode="calibrated", window=k.window, every=k.every, quantile=k.quantile,
+                        candidates=list(k.candidates), cap=k.cap)
+    return c

@@ -1,14 +1,15 @@
 """``+experiment=calibrate`` and ``+experiment=train``: one tracked run, then its terminal summary.
 
-``calibrate`` records pre-clip norms in calibration windows and then trains at the recommended
-τ = Quantile_q (``calibrate.*``); ``train`` uses the configured clip policy throughout (``clip=MODE``).
+``calibrate`` runs ``clip=calibrated`` with the windows ``calibrate.*`` describes: it records
+pre-clip norms in calibration windows and then trains at the recommended τ = Quantile_q; ``train``
+uses the configured clip policy throughout (``clip=MODE``).
 """
 
 from __future__ import annotations
 
 from rich.console import Console
 
-from sweep.config.schema import Config
+from sweep.config.schema import Config, calibrated
 from sweep.report.run import print_run_summary, write_run_report
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
 from sweep.run.tracking import Store, redact
@@ -17,7 +18,8 @@ from sweep.run.tracking import Store, redact
 def run_single(cfg: Config, store: Store, console: Console | None = None) -> RunResult:
     """Train ``cfg`` as one run named ``<run>-<model>-<dtype>`` and print what it measured."""
     console = console or Console()
-    spec = RunSpec(f"{cfg.run}-{cfg.model.name}-{cfg.amp.dtype}", calibrate=cfg.run == "calibrate")
+    spec = RunSpec(f"{cfg.run}-{cfg.model.name}-{cfg.amp.dtype}")
+    cfg = calibrated(cfg) if cfg.run == "calibrate" else cfg
     result = run_training(cfg, store, spec, RunHooks(artifacts=write_run_report, announce=console.print))
     print_run_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
     return result

@@ -64,21 +64,22 @@ def clip_options(clip: ClipConfig) -> dict[str, Any]:
 
 
 def build_clip_policy(clip: ClipConfig, model: torch.nn.Module | None = None,
-                      optimizer: torch.optim.Optimizer | None = None) -> ClipPolicy:
+                      optimizer: torch.optim.Optimizer | None = None, total_steps: int | None = None) -> ClipPolicy:
     try:
-        return make_clip_policy(clip.mode, named_params=model, optimizer=optimizer, **clip_options(clip))
+        return make_clip_policy(clip.mode, named_params=model, optimizer=optimizer, total_steps=total_steps,
+                                **clip_options(clip))
     except ValueError as e:
         if isinstance(e, UserError):
             raise
         raise UserError(f"clip={clip.mode}: {e}") from None
 
 
-def build_state(cfg: Config, model: torch.nn.Module, loss_fn, clip: ClipPolicy | None = None, *,
-                total_steps: int | None = None) -> AmpTrainState:
-    """The engine for ``cfg``; ``clip`` defaults to the policy ``cfg.clip`` describes."""
+def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: int | None = None) -> AmpTrainState:
+    """The engine for ``cfg``: optimizer, LR schedule, the clip policy ``cfg.clip`` describes, scaler."""
+    total_steps = total_steps or cfg.steps
     optimizer = build_optimizer(cfg.optim, model)
-    clip = clip if clip is not None else build_clip_policy(cfg.clip, model, optimizer)
-    scheduler = build_scheduler(cfg.optim, optimizer, total_steps or cfg.steps)
+    clip = build_clip_policy(cfg.clip, model, optimizer, total_steps)
+    scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     amp = cfg.amp
     f = cfg.forensics
     forensics = None

@@ -14,18 +14,18 @@ import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from clipamp_engine import GlobalNormClip, NoClip, StepCSVWriter, StepLog
-from clipamp_engine.calibration import CalibrationSummary
+from clipamp_engine import CalibratedClip, StepCSVWriter, StepLog
+from clipamp_engine.calibration import CalibrationError, CalibrationSummary
 
 from sweep.config.convert import as_yaml, flat_params
-from sweep.config.schema import Config, window_ranges
+from sweep.config.schema import Config
+from sweep.errors import UserError
 from sweep.run.build import build_state
-from sweep.run.calibration import WindowSchedule, read_rows, summary_metrics, window_metrics
+from sweep.run.summary import read_rows, summary_metrics, window_metrics
 from sweep.run.checkpoint import checkpoint_path, load_resumable, save_checkpoint
 from sweep.run.faults import FaultInjector
 from sweep.run.loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
@@ -47,10 +47,9 @@ class RunResult:
 
 @dataclass
 class RunSpec:
-    """What the run is: its MLflow name, calibration windows or not, its parent and extra tags."""
+    """What the run is: its MLflow name, its parent and extra tags."""
 
     name: str
-    calibrate: bool = False
     parent_run_id: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
     task: Task | None = None  # a task built by the caller (e.g. with a wrapped loss); default: from cfg
@@ -80,7 +79,7 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     tracker, ckpt = open_run(cfg, store, spec, task)
     status = "FAILED"
     try:
-        run = _ActiveRun.start(cfg, tracker, task, spec.calibrate, hooks, ckpt, store.uri)
+        run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri)
         try:
             run.loop()
         except KeyboardInterrupt:
@@ -126,63 +125,61 @@ def git_commit() -> str:
 
 @dataclass
 class _ActiveRun:
-    """The parts of a run while it trains: engine, CSV, windows, faults, records."""
+    """The parts of a run while it trains: engine, CSV, faults, records."""
 
     cfg: Config
     tracker: RunTracker
     task: Task
     hooks: RunHooks
     state: Any  # AmpTrainState
-    schedule: WindowSchedule
     faults: FaultInjector
     writer: StepCSVWriter
     records: RunRecords
     start_step: int
     ckpt_file: Path
-    calibrate: bool
+    windows_seen: int = 0  # calibration windows already logged
 
     @classmethod
-    def start(cls, cfg: Config, tracker: RunTracker, task: Task, calibrate: bool, hooks: RunHooks,
-              ckpt: dict | None, uri: str) -> "_ActiveRun":
+    def start(cls, cfg: Config, tracker: RunTracker, task: Task, hooks: RunHooks, ckpt: dict | None,
+              uri: str) -> "_ActiveRun":
         """Build the engine (restored from ``ckpt`` when resuming) and open the CSV."""
         csv_path = tracker.artifact_path("steps.csv")
         hooks.announce(f"steps.csv: {csv_path}")
         start = ckpt["step"] if ckpt else 0
-        schedule = WindowSchedule(cfg, window_ranges(cfg) if calibrate else [])
-        first = None  # None: the configured policy, built with the optimizer
-        if schedule.window_of:
-            first = GlobalNormClip(cfg.calibrate.cap) if cfg.calibrate.cap else NoClip()
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
-        state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn, first)
+        state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
-        run = cls(cfg, tracker, task, hooks, state, schedule, faults, writer, RunRecords(), start,
-                  checkpoint_path(uri, tracker.run_id), calibrate)
+        run = cls(cfg, tracker, task, hooks, state, faults, writer, RunRecords(), start,
+                  checkpoint_path(uri, tracker.run_id))
         if ckpt is not None:
             run.restore(ckpt, csv_path)
         return run
 
     def restore(self, ckpt: dict, csv_path: Path) -> None:
-        """Engine and RNG state from the checkpoint; records and window state from the CSV's rows."""
+        """Engine (calibration windows included) and RNG state from the checkpoint; the records so far
+        (for the summary and plots) from the CSV's rows."""
         self.state.load_state_dict(ckpt["engine"])
         torch.set_rng_state(ckpt["rng"])
         self.records.rows = read_rows(csv_path)
-        for row in self.records.rows:
-            summary = self.schedule.observe(SimpleNamespace(**row))
-            if summary is not None:
-                self.state.clip = GlobalNormClip(summary.recommended_max_norm)
+        self.windows_seen = len(self.windows)
         self.hooks.announce(f"resumed run {self.tracker.run_id} at step {self.start_step}")
+
+    @property
+    def windows(self) -> list[CalibrationSummary]:
+        """The calibration windows closed so far (``clip=calibrated``; none for other policies)."""
+        return self.state.clip.summaries if isinstance(self.state.clip, CalibratedClip) else []
 
     @property
     def eval_dtype(self) -> torch.dtype | None:
         return self.state.autocast_dtype if self.cfg.amp.dtype != "fp32" else None
 
     def record(self, log: StepLog) -> None:
-        """After each step: close a window (adopt its τ), periodic eval, the caller's hook."""
-        summary = self.schedule.observe(log)
-        if summary is not None:
-            self.state.clip = GlobalNormClip(summary.recommended_max_norm)
-            self.tracker.log_metrics(window_metrics(summary, self.schedule.summaries[0]), step=log.step)
+        """After each step: log a window that closed (the engine adopted its τ), periodic eval, the hook."""
+        windows = self.windows
+        if len(windows) > self.windows_seen:
+            self.windows_seen = len(windows)
+            self.tracker.log_metrics(window_metrics(windows[-1], windows[0]), step=log.step)
         cfg = self.cfg
         if cfg.eval_every and log.step % cfg.eval_every == 0 and log.step != cfg.steps:
             self.tracker.log_metrics({"eval_loss": evaluate(self.task, dtype=self.eval_dtype)}, step=log.step)
@@ -202,21 +199,24 @@ class _ActiveRun:
         save_checkpoint(self.ckpt_file, self.state, step=step, run_id=self.tracker.run_id)
 
     def loop(self) -> None:
-        cfg = self.cfg
-        phase_of = self.schedule.phase if self.calibrate else (lambda step: "train")
+        cfg, clip = self.cfg, self.state.clip
+        phase_of = clip.phase if isinstance(clip, CalibratedClip) else (lambda step: "train")
         with self.writer, StopRequest() as stop:
-            run_steps(self.state, self.batches(), range(self.start_step + 1, cfg.steps + 1), writer=self.writer,
-                      tracker=self.tracker, records=self.records, phase_of=phase_of, on_record=self.record,
-                      progress=cfg.progress, label=self.tracker.run_name, stop=stop, checkpoint=self.checkpoint,
-                      checkpoint_every=cfg.checkpoint_every)
+            try:
+                run_steps(self.state, self.batches(), range(self.start_step + 1, cfg.steps + 1), writer=self.writer,
+                          tracker=self.tracker, records=self.records, phase_of=phase_of, on_record=self.record,
+                          progress=cfg.progress, label=self.tracker.run_name, stop=stop, checkpoint=self.checkpoint,
+                          checkpoint_every=cfg.checkpoint_every)
+            except CalibrationError as e:  # every step of a window was skipped
+                raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None
 
     def finish(self) -> RunResult:
         """Summary metrics (+ the final eval), data artifacts, the caller's artifacts; drop the checkpoint."""
-        metrics = summary_metrics(self.cfg, self.records, self.schedule.summaries)
+        metrics = summary_metrics(self.cfg, self.records, self.windows)
         metrics["eval_loss"] = evaluate(self.task, dtype=self.eval_dtype)
         self.tracker.log_metrics(metrics, step=self.cfg.steps)
         csv_path = self.tracker.artifact_path("steps.csv")
-        result = RunResult(self.tracker.run_id, csv_path, metrics, self.schedule.summaries, self.records)
+        result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records)
         write_data_artifacts(self.cfg, self.tracker, result)
         if self.hooks.artifacts is not None:
             self.hooks.artifacts(self.cfg, self.tracker, result)

@@ -8,7 +8,7 @@ unspiked twin (the normal batch at ``spike.at_step``) and the spiked run:
 
 - ``none`` (``clip=none``): children ``none-reference`` and ``none``;
 - ``fixed`` (global clip at ``spike.fixed_max_norm``): ``fixed-reference`` and ``fixed``;
-- ``calibrated`` (``calibrate=True``: τ = Quantile_q of the calibration window that ends before
+- ``calibrated`` (``clip=calibrated`` from ``calibrate.*``: τ = Quantile_q of the calibration window that ends before
   the spike): ``reference`` and ``calibrated``;
 - with ``spike.fp16=true``, the calibrated pair again in fp16 on a smaller GPT
   (``spike.fp16_overrides``): ``fp16-reference`` and ``fp16-calibrated``. There the spike

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 
-from sweep.config.schema import Config
+from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
 from sweep.experiments.spike.batch import Crafted, SpikeLoss, binary_blob, grad_norm, running_peak
 from sweep.experiments.spike.measure import Arm
@@ -19,8 +19,8 @@ from sweep.tasks.build import Batch, build_task
 
 
 def arm_config(cfg: Config, policy: str) -> Config:
-    """The config of one policy's runs: its clip mode (calibrated: set by the windows), no resume."""
-    arm_cfg = copy.deepcopy(cfg)
+    """The config of one policy's runs: its clip mode (calibrated: ``calibrate.*``'s windows), no resume."""
+    arm_cfg = calibrated(cfg) if policy == "calibrated" else copy.deepcopy(cfg)
     if policy == "none":
         arm_cfg.clip = type(cfg.clip)(mode="none")
     elif policy == "fixed":
@@ -90,7 +90,7 @@ def play_pair(cfg: Config, policy: str, store: Store, *, parent_run_id: str, con
         task = replace(task, loss_fn=loss)
         norms: dict[int, float] = {}
         name = arm_name(policy, spiked, prefix)
-        spec = RunSpec(f"spike-{name}", calibrate=policy == "calibrated", parent_run_id=parent_run_id, task=task,
+        spec = RunSpec(f"spike-{name}", parent_run_id=parent_run_id, task=task,
                        tags={"spike_arm": name, "spike_policy": policy, "spike_family": arm_cfg.amp.dtype,
                              "spiked": str(spiked).lower()})
         hooks = RunHooks(batch=spiker.inject(loss) if spiked else spiker.craft(task, loss, norms),

@@ -11,7 +11,7 @@ from mlflow.exceptions import MlflowException
 from optuna.trial import TrialState
 
 from sweep.config.convert import child_config
-from sweep.config.schema import Config
+from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.tracking import Store
@@ -45,8 +45,9 @@ def _window_quantiles(cfg: Config, study, store: Store, parent_run_id: str, anno
     """Run one calibration window (no clipping) as a child run: its quantiles and run id."""
     wcfg = child_config(cfg, steps=cfg.calibrate.window)
     wcfg.calibrate.every = 0
+    wcfg = calibrated(wcfg)
     announce(f"anchor: calibration window of {wcfg.steps} steps ({cfg.amp.dtype}) …")
-    spec = RunSpec(f"anchor-window-{cfg.amp.dtype}", calibrate=True, parent_run_id=parent_run_id,
+    spec = RunSpec(f"anchor-window-{cfg.amp.dtype}", parent_run_id=parent_run_id,
                    tags={"sweep_role": "anchor", "study": study.study_name})
     result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
     if "clip_ratio" not in result.metrics or not math.isfinite(result.metrics["clip_ratio"]):

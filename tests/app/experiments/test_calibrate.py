@@ -43,6 +43,9 @@ def test_run_holds_params_metrics_and_artifacts(calibrated):
                 "clip_ratio", "skip_ratio", "final_loss", "eval_loss"):
         assert key in m and math.isfinite(m[key]), key
     assert run.data.params["calibrate.window"] == "20" and run.data.params["model.name"] == "gpt"
+    # what the run did: the engine's calibrated policy with these windows, never a fixed clip.max_norm
+    assert (run.data.params["clip.mode"], run.data.params["clip.window"], run.data.params["clip.quantile"],
+            run.data.params["clip.max_norm"], run.data.tags["clip"]) == ("calibrated", "20", "0.9", "None", "calibrated")
     assert run.data.tags["dtype"] == "bf16" and run.data.tags["device"] == "cpu"
     names = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"steps.csv", "config.yaml", "quantiles.json", "report.md", "plots"} <= names

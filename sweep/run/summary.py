@@ -1,9 +1,8 @@
-"""Calibration windows of one run and the run's summary figures (quantiles, ratios, drift).
+"""The summary figures of one run (quantiles, ratios, loss, calibration drift) and its CSV rows.
 
-A window records pre-clip norms (clipping off, or at ``calibrate.cap``); when it closes, τ =
-Quantile_q of its finite norms is adopted for the steps that follow (seed lesson 004, "Norm
-Calibration Window"). Quantiles are over finite pre-clip norms; skipped steps are counted, not
-mixed in.
+Quantiles are over finite pre-clip norms; skipped steps are counted, not mixed in. With
+``clip=calibrated`` they are the first calibration window's (``CalibratedClip.summaries``), and
+the clipping ratio is that of the steps after the windows.
 """
 
 from __future__ import annotations
@@ -13,38 +12,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from clipamp_engine.calibration import REPORTED_QUANTILES, CalibrationSummary, NormCalibrator, quantiles
+from clipamp_engine.calibration import REPORTED_QUANTILES, CalibrationSummary, quantiles
 
 from sweep.config.schema import Config
-from sweep.errors import UserError
 from sweep.run.loop import RunRecords
-
-
-class WindowSchedule:
-    """Calibration windows of one run: feed records in, get a summary as each window closes."""
-
-    def __init__(self, cfg: Config, windows: list[range]) -> None:
-        self.calibrators = {w.start: NormCalibrator(cfg.calibrate.quantile, cfg.calibrate.candidates) for w in windows}
-        self.window_of = {s: w for w in windows for s in w}
-        self.summaries: list[CalibrationSummary] = []
-
-    def phase(self, step: int) -> str:
-        return "calibrate" if step in self.window_of else "validate"
-
-    def observe(self, log: Any) -> CalibrationSummary | None:
-        w = self.window_of.get(log.step)
-        if w is None:
-            return None
-        cal = self.calibrators[w.start]
-        cal.add(log)
-        if log.step != w[-1]:
-            return None
-        try:
-            summary = cal.summary()
-        except ValueError as e:  # every step of the window was skipped
-            raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None
-        self.summaries.append(summary)
-        return summary
 
 
 def window_metrics(summary: CalibrationSummary, first: CalibrationSummary) -> dict[str, float]:
@@ -77,7 +48,8 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
 
 
 def read_rows(csv_path: Path) -> list[dict[str, Any]]:
-    """The rows of a steps CSV with their types back (None for empty cells)."""
+    """The rows of a steps CSV with their types back (None for empty cells): a resumed run's records
+    for its summary and plots (the engine's state, calibration included, comes from the checkpoint)."""
 
     def value(v: str) -> Any:
         if v == "":
