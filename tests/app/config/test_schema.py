@@ -96,7 +96,7 @@ def test_top_level_and_experiment_files_set_only_what_they_change():
     ("optim.name=rmsprop", "optim.name='rmsprop' is not one of adamw, adam, sgd"),
     ("optim.schedule=step", "optim.schedule='step' is not one of cosine, linear, constant"),
     ("study.sampler=grid", "study.sampler='grid' is not one of tpe, random, nsga2"),
-    ("model.name=mlp", "model.name='mlp' is not one of gpt, lstm, linear, custom: pass model=gpt"),
+    ("model.name=mlp", "model.name='mlp' is not one of gpt, lstm, linear, custom, hf: pass model=gpt"),
 ])
 def test_choices_are_checked_from_the_schema(override, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
