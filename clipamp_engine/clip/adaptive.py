@@ -7,6 +7,7 @@ after the record's own sync.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -110,22 +111,30 @@ class ZScoreClip(ClipPolicy):
     set, applies) and initialise μ = mean, σ² = population variance of them. Then, per step
     with norm g::
 
-        z = (g − μ) / (σ + eps)
+        z = (g − μ) / (σ + eps·μ)
         if z > z_thresh:  τ = μ + (z_thresh² / z) · σ      ("adaptive_scaling", the paper's
                                                             reciprocal rule), or τ = μ ("mean")
-                          g is clipped to τ, and the EMA is fed τ
-        else:             the EMA is fed g
+                          g is clipped to τ (coefficient τ/g), and the EMA is fed τ
+        else:             g is left untouched, and the EMA is fed g
         μ ← α μ + (1 − α) g_fed;   σ² ← α σ² + (1 − α)(g_fed − μ)²   (with the new μ)
 
-    This is the released implementation's ``mode="zscore"`` with ``clip_factor=1`` and
-    ``skip_update_on_spike=False`` (``τ = μ + z_thresh·σ / (z / z_thresh)``, identical to
-    the paper's reciprocal form). The larger the outlier, the harder it is pulled back
-    (τ → μ as z → ∞). Example: μ=1, σ=0.5, g=3 gives z=4 and, with z_thresh=2,
-    τ = 1 + (4/4)·0.5 = 1.5 (with the default z_thresh=2.5, τ = 1.78125).
+    This is the authors' reference ``ZClip`` class (bluorion-com/ZClip, ``zclip/zclip.py``)
+    in ``mode="zscore"`` with ``clip_factor=1``, ``skip_update_on_spike=False`` and
+    ``max_grad_norm=None`` (its default is 1.0): only a step with z > z_thresh is clipped.
+    ``τ = μ + z_thresh·σ / (z / z_thresh)`` there, identical to the paper's reciprocal form.
+    The larger the outlier, the harder it is pulled back (τ → μ as z → ∞). Example: μ=1,
+    σ=0.5, g=3 gives z=4 and, with z_thresh=2, τ = 1 + (4/4)·0.5 = 1.5 (with the default
+    z_thresh=2.5, τ = 1.78125).
+
+    Scale-free, unlike the reference: every decision and every ratio g_post/g is the same for
+    a norm sequence and for that sequence times any constant (norms ~1e-5 late in a large
+    model's training, or ~1e3 early). The reference adds an absolute ``eps=1e-6`` to σ and to
+    g in its coefficient, which at norms ~1e-5 (σ ~ 1e-6) hides spikes; here ``eps`` is
+    relative to μ and the coefficient is exactly τ/g. At norms ~1 the two agree.
 
     ``threshold`` is the bound in force at the latest step: τ when it clipped, otherwise the
-    trigger level μ + z_thresh·σ (capped at ``max_norm``); ``None`` during warm-up without
-    ``max_norm``.
+    trigger level μ + z_thresh·(σ + eps·μ) above which it would have (both capped at
+    ``max_norm``); ``None`` during warm-up without ``max_norm``.
 
     Args:
         alpha: EMA factor α (0.97).
@@ -134,7 +143,8 @@ class ZScoreClip(ClipPolicy):
         clip_option: ``"adaptive_scaling"`` (default) or ``"mean"``.
         max_norm: optional fixed ceiling also applied (``None``: none; the released code's
             ``max_grad_norm``).
-        eps: added to σ in the z-score.
+        eps: guard added to σ in the z-score, relative to μ (``σ + eps·μ``; ≥ 0), so that a
+            constant warm-up (σ = 0) still gives a finite z.
 
     References:
         Kumar, Owen, Chowdhury, Güra, "ZClip: Adaptive Spike Mitigation for LLM
@@ -157,6 +167,8 @@ class ZScoreClip(ClipPolicy):
         self.clip_option = clip_option
         self.max_norm = None if max_norm is None else positive("max_norm", max_norm)
         self.eps = float(eps)
+        if not (self.eps >= 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps={eps!r} must be a finite number >= 0 (relative to the mean norm)")
         self._warm: torch.Tensor | None = None
         self._n_warm = 0
         self.mean: torch.Tensor | None = None
@@ -185,16 +197,19 @@ class ZScoreClip(ClipPolicy):
 
         mean, var = self.mean.to(pre.device), self.var.to(pre.device)
         std = var.sqrt()
-        z = (pre - mean) / (std + self.eps)
+        spread = std + self.eps * mean  # scales with the norms, so z does not
+        z = (pre - mean) / spread
         spike = z > self.z_thresh
         if self.clip_option == "adaptive_scaling":
             target = mean + (self.z_thresh ** 2 / z) * std
         else:
             target = mean
-        tau = torch.where(spike, target, mean + self.z_thresh * std)
+        bound = torch.where(spike, target, torch.full_like(target, math.inf))  # only spikes are clipped
+        tau = torch.where(spike, target, mean + self.z_thresh * spread)
         if self.max_norm is not None:
+            bound = torch.clamp(bound, max=self.max_norm)
             tau = torch.clamp(tau, max=self.max_norm)
-        coef = coefficient_above(pre, tau)
+        coef = coefficient_above(pre, bound, eps=0.0)
         scale_grads_(grads, coef)
         fed = torch.where(spike, target, pre)
         a = self.alpha
