@@ -48,7 +48,7 @@ class AmpConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
-    hysteresis: int = 1  # > 1: absorb this many overflows before backing off (DeepSpeed semantics)
+    hysteresis: int = 1  # N > 1: DeepSpeed's delayed_shift (N-1 overflows absorbed before backing off)
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0  # floor (an alarm when reached)
     max_scale: float = 16777216.0  # cap (2**24)
