@@ -87,6 +87,7 @@ class ClipConfig:
     decoupled_weight_decay: Optional[bool] = None  # update: null = detect per group
     quantile: Optional[float] = None  # quantile (AutoClip)
     history: Optional[int] = None  # quantile
+    include_current: Optional[bool] = None  # quantile: the paper's rule (true) or the autoclip package's (false)
     alpha: Optional[float] = None  # zscore (ZClip)
     z_thresh: Optional[float] = None  # zscore
     warmup_steps: Optional[int] = None  # zscore

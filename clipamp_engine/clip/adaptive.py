@@ -21,18 +21,32 @@ __all__ = ["QuantileClip", "ZScoreClip"]
 # -- AutoClip (quantile) ---------------------------------------------------------------------
 
 class QuantileClip(ClipPolicy):
-    """AutoClip: clip at the q-quantile of the pre-clip norms seen so far (current one included).
+    """AutoClip: clip at the q-quantile of the pre-clip norms seen so far.
 
-    As in the paper's reference code, the current norm is appended to the history first and
-    τ_t = quantile_q(history) (linear interpolation, like ``np.percentile``); so the first
-    step is never clipped (τ_1 = ‖g_1‖). The paper keeps the whole history; here the last
-    ``history`` norms (a device ring buffer, so no host sync). The paper's default percentile
-    is p=10, i.e. ``quantile=0.1``: by design it clips most steps (~90% once the history is
-    stationary); ``quantile=0.9``–``0.99`` turns it into a spike-only guard.
+    Two conventions for "so far", both offered (``include_current``):
+
+    - ``True`` (default) — the paper's reference code: the current norm is appended to the
+      history first, then τ_t = quantile_q(history ∪ {‖g_t‖}).
+    - ``False`` — the ``autoclip`` package (``QuantileClip``, ``global_threshold=True``): τ_t
+      is the q-quantile of the previous norms only (τ_1 = ∞), then ‖g_t‖ is appended.
+
+    Including the current norm raises τ_t whenever that norm is above the quantile of the
+    previous ones — the spike case — so a spike is clipped *less* under the paper's rule: at
+    ``quantile=1.0`` τ_t = max(history ∪ {‖g_t‖}) ≥ ‖g_t‖ and nothing is ever clipped, while
+    the package's rule clips a spike to the largest previous norm. Example, q = 0.9, previous
+    norms 1, 2, …, 10 and a spike of 100: the package clips it to 9.1, the paper's rule to
+    10 (the 0.9-quantile of 1…10 and 100). Both leave step 1 unclipped.
+
+    Quantiles interpolate linearly, like ``np.percentile``. The paper keeps the whole
+    history; here the last ``history`` norms (a device ring buffer, so no host sync). The
+    paper's default percentile is p=10, i.e. ``quantile=0.1``: by design it clips most steps
+    (~90% once the history is stationary); ``quantile=0.9``–``0.99`` turns it into a
+    spike-only guard.
 
     Args:
         quantile: q in (0, 1] (the paper's percentile p / 100).
         history: how many recent pre-clip norms to keep (≥ 1).
+        include_current: the paper's rule (``True``) or the ``autoclip`` package's (``False``).
 
     References:
         Seetharaman, Wichern, Pardo, Le Roux, "AutoClip: Adaptive Gradient Clipping for
@@ -41,13 +55,16 @@ class QuantileClip(ClipPolicy):
 
     mode = "quantile"
 
-    def __init__(self, quantile: float = 0.1, history: int = 1000) -> None:
+    def __init__(self, quantile: float = 0.1, history: int = 1000, include_current: bool = True) -> None:
         q = positive("quantile", quantile)
         if q > 1:
             raise ValueError(f"quantile={quantile!r} must be in (0, 1] (the paper's percentile p=10 is 0.1)")
         if int(history) != history or int(history) < 1:
             raise ValueError(f"history={history!r} must be an integer >= 1")
-        self.quantile, self.history = q, int(history)
+        if include_current not in (True, False):
+            raise ValueError(f"include_current={include_current!r} must be true (the paper's rule) "
+                             "or false (the autoclip package's: previous norms only)")
+        self.quantile, self.history, self.include_current = q, int(history), bool(include_current)
         self._buf: torch.Tensor | None = None
         self._filled = 0  # entries written into the ring buffer (position = _filled % history)
         self.seen = 0  # norms observed in total
@@ -61,15 +78,24 @@ class QuantileClip(ClipPolicy):
                 self._buf.copy_(old)
         return self._buf
 
-    def clip_(self, params, grads, pre, step):
-        buf = self._ensure(pre.device)
+    def _record(self, buf: torch.Tensor, pre: torch.Tensor) -> None:
         buf[self._filled % self.history] = pre  # a device copy, no sync
         self._filled += 1
         self.seen += 1
-        tau = torch.quantile(buf[: min(self._filled, self.history)], self.quantile)
+
+    def clip_(self, params, grads, pre, step):
+        buf = self._ensure(pre.device)
+        if self.include_current:
+            self._record(buf, pre)
+        kept = min(self._filled, self.history)
+        tau = torch.quantile(buf[:kept], self.quantile) if kept else None  # None: no history, τ = ∞
+        if not self.include_current:
+            self._record(buf, pre)
+        self._tau = tau
+        if tau is None:
+            return pre
         coef = coefficient_above(pre, tau)
         scale_grads_(grads, coef)
-        self._tau = tau
         return pre * coef
 
     @property
@@ -85,7 +111,8 @@ class QuantileClip(ClipPolicy):
         return torch.roll(self._buf[:n], -start).cpu() if n else torch.zeros(0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"quantile": self.quantile, "history": self.history, "norms": self.norms(), "seen": self.seen,
+        return {"quantile": self.quantile, "history": self.history, "include_current": self.include_current,
+                "norms": self.norms(), "seen": self.seen,
                 "tau": None if self._tau is None else self._tau.detach().cpu()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
