@@ -113,5 +113,5 @@ class CalibratedClip(ClipPolicy):
         if state["calibrator"] is not None:
             self._calibrator = NormCalibrator(self.quantile, self.candidates)
             self._calibrator.load_state_dict(state["calibrator"])
-        self.summaries = [CalibrationSummary(**s) for s in state["summaries"]]
+        self.summaries = [CalibrationSummary.from_state(s) for s in state["summaries"]]
         self._active = GlobalNormClip(self.tau) if self.summaries else self._before_first_window()
