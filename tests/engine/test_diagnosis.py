@@ -149,5 +149,36 @@ def test_format_findings_is_a_markdown_list():
     text = format_findings([f])
     assert text.startswith("- **spikes** (warning): 2 norm spikes — steps 1, 2, 3")
     assert "(+4)" in text
-    assert set(FINDING_KINDS) == {"nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped",
+    assert set(FINDING_KINDS) == {"nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped", "sustained_clipping",
                                   "scale_oscillating", "scale_at_floor"}
+
+
+def _with_lr(rows, warmup):
+    for r in rows:
+        r["lr"] = 3e-3 * min(1.0, r["step"] / warmup)
+    return rows
+
+
+def test_sustained_clipping_after_warmup_is_found_and_warmup_clipping_is_not():
+    norms = _healthy(400)
+    rows = _with_lr(_trace(norms, tau=1.2), warmup=20)  # lognormal(0, .15) > 1.2: ~11% of steps
+    for r in rows[:20]:
+        r["grad_l2_pre_clip"] *= 5  # a warm-up burst, clipped: not a finding by itself
+    clipped = np.array([r["grad_l2_pre_clip"] > 1.2 for r in rows])
+    found = [f for f in diagnose(rows) if f.kind == "sustained_clipping"]
+    assert len(found) == 1
+    f = found[0]
+    after = clipped[20:]
+    rolling = np.convolve(after.astype(float), np.ones(50), "valid") / 50  # the reference computation
+    assert f.evidence["warmup_end"] == 21 and f.evidence["peak_ratio"] == pytest.approx(rolling.max())
+    assert f.evidence["windows_over"] == int((rolling > 0.05).sum())
+    # the same trace clipped only during warm-up: nothing sustained
+    calm = _with_lr(_trace(norms, tau=3.0), warmup=20)
+    for r in calm[:20]:
+        r["grad_l2_pre_clip"] *= 5
+    assert "sustained_clipping" not in _kinds(diagnose(calm))
+
+
+def test_always_clipped_takes_precedence_over_sustained():
+    rows = _with_lr(_trace(_healthy(200), tau=0.5), warmup=10)
+    assert "always_clipped" in _kinds(diagnose(rows)) and "sustained_clipping" not in _kinds(diagnose(rows))
