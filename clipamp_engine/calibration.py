@@ -136,9 +136,13 @@ class QuantileCI:
         return lo_a <= hi_b and lo_b <= hi_a
 
     def as_dict(self) -> dict:
-        return {"q": self.q, "estimate": self.estimate, "low": self.low, "high": self.high,
+        """Plain values; a missing bound (and so the width) is ``None`` (JSON null), never NaN."""
+        def value(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {"q": self.q, "estimate": self.estimate, "low": value(self.low), "high": value(self.high),
                 "confidence": self.confidence, "n": self.n, "coverage": self.coverage,
-                "rel_width": self.rel_width, "min_window": min_window(self.q, self.confidence)}
+                "rel_width": value(self.rel_width), "min_window": min_window(self.q, self.confidence)}
 
 
 def quantile_ci(values: Sequence[float], q: float, confidence: float = CONFIDENCE) -> QuantileCI:
