@@ -290,7 +290,7 @@ class NormCalibrator:
 
 
 class CalibrationWindows:
-    """Where the calibration windows of a run lie: the first at step 1, then one every ``every`` steps.
+    """Where the calibration windows of a run lie: the first at step ``first``, then one every ``every`` steps.
 
     Each window is ``window`` steps long; with ``total_steps`` known, a window cut short by the
     end of the run is kept only if it still has 2 steps (a quantile of one norm says nothing).
@@ -299,32 +299,46 @@ class CalibrationWindows:
         window: steps per window (>= 2).
         every: steps between window starts (0: one window; else >= ``window``, no overlap).
         total_steps: the run length, if known (``None``: windows never end early).
+        first: the first window's first step (1: from the start of the run).
     """
 
-    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None) -> None:
+    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None, first: int = 1) -> None:
         if not _is_int(window) or window < 2:
             raise ValueError(f"window={window!r} must be an integer >= 2 steps")
         if not _is_int(every) or every < 0 or (every and every < window):
             raise ValueError(f"every={every!r} must be 0 (one window) or an integer >= window={window}")
         if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
             raise ValueError(f"total_steps={total_steps!r} must be an integer >= 1 (or None: unknown)")
-        self.window, self.every, self.total_steps = int(window), int(every), total_steps
+        if not _is_int(first) or first < 1:
+            raise ValueError(f"first={first!r} must be a step number >= 1")
+        self.window, self.every, self.total_steps, self.first = int(window), int(every), total_steps, first
 
     def window_at(self, step: int) -> range | None:
         """The window (a range of 1-based steps) that contains ``step``, or ``None``."""
-        if step < 1 or (self.total_steps is not None and step > self.total_steps):
+        if step < self.first or (self.total_steps is not None and step > self.total_steps):
             return None
-        start = 1 + (step - 1) // self.every * self.every if self.every else 1
+        offset = (step - self.first) // self.every * self.every if self.every else 0
+        start = self.first + offset
         end = start + self.window
         if self.total_steps is not None:
             end = min(end, self.total_steps + 1)
         return range(start, end) if start <= step < end and end - start >= 2 else None
 
+    def next_start(self, step: int) -> int | None:
+        """The first step of the next window that opens after ``step`` (None: no more windows)."""
+        if step < self.first:
+            nxt = self.first
+        elif self.every:
+            nxt = self.first + ((step - self.first) // self.every + 1) * self.every
+        else:
+            return None
+        return nxt if self.total_steps is None or self.window_at(nxt) is not None else None
+
     def ranges(self) -> list[range]:
         """Every window of the run, in order (needs ``total_steps``)."""
         if self.total_steps is None:
             raise ValueError("the windows of a run of unknown length cannot be listed: pass total_steps")
-        starts = range(1, self.total_steps + 1, self.every) if self.every else [1]
+        starts = range(self.first, self.total_steps + 1, self.every) if self.every else [self.first]
         return [w for w in map(self.window_at, starts) if w is not None]
 
 

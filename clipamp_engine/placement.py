@@ -38,7 +38,7 @@ class Placement:
     start: int  # first step of the window (1-based)
     warmup_end: int | None  # first step whose LR did not rise (None: not seen before `latest`)
     settled_at: int | None  # step at which the rolling median had been in band for `patience` steps
-    median: float  # rolling median of the norms at that point (NaN when never settled)
+    median: float | None  # rolling median of the norms at that point (None when none was computed)
     rule: str  # "auto" | "fixed" | "deadline"
     reason: str
 
@@ -49,7 +49,7 @@ class Placement:
 
 def fixed_placement(skip: int) -> Placement:
     """``calibrate.start=N``: the window starts after ``N`` steps (``0``: at step 1, as before)."""
-    return Placement(skip + 1, None, None, math.nan, "fixed",
+    return Placement(skip + 1, None, None, None, "fixed",
                      f"calibrate.start={skip}: the window starts at step {skip + 1}"
                      + (" (it includes any LR warm-up)" if skip == 0 else ""))
 
@@ -108,7 +108,7 @@ class StartDetector:
         why = ("the LR was still rising" if self.warmup_end is None
                else f"the rolling median of the norms still varied by more than {self.band:.0%} "
                     f"(warm-up over at step {self.warmup_end})")
-        m = self._medians[-1] if self._medians else math.nan
+        m = self._medians[-1] if self._medians else None
         return Placement(step + 1, self.warmup_end, None, m, "deadline",
                          f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
                          f"leaves room for the window and its validation steps: its quantiles may still include "
