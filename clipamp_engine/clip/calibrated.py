@@ -89,8 +89,14 @@ class CalibratedClip(ClipPolicy):
         self.start, self.validate, self.total_steps = start, validate, total_steps
         CalibrationWindows(window, every, total_steps)  # validates window, every, total_steps
         self.window, self.every = window, every
-        self.detector = StartDetector(latest=self._latest_start()) if start == "auto" else None
+        latest = self._latest_start()
+        self.detector = StartDetector(latest=latest) if start == "auto" else None
         self.placement: Placement | None = None if start == "auto" else fixed_placement(start)
+        if start == "auto" and latest == 1:  # no room to wait: the window and its validation fill the run
+            self.placement = Placement(1, None, None, None, "deadline",
+                                       f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
+                                       f"before a {window}-step window and its validation: the window starts at "
+                                       f"step 1 (raise steps to let calibrate.start=auto wait)")
         self.windows = self._windows()
         self.summaries: list[CalibrationSummary] = []
         self.validation: list[list[int]] = []  # per closed window: [clipped, taken] over its validation steps

@@ -263,3 +263,11 @@ def test_auto_start_and_validation_resume_from_the_state_dict_alone(kill_after):
 def test_bad_calibration_options_name_the_value(options, match):
     with pytest.raises(ValueError, match=match):
         make_clip_policy("calibrated", **options)
+
+
+def test_auto_in_a_run_too_short_to_wait_starts_at_step_1_and_says_why():
+    p = CalibratedClip(window=20, start="auto", total_steps=40)
+    assert p.placement.start == 1 and p.placement.rule == "deadline" and "no room to wait" in p.placement.reason
+    assert p.phase(1) == "calibrate"
+    roomy = CalibratedClip(window=20, start="auto", total_steps=100)
+    assert roomy.placement is None and roomy.detector.latest == 100 - 20 - 20 + 1
