@@ -1,8 +1,9 @@
 """A target clipping band, and the check of a window's τ on held-out steps.
 
 Seed 004 asks to choose τ "so the clipping ratio lands in a small band" (large-scale
-pretraining: low, often below 5%). ``band_quantile`` aims at the band's geometric centre,
-τ = Quantile_{1 − √(low·high)} of the window; ``check_band`` then compares the ratio the window
+pretraining: low, often below 5%). ``band_quantile`` aims at the band's midpoint,
+τ = Quantile_{1 − (low + high)/2} of the window (the realised ratio's sampling error is binomial,
+about symmetric in absolute terms, and the band is stated in absolute shares); ``check_band`` then compares the ratio the window
 predicts (its share of norms above τ) with the ratio realised while clipping at τ on the
 following ``calibrate.validate`` steps, with an exact (Clopper–Pearson) interval on the realised
 ratio so that a handful of validation steps is not mistaken for drift.
@@ -36,9 +37,9 @@ def validate_band(band: tuple[float, float]) -> tuple[float, float]:
 
 
 def band_quantile(band: tuple[float, float]) -> float:
-    """The quantile whose window clipping ratio is the band's geometric centre √(low·high)."""
+    """The quantile whose window clipping ratio is the band's midpoint (low + high) / 2."""
     low, high = validate_band(band)
-    return 1.0 - math.sqrt(low * high)
+    return 1.0 - (low + high) / 2
 
 
 def _binomial_cdf_at(k: int, n: int, p: float) -> float:
