@@ -15,7 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 __all__ = ["HysteresisScaler", "LossScaleFloorWarning", "LossScaler"]
 
@@ -39,6 +39,19 @@ class LossScaler(torch.amp.GradScaler):
         state["scale"] = state["scale"] * state["backoff_factor"]
         state["_growth_tracker"] = 0
         self.load_state_dict(state)
+
+    def record_inf_check(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """Record ``found_inf`` as ``optimizer``'s inf check of this iteration, as ``unscale_`` +
+        ``step`` would, for an update that unscaled inside a fused optimizer; ``update()`` follows."""
+        if not self.is_enabled():
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.STEPPED
+
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The current scale as a device tensor (no sync); ``None`` when disabled or not yet used."""
+        return self._scale if self.is_enabled() else None
 
 
 class LossScaleFloorWarning(RuntimeWarning):

@@ -184,6 +184,7 @@ def run_training(
             first = GlobalNormClip(cfg.calibrate.cap) if cfg.calibrate.cap else NoClip()
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn, first)
+        tracker.set_tags({"pipeline": state.pipeline})  # fused or default update path (clipamp_engine.fused)
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
         records = RunRecords()
