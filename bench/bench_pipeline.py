@@ -1,6 +1,6 @@
 """The safety pipeline after backward, on 50M gradients: canonical recipe vs fused path vs the floor.
 
-    python bench/bench_pipeline.py [--numel 50e6] [--rounds 9] [--iters 3] [--variants fp32,bf16]
+    python bench/bench_pipeline.py [--numel 50e6] [--rounds 9] [--iters 3] [--variants fp32,bf16] [--threads N]
 
 Arms (every one sees the same gradients, restored before each timed call, untimed):
   (a) canonical: GradScaler unscale + ``clip_grad_norm_`` + foreach AdamW
@@ -143,7 +143,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--iters", type=int, default=3, help="timed calls per arm and round")
     ap.add_argument("--variants", default="fp32,bf16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}")
     variants = {"fp32": (torch.float32, True), "bf16": (torch.bfloat16, False)}
     for v in args.variants.split(","):
