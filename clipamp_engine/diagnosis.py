@@ -238,23 +238,33 @@ def _always_clipped(t: _Trace, max_ratio: float, min_steps: int) -> Finding | No
                    t.step[idx][clipped].tolist(), evidence)
 
 
+def _min_clips_above(window: int, above: float) -> int:
+    """The fewest clipped steps of ``window`` whose exact 95% interval lies entirely above ``above``."""
+    from .band import clopper_pearson
+
+    return next((k for k in range(window + 1) if clopper_pearson(k, window)[0] > above), window + 1)
+
+
 def _sustained_clipping(t: _Trace, window: int, above: float) -> Finding | None:
-    """The rolling clipping ratio over ``window`` taken steps after the LR warm-up, above ``above``."""
+    """Rolling windows of ``window`` taken steps after the LR warm-up whose clipping ratio is above
+    ``above`` beyond sampling noise (Clopper–Pearson lower bound > ``above``)."""
     from .placement import warmup_end
 
     end = warmup_end(t.lr[np.isfinite(t.lr)].tolist()) or 1
     idx = np.flatnonzero(t.taken & (t.step >= t.step[0] + end - 1))
     if len(idx) < window:
         return None
-    rolling = np.convolve(t.clipped(idx).astype(float), np.ones(window), "valid") / window
-    over = np.flatnonzero(rolling > above)
+    counts = np.convolve(t.clipped(idx).astype(float), np.ones(window), "valid")
+    rolling = counts / window
+    over = np.flatnonzero(counts >= _min_clips_above(window, above))
     if not len(over):
         return None
     ends = t.step[idx][over + window - 1]  # the step each over-band rolling window ends at
     worst = int(np.argmax(rolling))
     return Finding("sustained_clipping", "warning",
                    f"after the LR warm-up (step {int(t.step[0]) + end - 1}) the clipping ratio over {window} steps "
-                   f"exceeded {above:.0%} in {len(over)} windows ending at steps {int(ends[0])}–{int(ends[-1])} "
+                   f"exceeded {above:.0%} beyond sampling noise in {len(over)} windows ending at steps "
+                   f"{int(ends[0])}–{int(ends[-1])} "
                    f"(peak {rolling[worst]:.0%}, steps {int(t.step[idx][worst])}–{int(t.step[idx][worst + window - 1])}); "
                    f"likely {_CAUSES['sustained_clipping']}",
                    ends.tolist(), {"window": window, "above": above, "peak_ratio": float(rolling[worst]),
@@ -327,8 +337,9 @@ def diagnose(records: Iterable[StepLog | Mapping[str, Any]], *, spike_window: in
             else pre > max_norm).
         sustained_window, sustained_above: "sustained clipping" when, after the LR warm-up (the
             first step whose LR did not rise), the clipping ratio over some ``sustained_window``
-            consecutive taken steps exceeds ``sustained_above`` (the top of
-            seed 004's pretraining band); skipped when ``always_clipped`` already fires.
+            consecutive taken steps exceeds ``sustained_above`` (the top of seed 004's pretraining
+            band) beyond noise: the exact 95% lower bound of that ratio is above it (over 50 steps
+            that takes ≥ 7 clipped steps, not 3); skipped when ``always_clipped`` already fires.
         scale_min_reversals, scale_max_period: the loss scale "oscillates" when it reverses
             direction at least that many times, at least once per ``scale_max_period`` steps.
         min_scale: the scaler's floor (a disabled scaler's constant 1.0 never counts).

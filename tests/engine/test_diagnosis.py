@@ -12,6 +12,8 @@ from clipamp_engine.csvlog import StepCSVWriter
 from clipamp_engine.diagnosis import FINDING_KINDS, Finding, diagnose, format_findings
 from clipamp_engine.records import SkipLog, StepLog
 
+stats = pytest.importorskip("scipy.stats")
+
 
 def _trace(norms, *, tau=10.0, scale=None, sources=None, skipped=None, reasons=None):
     rows = []
@@ -161,17 +163,18 @@ def _with_lr(rows, warmup):
 
 def test_sustained_clipping_after_warmup_is_found_and_warmup_clipping_is_not():
     norms = _healthy(400)
-    rows = _with_lr(_trace(norms, tau=1.2), warmup=20)  # lognormal(0, .15) > 1.2: ~11% of steps
+    rows = _with_lr(_trace(norms, tau=1.1), warmup=20)  # lognormal(0, .15) > 1.1: ~26% of steps
     for r in rows[:20]:
         r["grad_l2_pre_clip"] *= 5  # a warm-up burst, clipped: not a finding by itself
-    clipped = np.array([r["grad_l2_pre_clip"] > 1.2 for r in rows])
+    clipped = np.array([r["grad_l2_pre_clip"] > 1.1 for r in rows])
     found = [f for f in diagnose(rows) if f.kind == "sustained_clipping"]
     assert len(found) == 1
     f = found[0]
     after = clipped[20:]
-    rolling = np.convolve(after.astype(float), np.ones(50), "valid") / 50  # the reference computation
-    assert f.evidence["warmup_end"] == 21 and f.evidence["peak_ratio"] == pytest.approx(rolling.max())
-    assert f.evidence["windows_over"] == int((rolling > 0.05).sum())
+    counts = np.convolve(after.astype(float), np.ones(50), "valid")  # the reference computation
+    lower = stats.beta.ppf(0.025, counts, 50 - counts + 1)  # Clopper–Pearson lower bound of each window
+    assert f.evidence["warmup_end"] == 21 and f.evidence["peak_ratio"] == pytest.approx(counts.max() / 50)
+    assert f.evidence["windows_over"] == int((lower > 0.05).sum()) > 0
     # the same trace clipped only during warm-up: nothing sustained
     calm = _with_lr(_trace(norms, tau=3.0), warmup=20)
     for r in calm[:20]:
@@ -182,3 +185,11 @@ def test_sustained_clipping_after_warmup_is_found_and_warmup_clipping_is_not():
 def test_always_clipped_takes_precedence_over_sustained():
     rows = _with_lr(_trace(_healthy(200), tau=0.5), warmup=10)
     assert "always_clipped" in _kinds(diagnose(rows)) and "sustained_clipping" not in _kinds(diagnose(rows))
+
+
+def test_a_few_clips_in_band_are_not_sustained_clipping():
+    """3 clipped of 50 steps (6%) is within the noise of a 3% target: no finding; 7 of 50 is."""
+    for k, found in ((3, False), (6, False), (7, True)):
+        norms = [2.0 if i % 50 < k else 1.0 for i in range(200)]
+        rows = _with_lr(_trace(norms, tau=1.5), warmup=1)
+        assert ("sustained_clipping" in _kinds(diagnose(rows))) is found, k
