@@ -1,4 +1,5 @@
-"""Built-in training tasks: byte-level LMs (gpt, lstm, custom) on stdlib/text, linear on synthetic.
+"""Training tasks: byte-level LMs (gpt, lstm, custom) on stdlib/text, linear on synthetic, and
+``model=hf`` (any transformers causal LM) on tokenized text (``data=hf`` files, stdlib, text).
 
     task = build_task(ModelConfig(), DataConfig(), seed=0)
     batch = next(task.train_batches)

@@ -140,17 +140,51 @@ def _build_model(m: ModelConfig, seq_len: int) -> tuple[nn.Module, Callable | No
     return model, loss_fn
 
 
+def freeze(model: nn.Module, m: ModelConfig) -> None:
+    """``model.train_only`` / ``model.freeze`` name regexes -> ``requires_grad`` (frozen: never optimised,
+    never in a norm). A pattern that matches nothing, or a model left with nothing to train, is refused."""
+    import re
+
+    if not m.train_only and not m.freeze:
+        return  # the model's own requires_grad flags stand
+    names = [n for n, _ in model.named_parameters()]
+    for key in ("train_only", "freeze"):
+        for pat in getattr(m, key) or []:
+            try:
+                rx = re.compile(str(pat))
+            except re.error as e:
+                raise UserError(f"model.{key} pattern {pat!r} is not a regex ({e}): fix it") from None
+            if not any(rx.search(n) for n in names):
+                raise UserError(f"model.{key} pattern {pat!r} matches no parameter name; names look like "
+                                f"{', '.join(names[:3])}: fix the pattern")
+    train_only = [re.compile(str(p)) for p in m.train_only or []]
+    frozen = [re.compile(str(p)) for p in m.freeze or []]
+    for name, p in model.named_parameters():
+        trains = (not train_only or any(rx.search(name) for rx in train_only)) and not any(
+            rx.search(name) for rx in frozen)
+        p.requires_grad_(trains)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError("model.freeze/model.train_only leave no parameter to train: loosen the patterns")
+
+
 def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.device = "cpu") -> Task:
     """Build the model (initialised from ``seed``), its loss and seeded train/eval batches."""
     model_cfg, data_cfg = _as(ModelConfig, model_cfg), _as(DataConfig, data_cfg)
     mname, dname = model_cfg.name, data_cfg.name
     if mname not in MODEL_NAMES:
         raise UserError(f"model.name={mname!r} is not one of {', '.join(MODEL_NAMES)}: "
-                        "pass model=gpt (or lstm, linear, custom)")
+                        "pass model=gpt (or lstm, linear, custom, hf)")
     if dname not in DATA_NAMES:
         raise UserError(f"data.name={dname!r} is not one of {', '.join(DATA_NAMES)}: "
-                        "pass data=stdlib (or text, synthetic)")
+                        "pass data=stdlib (or text, synthetic, hf)")
     _check_data_cfg(data_cfg)
+    if mname == "hf":
+        from .hf import build_hf_task
+
+        return build_hf_task(model_cfg, data_cfg, seed=seed, device=torch.device(device))
+    if dname == "hf":
+        raise UserError(f"data=hf is tokenized text for model=hf, got model.name={mname!r}: pass model=hf, or "
+                        "data=text data.path=FILE for a byte-level model")
     if mname == "linear" and dname != "synthetic":
         raise UserError(f"model=linear needs data=synthetic, got data.name={dname!r}: pass data=synthetic")
     if mname in ("gpt", "lstm") and dname == "synthetic":
@@ -161,6 +195,7 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         torch.manual_seed(seed)
         model, loss_fn = _build_model(model_cfg, int(data_cfg.seq_len))
     model = model.to(device).train()
+    freeze(model, model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     bs, T = int(data_cfg.batch_size), int(data_cfg.seq_len)
 

@@ -1,8 +1,9 @@
-"""Byte corpora (stdlib sources or user files) and seeded window sampling.
+"""Corpora (stdlib sources, user files, or tokenized documents) and seeded window sampling.
 
-A ``Corpus`` is a set of documents stored as one flat uint8 tensor plus
-offsets; ``sample_windows`` draws B random windows of up to T+1 bytes from
-random documents, fully vectorised (no per-token Python loops).
+A ``Corpus`` is a set of documents stored as one flat id tensor (uint8 bytes; int32 token ids
+for ``model=hf``) plus offsets; ``sample_windows`` draws B random windows of up to T+1 ids from
+random documents (padded), ``sample_packed`` B windows of exactly T+1 ids from the documents
+back to back; both fully vectorised (no per-token Python loops).
 """
 from __future__ import annotations
 
@@ -31,29 +32,36 @@ _PATH_FIX = "pass data.path=FILE with a readable text file or directory"
 class Corpus:
     names: tuple[str, ...]  # unique document ids (relative paths, "file#k" for chunks)
     sources: tuple[str, ...]  # data_source label per document
-    data: torch.Tensor  # uint8 [total bytes], documents back to back
+    data: torch.Tensor  # [total ids], documents back to back: uint8 bytes, or int32 token ids
     offsets: torch.Tensor  # int64 [n_docs + 1]
 
     @staticmethod
     def from_docs(docs: Sequence[tuple[str, str, bytes]]) -> "Corpus":
+        return Corpus.from_pieces([(n, s, torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+                                    else torch.zeros(0, dtype=torch.uint8)) for n, s, b in docs])
+
+    @staticmethod
+    def from_pieces(docs: Sequence[tuple[str, str, torch.Tensor]]) -> "Corpus":
+        """Documents as 1-D tensors of ids (bytes or tokens; the first one's dtype is kept)."""
+        dtype = docs[0][2].dtype if docs else torch.uint8
         docs = [d for d in docs if len(d[2]) >= 2]  # need at least one (input, target) pair
         lengths = torch.tensor([0] + [len(d[2]) for d in docs], dtype=torch.int64)
-        blob = bytearray(b"".join(d[2] for d in docs)) or bytearray(1)
-        return Corpus(tuple(d[0] for d in docs), tuple(d[1] for d in docs),
-                      torch.frombuffer(blob, dtype=torch.uint8), lengths.cumsum(0))
+        data = torch.cat([d[2] for d in docs]) if docs else torch.zeros(1, dtype=dtype)
+        return Corpus(tuple(d[0] for d in docs), tuple(d[1] for d in docs), data, lengths.cumsum(0))
 
     def __len__(self) -> int:
         return len(self.names)
 
     @property
-    def nbytes(self) -> int:
+    def nbytes(self) -> int:  # ids: bytes, or tokens
         return int(self.offsets[-1])
 
     def doc(self, i: int) -> bytes:
         return bytes(self.data[self.offsets[i] : self.offsets[i + 1]].numpy())
 
     def subset(self, idx: Sequence[int]) -> "Corpus":
-        return Corpus.from_docs([(self.names[i], self.sources[i], self.doc(i)) for i in idx])
+        o = self.offsets
+        return Corpus.from_pieces([(self.names[i], self.sources[i], self.data[o[i]:o[i + 1]]) for i in idx])
 
 
 def _unit_hash(name: str, salt: str) -> float:
@@ -140,10 +148,10 @@ def split_corpus(corpus: Corpus, eval_fraction: float) -> tuple[Corpus, Corpus]:
     return corpus.subset([i for i in range(len(h)) if i not in evs]), corpus.subset(ev)
 
 
-def sample_windows(corpus: Corpus, batch_size: int, seq_len: int, g: torch.Generator):
-    """B windows of up to seq_len+1 bytes -> (inputs int64 [B,T], targets int64 [B,T], source).
+def sample_windows(corpus: Corpus, batch_size: int, seq_len: int, g: torch.Generator, pad: int = PAD_INPUT):
+    """B windows of up to seq_len+1 ids -> (inputs int64 [B,T], targets int64 [B,T], source).
 
-    Inputs are padded with 0 and targets with -100 at exactly the same positions.
+    Inputs are padded with ``pad`` and targets with -100 at exactly the same positions.
     """
     n = len(corpus)
     doc = torch.randint(n, (batch_size,), generator=g)
@@ -156,7 +164,20 @@ def sample_windows(corpus: Corpus, batch_size: int, seq_len: int, g: torch.Gener
     idx = torch.where(valid, (start_doc + start)[:, None] + ar, 0)
     tok = corpus.data[idx].long()
     keep = valid[:, 1:]  # position t is real iff its target byte t+1 exists
-    inputs = tok[:, :-1].masked_fill(~keep, PAD_INPUT)
+    inputs = tok[:, :-1].masked_fill(~keep, pad)
     targets = tok[:, 1:].masked_fill(~keep, IGNORE)
     source = Counter(corpus.sources[i] for i in doc.tolist()).most_common(1)[0][0]
     return inputs, targets, source
+
+
+def sample_packed(corpus: Corpus, batch_size: int, seq_len: int, g: torch.Generator):
+    """B windows of exactly seq_len+1 ids from the documents back to back (packing, no padding).
+
+    A window may span a document boundary (each tokenized document ends with EOS), as in GPT-2
+    style packed pre-training; its source is the document it starts in. Needs more than seq_len ids.
+    """
+    start = torch.randint(corpus.nbytes - seq_len, (batch_size,), generator=g)
+    tok = corpus.data[start[:, None] + torch.arange(seq_len + 1)].long()
+    doc = torch.searchsorted(corpus.offsets, start, right=True) - 1
+    source = Counter(corpus.sources[i] for i in doc.tolist()).most_common(1)[0][0]
+    return tok[:, :-1], tok[:, 1:], source

@@ -1,0 +1,91 @@
+"""``model=hf``: a ``transformers`` causal LM on tokenized text (``data=hf`` files, or stdlib/text).
+
+Batches are token windows: packed (documents back to back, EOS between; every target real) or
+padded (one document window per row, input ``PAD`` and target -100 where padded, attention mask
+0 there). The loss is the runner's ``lm_loss``: (token-sum, real-token count), so the engine's
+step loss is the token mean over every real token of the whole accumulated batch (seed 004,
+"Why token normalization matters").
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from typing import Any
+
+import torch
+
+from . import corpus as C
+from ..errors import UserError
+from . import hf_data as D
+from . import hf_model as M
+from .build import EVAL_SEED, Batch, Task, freeze, lm_loss
+from .config import DataConfig, ModelConfig
+
+
+def _tokenizer(d: DataConfig, m: ModelConfig, docs: list[D.Doc], files: list) -> tuple[Any, str]:
+    """(tokenizer, where it came from): data.tokenizer, else model.pretrained's, else a trained BPE."""
+    if d.tokenizer:
+        return D.load_tokenizer(d.tokenizer, "data.tokenizer"), f"data.tokenizer={d.tokenizer}"
+    if m.pretrained:
+        p = M.pretrained_dir(m.pretrained)
+        if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+            raise UserError(f"model.pretrained={m.pretrained!r} has no tokenizer: pass data.tokenizer=DIR, the "
+                            "tokenizer the model was trained with (a new one would not match its embedding)")
+        return D.load_tokenizer(p, "model.pretrained"), "model.pretrained's"
+    tok, where = D.trained_tokenizer(d, docs, files)
+    return tok, f"BPE {len(tok)} trained on the corpus, cached in {where}"
+
+
+@functools.lru_cache(maxsize=4)
+def _corpora(d_json: str, pretrained: str | None) -> tuple[C.Corpus, C.Corpus, Any, str, int]:
+    """Tokenized train/eval corpora (cached in-process: sweep trials share them)."""
+    d = DataConfig(**json.loads(d_json))
+    m = ModelConfig(name="hf", pretrained=pretrained)
+    if d.name == "hf" and d.files:
+        files, docs = D.resolve_files(d.files), D.file_docs(d)
+    else:
+        files, docs = [], D.builtin_docs(d)
+    tok, where = _tokenizer(d, m, docs, files)
+    full = D.tokenize(docs, tok)
+    train, held_out = C.split_corpus(full, float(d.eval_fraction))
+    T = int(d.seq_len)
+    for split, c in (("training", train), ("held-out", held_out)):
+        if d.packing and c.nbytes <= T:
+            raise UserError(f"the {split} split has {c.nbytes} tokens, not more than data.seq_len={T} "
+                            f"(packing needs one full window): lower data.seq_len, use more text"
+                            + (", or raise data.eval_fraction" if split == "held-out" else ""))
+    return train, held_out, tok, where, len(full)
+
+
+def _batches(corpus: C.Corpus, d: DataConfig, g: torch.Generator, device: torch.device):
+    bs, T = int(d.batch_size), int(d.seq_len)
+    while True:
+        if d.packing:
+            x, y, src = C.sample_packed(corpus, bs, T, g)
+        else:
+            x, y, src = C.sample_windows(corpus, bs, T, g, pad=M.PAD)
+        yield Batch(x.to(device), y.to(device), src)
+
+
+def build_hf_task(m: ModelConfig, d: DataConfig, *, seed: int, device: torch.device) -> Task:
+    """The ``model=hf`` task: model (initialised from ``seed``), token-mean loss, seeded batches."""
+    if d.name == "synthetic":
+        raise UserError("model=hf needs text, got data.name='synthetic': pass data=hf data.files=FILE "
+                        "(or data=stdlib, data=text)")
+    d_json = json.dumps({k: v for k, v in vars(d).items()}, sort_keys=True, default=str)
+    train, held_out, tok, where, n_docs = _corpora(d_json, m.pretrained)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = M.build(m, len(tok))
+    M.check_fits(model, len(tok), int(d.seq_len), where)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    model = M.adapt(model, pad_id, padded=not d.packing).to(device).train()
+    freeze(model, m)
+    ge = torch.Generator().manual_seed(EVAL_SEED)
+    eval_batches = list(itertools.islice(_batches(held_out, d, ge, device), int(d.eval_batches)))
+    train_batches = _batches(train, d, torch.Generator().manual_seed(seed), device)
+    origin = f"model.pretrained={m.pretrained}" if m.pretrained else f"model_type={model.config.model_type}"
+    desc = (f"hf {M.describe(model)} ({origin}) on {d.name} ({n_docs} docs, {train.nbytes + held_out.nbytes} "
+            f"tokens, {len(held_out)} docs held out; {'packed' if d.packing else 'padded'}; tokenizer: {where})")
+    return Task(model, lm_loss, train_batches, eval_batches, desc)

@@ -1,0 +1,147 @@
+"""``model=hf``: any ``transformers`` causal LM, from a config in YAML or a local pretrained directory.
+
+The model stays the genuine ``transformers`` module (its parameter names, ``save_pretrained``);
+two hooks adapt its call to the runner's ``model(ids) -> logits``:
+
+- before ``forward``: ids equal to ``PAD`` (-1, padded positions) become the tokenizer's pad id
+  with ``attention_mask`` 0 there (only for padded data: packed batches have no padding and pass
+  no mask); ``use_cache=False``;
+- after ``forward``: the output's ``logits``, so the loss is the runner's own token-sum/count.
+
+Weights load in fp32 (master weights); autocast gives bf16/fp16 compute like every other model.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .config import ModelConfig
+from .hf_data import offline
+
+PAD = -1  # input id of a padded position (targets there are -100)
+_EXAMPLES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "opt")
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
+
+
+def _check_keys(config_class: type, keys: list[str]) -> None:
+    """Refuse a key that is a near-miss of a real config field (a typo would be silently ignored)."""
+    if not is_dataclass(config_class):
+        return
+    known = {f.name for f in fields(config_class)} | set(getattr(config_class, "attribute_map", {}))
+    for key in keys:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if key not in known and close:
+            raise UserError(f"model.config.{key} is not a field of {config_class.__name__}: did you mean "
+                            f"model.config.{close[0]}?")
+
+
+def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
+    """A randomly initialised causal LM from ``model.config`` (``model_type`` + config keys)."""
+    offline()
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    kwargs = dict(m.config or {})
+    model_type = kwargs.pop("model_type", None)
+    if model_type not in CAUSAL:
+        raise UserError(f"model.config.model_type={model_type!r} is not a transformers causal LM type: "
+                        f"pass one of {', '.join(_EXAMPLES)} (or any of the {len(CAUSAL)} in "
+                        "transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)")
+    if kwargs.get("vocab_size") is None:
+        kwargs["vocab_size"] = vocab_size
+    kwargs["use_cache"] = False
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except Exception as e:
+        raise UserError(f"model.config={ {'model_type': model_type, **kwargs} } is refused by transformers: "
+                        f"{_one_line(e)}: fix that model.config key") from None
+    _check_keys(type(config), list(kwargs))
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as e:
+        raise UserError(f"model.config (model_type={model_type}) could not build a model: {_one_line(e)}: "
+                        "fix the model.config keys") from None
+
+
+def pretrained_dir(path: str) -> Path:
+    """``model.pretrained`` as an existing local model directory, or a one-line ``UserError``."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.exists():
+        hub_like = not str(path).startswith((".", "/", "~")) and str(path).count("/") <= 1
+        hint = ("; it looks like a hub name: download it elsewhere (`hf download NAME --local-dir DIR`), then "
+                "pass model.pretrained=DIR" if hub_like else ": pass a local save_pretrained() directory")
+        raise UserError(f"model.pretrained={str(path)!r} does not exist; clipamp runs offline and never "
+                        f"downloads{hint}")
+    if not (p / "config.json").is_file():
+        raise UserError(f"model.pretrained={str(path)!r} is not a model directory (no config.json): pass a "
+                        "directory written by model.save_pretrained()")
+    return p
+
+
+def from_pretrained(path: Path) -> nn.Module:
+    offline()
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32,
+                                                    use_cache=False)
+    except Exception as e:
+        raise UserError(f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {_one_line(e)}: "
+                        "pass a directory written by model.save_pretrained()") from None
+
+
+def check_fits(model: nn.Module, vocab: int, seq_len: int, tokenizer_where: str) -> None:
+    """The tokenizer's ids must index the embedding, and a window must fit the positions."""
+    rows = model.get_input_embeddings().num_embeddings
+    if vocab > rows:
+        raise UserError(f"the tokenizer ({tokenizer_where}) has {vocab} tokens but the model's embedding has "
+                        f"{rows} rows: use the model's own tokenizer (data.tokenizer=DIR), or give the model "
+                        f"model.config.vocab_size>={vocab}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserError(f"data.seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: "
+                        f"pass data.seq_len<={limit}")
+
+
+def adapt(model: nn.Module, pad_id: int, padded: bool) -> nn.Module:
+    """Install the two call-convention hooks (see the module docstring); returns ``model``."""
+
+    def before(module, args, kwargs):
+        ids = args[0] if args else kwargs.pop("input_ids")
+        kwargs = {**kwargs, "use_cache": False}
+        if padded:
+            real = ids != PAD
+            kwargs["attention_mask"] = real.long()
+            ids = ids.masked_fill(~real, pad_id)
+        return (), {"input_ids": ids, **kwargs}
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, output: output.logits)
+    return model
+
+
+def describe(model: nn.Module) -> str:
+    n_all = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    kind = type(model).__name__
+    return f"{kind} {n_all / 1e6:.2f}M params" + (f" ({n_train / 1e6:.2f}M trainable)" if n_train != n_all else "")
+
+
+def build(m: ModelConfig, vocab: int) -> nn.Module:
+    """The model of ``model=hf`` (not yet adapted): pretrained if given, else from ``model.config``."""
+    if m.pretrained:  # the directory's config.json is the model; model.config (a preset's) is not used
+        return from_pretrained(pretrained_dir(m.pretrained))
+    if not m.config:
+        raise UserError("model=hf needs model.config (model_type and sizes, see conf/model/hf*.yaml) or "
+                        "model.pretrained=DIR")
+    return from_config(m, vocab)
+
