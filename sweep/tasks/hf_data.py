@@ -86,11 +86,15 @@ def file_docs(d: DataConfig) -> list[Doc]:
     datasets.disable_progress_bars()
     docs: list[Doc] = []
     for f in files:
+        if f.stat().st_size == 0:
+            continue  # no rows (datasets cannot even infer the columns)
         try:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
         except Exception as e:  # malformed file, wrong format
             raise UserError(f"data.files={str(f)!r} could not be read as {builder}: {_one_line(e)}: "
                             "fix the file or pass the right data.format") from None
+        if ds.num_rows == 0:
+            continue
         for key, field in (("text_field", d.text_field), ("source_field", d.source_field)):
             if field is not None and field not in ds.column_names:
                 raise UserError(f"data.{key}={field!r} is not a column of {f.name}: its columns are "

@@ -1,0 +1,168 @@
+"""model=hf / data=hf: tokenized batches, the token-mean loss and norm, determinism, tokenizer cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sweep import app
+from sweep.tasks import build_task
+from sweep.tasks.config import DataConfig, ModelConfig
+from sweep.tasks.hf_model import PAD
+
+from .conftest import compose_cfg
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def write_corpus(path: Path, n: int = 400, seed: int = 0) -> Path:
+    """A jsonl of documents of very different lengths from two sources (prose, code)."""
+    rng = random.Random(seed)
+    prose = "the of and to in is was for on that with as by at from it an be this are".split()
+    code = "def return import class self if else for in while yield lambda None True".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            src = "code" if i % 3 == 0 else "prose"
+            words = code if src == "code" else prose
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 60)))
+            f.write(json.dumps({"text": text, "source": src, "id": i}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("hf") / "corpus.jsonl")
+
+
+def hf_task(corpus: Path, seed: int = 0, **data):
+    d = dict(name="hf", files=str(corpus), source_field="source", vocab_size=300, seq_len=32, batch_size=8,
+             packing=False, eval_batches=1)
+    d.update(data)
+    return build_task(ModelConfig(name="hf", config=dict(TINY_LLAMA)), DataConfig(**d), seed=seed)
+
+
+def grad_norm(model, loss) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+
+def test_padded_batches_mask_exactly_the_ignored_targets(corpus):
+    b = next(hf_task(corpus).train_batches)
+    pad = b.inputs == PAD
+    assert pad.any() and (~pad).any()
+    assert torch.equal(pad, b.targets == -100)
+    assert torch.equal(b.inputs[:, 1:][~pad[:, 1:]], b.targets[:, :-1][~pad[:, 1:]])  # next-token targets
+    assert b.data_source in {"prose", "code"}
+
+
+def test_packed_batches_are_full_windows_of_the_token_stream(corpus):
+    task = hf_task(corpus, packing=True)
+    b = next(task.train_batches)
+    assert (b.targets != -100).all() and (b.inputs >= 0).all()
+    assert torch.equal(b.inputs[:, 1:], b.targets[:, :-1])
+
+
+def test_attention_mask_reaches_the_model(corpus):
+    """Real positions' logits equal transformers' own forward with the mask; pad ids do not matter."""
+    task = hf_task(corpus)
+    b = next(task.train_batches)
+    real = b.inputs != PAD
+    logits = task.model(b.inputs)
+    with torch.no_grad():
+        ids = b.inputs.masked_fill(~real, 7)  # any pad id
+        ref = task.model.forward(input_ids=ids, attention_mask=real.long()).logits  # hooks bypassed
+    torch.testing.assert_close(logits[real], ref[real])
+
+
+def test_same_seed_same_model_and_batches(corpus):
+    a, b, c = hf_task(corpus, seed=3), hf_task(corpus, seed=3), hf_task(corpus, seed=4)
+    for x, y in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(x, y)
+    assert not all(torch.equal(x, y) for x, y in zip(a.model.parameters(), c.model.parameters()))
+    for _ in range(3):
+        ba, bb, bc = next(a.train_batches), next(b.train_batches), next(c.train_batches)
+        assert torch.equal(ba.inputs, bb.inputs) and ba.data_source == bb.data_source
+    assert not torch.equal(ba.inputs, bc.inputs)
+
+
+def test_trained_tokenizer_is_cached_and_lossless(corpus, tmp_path):
+    from sweep.tasks import hf_data as D
+
+    d = DataConfig(name="hf", files=str(corpus), vocab_size=300, cache_dir=str(tmp_path))
+    docs = D.file_docs(d)
+    tok, where = D.trained_tokenizer(d, docs, [corpus])
+    stamp = (where / "tokenizer.json").stat().st_mtime_ns
+    tok2, where2 = D.trained_tokenizer(d, docs, [corpus])
+    assert where2 == where and (where / "tokenizer.json").stat().st_mtime_ns == stamp  # not retrained
+    text = docs[5][2]
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]
+    assert tok.decode(tok(text)["input_ids"]) == text  # byte-level BPE round-trips
+    assert len(tok) <= 300 and tok.eos_token == D.EOS
+
+
+def test_runner_uses_the_token_mean_over_the_accumulated_batch(corpus, store):
+    """steps.csv's first norm is the token-mean gradient norm (transformers' own loss as reference),
+    not the sequence-mean one, over both micro-batches together; N_tok is the real token count."""
+    cfg = compose_cfg("+experiment=train", "model=hf_llama", "data=hf", f"data.files={corpus}",
+                      "data.source_field=source", "data.vocab_size=300", "data.seq_len=32", "data.batch_size=8",
+                      "data.packing=false", "data.eval_batches=1", "model.config.max_position_embeddings=128",
+                      "accumulation_steps=2", "amp.dtype=fp32", "clip=none", "steps=1", "progress=false",
+                      "tracking.plots=false", f"tracking.uri={store}")
+    result = app.run(cfg, [])
+    row = pd.read_csv(result.csv_path).iloc[0]
+
+    task = build_task(cfg.model, cfg.data, seed=cfg.seed)  # the same model and first batch
+    b = next(task.train_batches)
+    logits = task.model(b.inputs)
+    real = b.targets != -100
+    token_mean = task.model.loss_function(logits=logits, labels=None, vocab_size=logits.size(-1),
+                                          shift_labels=b.targets)
+    per_tok = F.cross_entropy(logits.float().transpose(1, 2), b.targets, reduction="none")
+    seq_mean = ((per_tok * real).sum(1) / real.sum(1)).mean()
+    n_tok, n_seq = grad_norm(task.model, token_mean), grad_norm(task.model, seq_mean)
+
+    assert row["token_count"] == real.sum().item()
+    assert row["loss"] == pytest.approx(token_mean.item(), rel=1e-5)
+    assert row["grad_l2_pre_clip"] == pytest.approx(n_tok, rel=1e-4)
+    assert abs(n_seq / n_tok - 1) > 0.02  # the sequence mean is a different norm on the same batch
+    assert row["grad_l2_token_normalised"] == pytest.approx(n_tok * math.sqrt(row["token_count"]), rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.config.model_type=bertish"], "model.config.model_type='bertish' is not a transformers causal LM"),
+    (["model.pretrained=/nonexistent/dir"], "model.pretrained='/nonexistent/dir' does not exist"),
+    (["model.pretrained=someorg/somemodel"], "looks like a hub name"),
+    (["data.text_field=body"], "data.text_field='body' is not a column"),
+    (["model.config.vocab_size=100"], "tokens but the model's embedding has 100 rows"),
+    (["model.freeze=[nothing_matches]"], "matches no parameter name"),
+    (["+model.config.num_hiden_layers=2"], "did you mean model.config.num_hidden_layers"),
+])
+def test_user_errors_name_the_value(corpus, overrides, match):
+    from sweep.errors import UserError
+
+    cfg = compose_cfg("+experiment=train", "model=hf_llama", "data=hf", f"data.files={corpus}",
+                      "data.vocab_size=300", *overrides)
+    with pytest.raises(UserError, match=match.replace("(", r"\(").replace(".", r"\.")):
+        build_task(cfg.model, cfg.data, seed=0)
+
+
+def test_not_a_model_dir_and_empty_dataset(tmp_path, corpus):
+    from sweep.errors import UserError
+
+    with pytest.raises(UserError, match="is not a model directory"):
+        build_task(ModelConfig(name="hf", pretrained=str(tmp_path)), DataConfig(name="hf", files=str(corpus)), seed=0)
+    blank, empty = tmp_path / "blank.jsonl", tmp_path / "empty.jsonl"
+    blank.write_text(json.dumps({"text": "  ", "source": "a"}) + "\n")
+    empty.write_text("")
+    for path in (blank, empty):
+        with pytest.raises(UserError, match="hold no non-empty 'text' text"):
+            hf_task(path)
