@@ -1,0 +1,118 @@
+"""model=hf end to end: calibrate from the CLI on a jsonl, fine-tune a saved model with frozen
+modules, a sweep over both dtypes, one-line errors."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from sweep import app
+from sweep.session import run_training
+from sweep.tasks import build_task
+from sweep.tracking import ensure_experiment
+
+from .conftest import compose_cfg, run_cli
+from .test_hf_task import TINY_LLAMA, grad_norm, write_corpus
+
+pytestmark = pytest.mark.slow
+
+HF_TINY = ["data.vocab_size=300", "data.seq_len=32", "data.batch_size=8", "data.eval_batches=1",
+           "model.config.max_position_embeddings=128", "progress=false", "tracking.plots=false"]
+
+
+def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    r = run_cli("+experiment=calibrate", "model=hf_llama", "data=hf", f"data.files={corpus}",
+                "data.source_field=source", "steps=24", "calibrate.window=12", *HF_TINY, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
+    m = run.data.metrics
+    for key in ("grad_norm_p50", "grad_norm_p95", "grad_norm_p99", "recommended_max_norm", "clip_ratio",
+                "skip_ratio", "final_loss", "eval_loss"):
+        assert math.isfinite(m[key]), key
+    assert run.data.params["model.name"] == "hf" and "LlamaForCausalLM" in run.data.tags["task"]
+    assert {"steps.csv", "quantiles.json", "report.md"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    df = pd.read_csv(client.download_artifacts(run.info.run_id, "steps.csv", str(tmp_path)))
+    assert df["step"].tolist() == list(range(1, 25))
+    assert set(df["data_source"]) <= {"prose", "code"} and len(set(df["data_source"])) == 2
+    assert (df["token_count"] == 8 * 32).all()  # packed: every target is a real token
+    assert m["recommended_max_norm"] == pytest.approx(df["grad_l2_pre_clip"][:12].quantile(0.95), rel=1e-6)
+    assert list((tmp_path / ".clipamp").glob("tokenizer-bpe300-*/tokenizer.json"))  # cached beside the data
+
+
+def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
+    """A saved tiny Llama + its tokenizer; model.pretrained= with the embedding and layer 0 frozen:
+    the run starts from the saved weights, frozen parameters never change and never appear in the
+    norms or the forensic columns."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sweep.tasks import hf_data as D
+    from sweep.tasks.config import DataConfig
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    d = DataConfig(name="hf", files=str(corpus), vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    tok, _ = D.trained_tokenizer(d, D.file_docs(d), [corpus])
+    torch.manual_seed(123)
+    cfg_kw = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=len(tok), **cfg_kw))
+    saved.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+
+    frozen_rx = ["embed_tokens", r"layers\.0\."]
+    cfg = compose_cfg("+experiment=calibrate", "model=hf", f"model.pretrained={tmp_path / 'model'}",
+                      f"model.freeze=[{','.join(frozen_rx)}]", "data=hf", f"data.files={corpus}",
+                      "data.packing=false", "amp.dtype=fp32", "steps=12", "calibrate.window=6",
+                      "forensics.top_k=100", "forensics.zero_grads=true", "forensics.param_norm=true",
+                      f"tracking.uri={store}", *HF_TINY)
+    task = build_task(cfg.model, cfg.data, seed=cfg.seed)
+    model = task.model
+    for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
+        assert torch.equal(p, q), name  # starts from the saved weights
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(("embed_tokens" in n or ".layers.0." in n) for n in frozen)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    probe = build_task(cfg.model, cfg.data, seed=cfg.seed)  # the same model and first batch
+    b = next(probe.train_batches)
+    expected = grad_norm(probe.model, probe.loss_fn(probe.model(b.inputs), b.targets)[0] / (b.targets != -100).sum())
+
+    client = MlflowClient(store)
+    result = run_training(cfg, client, ensure_experiment(client, "clipamp", store), run_name="ft",
+                          calibrate=True, task=task, announce=lambda s: None)
+    df = pd.read_csv(result.csv_path)
+    assert df["grad_l2_pre_clip"][0] == pytest.approx(expected, rel=1e-4)  # trainable parameters only
+    listed = {item.split(":")[0] for cell in df["top_grad_params"] for item in cell.split(";")}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert listed == trainable  # top-100 lists every trainable parameter and no frozen one
+    assert (df["zero_grad_count"] == 0).all()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) == (n in frozen), n
+    total = math.sqrt(sum(p.detach().float().pow(2).sum().item() for n, p in model.named_parameters() if n in trainable))
+    assert df["param_norm"].iloc[-1] == pytest.approx(total, rel=1e-4)
+
+
+def test_sweep_runs_both_dtypes(tmp_path, store):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    cfg = compose_cfg("+experiment=sweep", "model=hf_llama", "data=hf", f"data.files={corpus}", "steps=10",
+                      "calibrate.window=5", "study.n_trials=2", f"tracking.uri={store}",
+                      f"study.storage=sqlite:///{tmp_path}/optuna.db", *HF_TINY)
+    result = app.run(cfg, [])
+    done = result.trials[result.trials["state"] == "COMPLETE"]
+    assert sorted(done["dtype"]) == ["bf16", "fp16"]
+    client = MlflowClient(store)
+    for _, trial in done.iterrows():
+        df = pd.read_csv(client.download_artifacts(trial["run_id"], "steps.csv", str(tmp_path / trial["dtype"])))
+        assert len(df) == 10 and df["loss"].notna().all()
+        assert (df["scaler_scale"] > 1).all() == (trial["dtype"] == "fp16")  # fp16 ran with the loss scaler
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    r = run_cli("+experiment=calibrate", "model=hf", "model.config.model_type=nope", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: model.config.model_type='nope' is not a")
+    assert "Traceback" not in r.stderr
