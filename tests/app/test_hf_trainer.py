@@ -1,0 +1,117 @@
+"""ClipampCallback inside a real, unmodified ``transformers.Trainer.train()`` on a tiny Llama."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+
+pytest.importorskip("transformers")
+from datasets import Dataset  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from sweep.integrations.hf_trainer import ClipampCallback  # noqa: E402
+
+V, T, REAL = 96, 16, 12  # vocab, sequence length, real (non -100) labels per row
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def dataset(n: int = 64) -> Dataset:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (n, T), generator=g)
+    labels = ids.clone()
+    labels[:, REAL + 1:] = -100  # REAL predicted tokens per row after the causal shift
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def trainer(tmp_path, callbacks, *, steps: int, max_grad_norm: float, seed: int = 0, **kw) -> Trainer:
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, learning_rate=3e-3, max_grad_norm=max_grad_norm,
+                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                             seed=seed, **kw)
+    return Trainer(model=tiny_llama(seed), args=args, train_dataset=dataset(), callbacks=callbacks)
+
+
+def test_records_trainers_own_norms_calibrates_and_applies(tmp_path, store):
+    tau0, window, steps = 0.3, 4, 8
+    cb = ClipampCallback(window=window, apply=True, tracking=store)
+    t = trainer(tmp_path, [cb], steps=steps, max_grad_norm=tau0)
+    t.train()
+    assert t.args.max_grad_norm == tau0  # restored
+    logged = [h for h in t.state.log_history if "grad_norm" in h]
+    run_id = cb.tracker.run_id
+    df = pd.read_csv(MlflowClient(store).download_artifacts(run_id, "steps.csv", str(tmp_path)))
+    assert df["step"].tolist() == [h["step"] for h in logged] == list(range(1, steps + 1))
+    # the pre-clip norm is the grad_norm Trainer logs; the loss is Trainer's (token mean over 2 micro-batches)
+    np.testing.assert_allclose(df["grad_l2_pre_clip"], [h["grad_norm"] for h in logged], rtol=1e-6)
+    np.testing.assert_allclose(df["loss"], [h["loss"] for h in logged], rtol=1e-5)
+    assert (df["token_count"] == 2 * 4 * REAL).all()
+    # window: clipped at the user's max_grad_norm like torch's clip_grad_norm_; then at the calibrated tau
+    tau = np.quantile(df["grad_l2_pre_clip"][:window], 0.95)
+    assert cb.summary.recommended_max_norm == pytest.approx(tau, rel=1e-9)
+    expected_tau = [tau0] * window + [tau] * (steps - window)
+    np.testing.assert_allclose(df["max_norm"], expected_tau, rtol=1e-9)
+    pre = df["grad_l2_pre_clip"].to_numpy()
+    np.testing.assert_allclose(df["grad_l2_post_clip"], pre * np.minimum(1, np.array(expected_tau) / (pre + 1e-6)),
+                               rtol=1e-5)
+    assert list(df["phase"]) == ["calibrate"] * window + ["validate"] * (steps - window)
+    m = MlflowClient(store).get_run(run_id).data.metrics
+    assert m["recommended_max_norm"] == pytest.approx(tau, rel=1e-9)
+    assert m["grad_norm_p95"] == pytest.approx(tau, rel=1e-9)
+    assert m["clip_ratio"] == pytest.approx((pre[window:] > tau).mean())
+    assert len(MlflowClient(store).get_metric_history(run_id, "grad_l2_pre_clip")) == steps
+
+
+def test_clipping_is_trainers_own(tmp_path):
+    """During the window the callback's clip equals Trainer's: same parameters after the same steps."""
+    ours = trainer(tmp_path / "a", [ClipampCallback(window=6, tracking=None, verbose=False)], steps=3,
+                   max_grad_norm=0.3)
+    ref = trainer(tmp_path / "b", [], steps=3, max_grad_norm=0.3)
+    ours.train(), ref.train()
+    for (n, p), (_, q) in zip(ours.model.named_parameters(), ref.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+    moved = any(not torch.equal(p, q) for p, q in zip(ours.model.parameters(), tiny_llama().parameters()))
+    assert moved
+
+
+class NaNGradAt(TrainerCallback):
+    """A NaN in one gradient during the backward of optimizer step ``at`` (1-based)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.step, self.before = at, 0, None
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        p = model.model.layers[0].mlp.up_proj.weight
+        p.register_hook(lambda g: g.clone().index_fill_(0, torch.tensor([0]), math.nan) if self.step == self.at else g)
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        self.step = state.global_step + 1
+        if self.step == self.at:
+            self.before = [p.detach().clone() for p in model.parameters()]
+            self.model = model
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.step == self.at:
+            self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, self.model.parameters()))
+
+
+def test_nonfinite_gradient_is_skipped_not_applied(tmp_path):
+    nan = NaNGradAt(3)
+    cb = ClipampCallback(window=2, tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)
+    t = trainer(tmp_path, [nan, cb], steps=5, max_grad_norm=1.0)
+    t.train()
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["skipped"].tolist() == [False, False, True, False, False]
+    assert df["skip_reason"][2] == "nonfinite_grad" and math.isnan(df["grad_l2_pre_clip"][2])
+    assert nan.unchanged  # the update was refused: no parameter moved at step 3
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
