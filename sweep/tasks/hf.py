@@ -73,6 +73,7 @@ def build_hf_task(m: ModelConfig, d: DataConfig, *, seed: int, device: torch.dev
     if d.name == "synthetic":
         raise UserError("model=hf needs text, got data.name='synthetic': pass data=hf data.files=FILE "
                         "(or data=stdlib, data=text)")
+    M.precheck(m)  # before the (slower) data
     d_json = json.dumps({k: v for k, v in vars(d).items()}, sort_keys=True, default=str)
     train, held_out, tok, where, n_docs = _corpora(d_json, m.pretrained)
     with torch.random.fork_rng(devices=[]):

@@ -48,14 +48,9 @@ def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
     """A randomly initialised causal LM from ``model.config`` (``model_type`` + config keys)."""
     offline()
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
     kwargs = dict(m.config or {})
     model_type = kwargs.pop("model_type", None)
-    if model_type not in CAUSAL:
-        raise UserError(f"model.config.model_type={model_type!r} is not a transformers causal LM type: "
-                        f"pass one of {', '.join(_EXAMPLES)} (or any of the {len(CAUSAL)} in "
-                        "transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)")
     if kwargs.get("vocab_size") is None:
         kwargs["vocab_size"] = vocab_size
     kwargs["use_cache"] = False
@@ -136,12 +131,28 @@ def describe(model: nn.Module) -> str:
     return f"{kind} {n_all / 1e6:.2f}M params" + (f" ({n_train / 1e6:.2f}M trainable)" if n_train != n_all else "")
 
 
-def build(m: ModelConfig, vocab: int) -> nn.Module:
-    """The model of ``model=hf`` (not yet adapted): pretrained if given, else from ``model.config``."""
-    if m.pretrained:  # the directory's config.json is the model; model.config (a preset's) is not used
-        return from_pretrained(pretrained_dir(m.pretrained))
+def precheck(m: ModelConfig) -> None:
+    """The cheap checks, before any data is read: a pretrained directory, or a known model_type."""
+    if m.pretrained:
+        pretrained_dir(m.pretrained)
+        return
     if not m.config:
         raise UserError("model=hf needs model.config (model_type and sizes, see conf/model/hf*.yaml) or "
                         "model.pretrained=DIR")
+    offline()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    model_type = m.config.get("model_type")
+    if model_type not in CAUSAL:
+        raise UserError(f"model.config.model_type={model_type!r} is not a transformers causal LM type: "
+                        f"pass one of {', '.join(_EXAMPLES)} (or any of the {len(CAUSAL)} in "
+                        "transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)")
+
+
+def build(m: ModelConfig, vocab: int) -> nn.Module:
+    """The model of ``model=hf`` (not yet adapted): pretrained if given, else from ``model.config``."""
+    precheck(m)
+    if m.pretrained:  # the directory's config.json is the model; model.config (a preset's) is not used
+        return from_pretrained(pretrained_dir(m.pretrained))
     return from_config(m, vocab)
 
