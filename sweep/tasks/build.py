@@ -148,7 +148,9 @@ def freeze(model: nn.Module, m: ModelConfig) -> None:
     if not m.train_only and not m.freeze:
         return  # the model's own requires_grad flags stand
     names = [n for n, _ in model.named_parameters()]
-    for key in ("train_only", "freeze"):
+
+    def patterns(key: str) -> list[re.Pattern]:
+        out = []
         for pat in getattr(m, key) or []:
             try:
                 rx = re.compile(str(pat))
@@ -157,12 +159,12 @@ def freeze(model: nn.Module, m: ModelConfig) -> None:
             if not any(rx.search(n) for n in names):
                 raise UserError(f"model.{key} pattern {pat!r} matches no parameter name; names look like "
                                 f"{', '.join(names[:3])}: fix the pattern")
-    train_only = [re.compile(str(p)) for p in m.train_only or []]
-    frozen = [re.compile(str(p)) for p in m.freeze or []]
+            out.append(rx)
+        return out
+
+    keep, drop = patterns("train_only"), patterns("freeze")
     for name, p in model.named_parameters():
-        trains = (not train_only or any(rx.search(name) for rx in train_only)) and not any(
-            rx.search(name) for rx in frozen)
-        p.requires_grad_(trains)
+        p.requires_grad_((not keep or any(rx.search(name) for rx in keep)) and not any(rx.search(name) for rx in drop))
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError("model.freeze/model.train_only leave no parameter to train: loosen the patterns")
 

@@ -29,7 +29,7 @@ def _tokenizer(d: DataConfig, m: ModelConfig, docs: list[D.Doc], files: list) ->
         return D.load_tokenizer(d.tokenizer, "data.tokenizer"), f"data.tokenizer={d.tokenizer}"
     if m.pretrained:
         p = M.pretrained_dir(m.pretrained)
-        if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        if not D.has_tokenizer(p):
             raise UserError(f"model.pretrained={m.pretrained!r} has no tokenizer: pass data.tokenizer=DIR, the "
                             "tokenizer the model was trained with (a new one would not match its embedding)")
         return D.load_tokenizer(p, "model.pretrained"), "model.pretrained's"

@@ -116,7 +116,7 @@ def builtin_docs(d: DataConfig) -> list[Doc]:
             for i in range(len(full))]
 
 
-def _has_tokenizer(path: Path) -> bool:
+def has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
@@ -160,7 +160,7 @@ def trained_tokenizer(d: DataConfig, docs: list[Doc], files: list[Path]):
         h.update(text.encode("utf-8", errors="replace"))
         h.update(b"\0")
     where = _cache_root(d, files) / f"tokenizer-bpe{d.vocab_size}-{h.hexdigest()[:16]}"
-    if not _has_tokenizer(where):
+    if not has_tokenizer(where):
         bpe = tokenizers.Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
@@ -173,7 +173,7 @@ def trained_tokenizer(d: DataConfig, docs: list[Doc], files: list[Path]):
             tok.save_pretrained(str(tmp))
             os.replace(tmp, where)  # atomic: concurrent runs never read half a tokenizer
         except OSError as e:
-            if not _has_tokenizer(where):
+            if not has_tokenizer(where):
                 raise UserError(f"cannot cache the trained tokenizer in {where.parent} ({e.strerror}): "
                                 "pass data.cache_dir=WRITABLE_DIR") from None
     return load_tokenizer(where, "data.cache_dir"), where
