@@ -6,7 +6,7 @@
 Writes steps.csv into an MLflow run (sqlite:///mlruns/mlflow.db), prints the recommended
 max_grad_norm after the 60-step window and clips at it from then on (apply=True); saves the
 model and its tokenizer to outputs/trainer-example/model (a model.pretrained= directory).
-Offline; about a minute of CPU time.
+Offline; a few minutes on 2 CPU cores (2m42s of CPU time measured).
 """
 import os
 

@@ -127,7 +127,7 @@ class ClipampCallback(TrainerCallback):
                 {"metrics": metrics, "windows": [w.as_dict() for w in windows]}, indent=2, default=float))
             self.tracker.end("FINISHED")
         if windows:
-            self.say(f"clipping ratio after the window at τ={self.tau if self.tau else 'none'}: "
+            self.say(f"clipping ratio after the window at τ={f'{self.tau:.4g}' if self.tau else 'none'}: "
                      f"{metrics['clip_ratio']:.1%}; skipped steps {metrics['skip_ratio']:.1%}")
 
     # -- one optimizer step --------------------------------------------------------------------
