@@ -59,7 +59,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "steps=abc"], "steps=abc"),
     (["+experiment=calibrate", "steps=5", "calibrate.window=50"], "calibrate.window=50 is larger than steps=5"),
     (["+experiment=calibrate", "accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
-    (["+experiment=calibrate", "model=foo"], "Could not find 'model/foo' Available options in 'model': custom gpt linear lstm"),
+    (["+experiment=calibrate", "model=foo"], "Could not find 'model/foo' Available options in 'model': custom gpt hf hf_gpt2 hf_llama linear lstm"),
     (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
     (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
     (["+experiment=train", "clip=value", "clip.max_norm=2"], "clip=value does not take clip.max_norm"),
