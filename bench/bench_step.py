@@ -1,10 +1,11 @@
 """AmpTrainState.step (CSV on) vs the hand-written canonical AMP loop, same model, same data.
 
-    python bench/bench_step.py [--dtype bf16] [--steps 40] [--rounds 5]
+    python bench/bench_step.py [--dtype bf16] [--steps 40] [--rounds 5] [--fused]
 
 Both loops train identical copies of a small byte-level transformer with AdamW under CPU
 autocast; rounds alternate A/B so machine noise hits both. Prints per-step medians and the
-ratio engine / canonical (goal ≤ 1.03). Absolute times on shared machines are noise; the ratio
+ratio engine / canonical (goal ≤ 1.03). ``--fused``: both loops use fused AdamW, so the engine
+runs its fused path (unscale and clip inside the optimizer's pass) against the canonical recipe. Absolute times on shared machines are noise; the ratio
 is the figure.
 """
 
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--fused", action="store_true", help="fused AdamW in both loops (engine: fused path)")
     args = ap.parse_args()
     torch.manual_seed(0)
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -70,10 +72,10 @@ def main() -> None:
     batches = [(d[:, :-1], d[:, 1:]) for d in data]
 
     m_ref = copy.deepcopy(base)
-    o_ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+    o_ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3, fused=args.fused)
     s_ref = LossScaler("cpu", enabled=args.dtype == "fp16")
     m_eng = copy.deepcopy(base)
-    o_eng = torch.optim.AdamW(m_eng.parameters(), lr=1e-3)
+    o_eng = torch.optim.AdamW(m_eng.parameters(), lr=1e-3, fused=args.fused)
     state = AmpTrainState(m_eng, o_eng, lm_loss, dtype=args.dtype, max_norm=1.0)
     tmp = tempfile.TemporaryDirectory()
     writer = StepCSVWriter(Path(tmp.name) / "steps.csv")
@@ -102,7 +104,8 @@ def main() -> None:
     ref_med, eng_med = statistics.median(ref_times), statistics.median(eng_times)
     params = sum(p.numel() for p in base.parameters())
     print(f"model: {params / 1e6:.2f}M params, batch {args.batch}x{args.seq}, {args.dtype}, "
-          f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"AdamW {'fused' if args.fused else 'foreach'}, engine path {state.pipeline}")
     print(f"canonical loop : {ref_med * 1e3:8.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.1f}' for t in ref_times)})")
     print(f"AmpTrainState  : {eng_med * 1e3:8.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.1f}' for t in eng_times)})")
     paired = statistics.median(e / r for e, r in zip(eng_times, ref_times))

@@ -6,9 +6,19 @@ finite pre-clip norms clips only the spikes (q = 0.95 by default). Skipped steps
 never mixed into the quantiles. Quantiles use linear interpolation in float64, i.e. exactly
 ``numpy.quantile``'s default.
 
+Each quantile comes with a distribution-free confidence interval between two order statistics
+(``quantile_ci``): with B ~ Binomial(n, q) the number of norms at or below the true quantile,
+P(X_(r) ≤ ξ_q ≤ X_(s)) = P(r ≤ B ≤ s − 1), so r and s are read off the binomial CDF. It
+assumes only that the window's norms are independent draws from one continuous distribution
+(a stationary stretch of training); it says nothing about drift, which ``calibrate.every``
+windows measure.
+
 References:
     Seed lesson 004, "Choosing the threshold" and "Norm Calibration Window".
     Seetharaman et al., "AutoClip", arXiv:2007.14469 (percentile-based thresholds).
+    Conover, "Practical Nonparametric Statistics", 3rd ed. (1999), §3.2 (confidence interval
+    for a quantile); Hahn & Meeker, "Statistical Intervals" (1991), ch. 5 (distribution-free
+    intervals and the sample size they need).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch
 from .records import StepLog
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
+CONFIDENCE = 0.95
 
 
 class CalibrationError(ValueError):
@@ -39,6 +50,125 @@ def quantiles(values: Sequence[float], qs: Iterable[float]) -> list[float]:
     return torch.quantile(data, torch.tensor(qs, dtype=torch.float64)).tolist()
 
 
+def _binomial_cdf(n: int, q: float) -> torch.Tensor:
+    """P(B ≤ k) for k = 0..n, B ~ Binomial(n, q), in float64."""
+    k = torch.arange(n + 1, dtype=torch.float64)
+    dist = torch.distributions.Binomial(total_count=torch.tensor(float(n), dtype=torch.float64),
+                                        probs=torch.tensor(q, dtype=torch.float64))
+    return dist.log_prob(k).exp().cumsum(0).clamp(max=1.0)
+
+
+def order_statistic_ranks(n: int, q: float, confidence: float = CONFIDENCE) -> tuple[int | None, int | None, float]:
+    """1-based ranks (r, s) of the order statistics bounding Quantile_q with ``confidence``, and the
+    exact coverage P(r ≤ B ≤ s − 1) they achieve (≥ ``confidence`` whenever both exist).
+
+    r is the largest rank with P(B ≤ r − 1) ≤ α/2, s the smallest with P(B ≤ s − 1) ≥ 1 − α/2
+    (Conover 1999, §3.2). A rank that would fall outside 1..n is ``None``: the window is too short
+    to bound the quantile on that side; the coverage then counts that side as unbounded.
+    """
+    if n < 1:
+        return None, None, 0.0
+    half = (1.0 - confidence) / 2
+    cdf = _binomial_cdf(n, q)
+    low = int((cdf <= half).sum())  # = r: the ks with F(k) ≤ α/2 are 0..r-1
+    r = low if low >= 1 else None
+    s_minus_1 = int((cdf < 1.0 - half).sum())  # smallest k with F(k) ≥ 1 - α/2
+    s = s_minus_1 + 1 if s_minus_1 + 1 <= n else None
+    below = float(cdf[r - 1]) if r is not None else 0.0
+    above = float(cdf[s - 1]) if s is not None else 1.0
+    return r, s, above - below
+
+
+def min_window(q: float, confidence: float = CONFIDENCE) -> int:
+    """The fewest norms for which both bounds of Quantile_q's interval exist.
+
+    The upper bound needs P(B ≤ n − 1) = 1 − qⁿ ≥ 1 − α/2, the lower one (1 − q)ⁿ ≤ α/2
+    (Hahn & Meeker 1991, §5.2): n ≥ log(α/2) / log(max(q, 1 − q)). For a 95% interval that is
+    6 norms for p50, 29 for p90, 72 for p95 and 368 for p99.
+    """
+    half = (1.0 - confidence) / 2
+    return math.ceil(math.log(half) / math.log(max(q, 1.0 - q)) - 1e-12)
+
+
+def window_for_width(n: int, rel_width: float, target: float) -> int | None:
+    """Window length for a relative interval width ``target``, extrapolated from ``n`` norms.
+
+    An order-statistic interval's width shrinks like 1/√n (its ranks sit ±z·√(n q (1−q)) around
+    q·n, and the width is that rank spread over the density at ξ_q), so
+    n_needed ≈ n · (rel_width / target)². An estimate from one window: it assumes the norms stay
+    stationary while the window grows. ``None`` when the current width is unknown (unbounded).
+    """
+    if not (math.isfinite(rel_width) and target > 0):
+        return None
+    return max(n, math.ceil(n * (rel_width / target) ** 2))
+
+
+@dataclass(frozen=True)
+class QuantileCI:
+    """Quantile_q of a window with its distribution-free confidence interval.
+
+    ``low``/``high`` are NaN when the window is too short to bound that side (``bounded`` false).
+    """
+
+    q: float
+    estimate: float
+    low: float
+    high: float
+    confidence: float
+    n: int
+    coverage: float  # exact binomial coverage of [low, high] (≥ confidence when bounded)
+
+    @property
+    def bounded(self) -> bool:
+        return math.isfinite(self.low) and math.isfinite(self.high)
+
+    @property
+    def rel_width(self) -> float:
+        """(high − low) / estimate; NaN when unbounded."""
+        return (self.high - self.low) / self.estimate if self.bounded and self.estimate > 0 else math.nan
+
+    def overlaps(self, other: "QuantileCI") -> bool:
+        """Whether the two intervals share a point (an unbounded side reaches to ±∞)."""
+        lo_a = self.low if math.isfinite(self.low) else -math.inf
+        hi_a = self.high if math.isfinite(self.high) else math.inf
+        lo_b = other.low if math.isfinite(other.low) else -math.inf
+        hi_b = other.high if math.isfinite(other.high) else math.inf
+        return lo_a <= hi_b and lo_b <= hi_a
+
+    def as_dict(self) -> dict:
+        """Plain values; a missing bound (and so the width) is ``None`` (JSON null), never NaN."""
+        def value(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {"q": self.q, "estimate": self.estimate, "low": value(self.low), "high": value(self.high),
+                "confidence": self.confidence, "n": self.n, "coverage": self.coverage,
+                "rel_width": value(self.rel_width), "min_window": min_window(self.q, self.confidence)}
+
+
+def quantile_ci(values: Sequence[float], q: float, confidence: float = CONFIDENCE) -> QuantileCI:
+    """Quantile_q of ``values`` (numpy's linear interpolation) and its order-statistic interval."""
+    if not 0.0 < q < 1.0 or not 0.0 < confidence < 1.0:
+        raise ValueError(f"q={q!r} and confidence={confidence!r} must both be in (0, 1)")
+    n = len(values)
+    r, s, coverage = order_statistic_ranks(n, q, confidence)
+    ordered = sorted(values)
+    estimate = quantiles(values, [q])[0]
+    low = ordered[r - 1] if r is not None else math.nan
+    high = ordered[s - 1] if s is not None else math.nan
+    return QuantileCI(q, estimate, low, high, confidence, n, coverage)
+
+
+def short_window_warning(ci: QuantileCI) -> str | None:
+    """One line when the window cannot bound Quantile_q, else None."""
+    if ci.bounded:
+        return None
+    need = min_window(ci.q, ci.confidence)
+    return (f"{_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
+            f"{'upper' if math.isnan(ci.high) else 'lower'} confidence bound (it needs ≥ {need} norms); "
+            f"{'it is essentially the window maximum' if ci.q > 0.5 else 'it is essentially the window minimum'}: "
+            f"lengthen calibrate.window to ≥ {need} or use a lower calibrate.quantile")
+
+
 @dataclass
 class CalibrationSummary:
     """What a window saw and what it recommends."""
@@ -52,19 +182,39 @@ class CalibrationSummary:
     quantile: float
     recommended_max_norm: float
     candidate_clip_ratios: dict[float, float] = field(default_factory=dict)
+    cis: dict[str, QuantileCI] = field(default_factory=dict)  # "p50".."p99" and the chosen q's label
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tau_ci(self) -> QuantileCI:
+        """The interval of the recommended τ (= Quantile_q of the window)."""
+        return self.cis[_label(self.quantile)]
+
+    @property
+    def predicted_clip_ratio(self) -> float:
+        """The share of the window's norms above τ: what clipping at τ should do on like steps."""
+        return self.candidate_clip_ratios[self.recommended_max_norm]
 
     def as_dict(self) -> dict:
         return {
             "start_step": self.start_step, "end_step": self.end_step,
             "n_finite": self.n_finite, "n_skipped": self.n_skipped,
             "quantiles": self.quantiles, "token_normalised_quantiles": self.token_quantiles,
+            "confidence_intervals": {k: ci.as_dict() for k, ci in self.cis.items()},
             "quantile": self.quantile, "recommended_max_norm": self.recommended_max_norm,
+            "predicted_clip_ratio": self.predicted_clip_ratio,
             "candidate_clip_ratios": {f"{k:g}": v for k, v in self.candidate_clip_ratios.items()},
+            "warnings": list(self.warnings),
         }
 
     def as_state(self) -> dict[str, Any]:
-        """Plain values for a checkpoint; ``CalibrationSummary(**state)`` restores it exactly."""
+        """Plain values for a checkpoint; ``CalibrationSummary.from_state(state)`` restores it exactly."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "CalibrationSummary":
+        cis = {k: QuantileCI(**v) for k, v in state.get("cis", {}).items()}
+        return cls(**{**state, "cis": cis})
 
 
 def _label(q: float) -> str:
@@ -77,12 +227,15 @@ class NormCalibrator:
     Args:
         quantile: q for the recommendation τ = Quantile_q (0 < q < 1).
         candidates: fixed thresholds whose would-be clipping ratio is reported too.
+        confidence: level of the quantiles' order-statistic intervals.
     """
 
-    def __init__(self, quantile: float = 0.95, candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0)) -> None:
+    def __init__(self, quantile: float = 0.95, candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0),
+                 confidence: float = CONFIDENCE) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
         self.quantile = quantile
+        self.confidence = confidence
         self.candidates = tuple(candidates)
         self.norms: list[float] = []
         self.token_norms: list[float] = []
@@ -127,14 +280,17 @@ class NormCalibrator:
             tok["max"] = max(self.token_norms)
         tau = values[-1]
         thresholds = sorted({*self.candidates, *(named[_label(q)] for q in qs), tau})
+        cis = {_label(q): quantile_ci(self.norms, q, self.confidence) for q in dict.fromkeys(qs + [self.quantile])}
+        warning = short_window_warning(cis[_label(self.quantile)])
         return CalibrationSummary(
             start_step=self.steps[0], end_step=self.steps[-1], n_finite=len(self.norms),
             n_skipped=self.n_skipped, quantiles=named, token_quantiles=tok, quantile=self.quantile,
-            recommended_max_norm=tau, candidate_clip_ratios={t: self.clip_ratio_at(t) for t in thresholds})
+            recommended_max_norm=tau, candidate_clip_ratios={t: self.clip_ratio_at(t) for t in thresholds},
+            cis=cis, warnings=[warning] if warning else [])
 
 
 class CalibrationWindows:
-    """Where the calibration windows of a run lie: the first at step 1, then one every ``every`` steps.
+    """Where the calibration windows of a run lie: the first at step ``first``, then one every ``every`` steps.
 
     Each window is ``window`` steps long; with ``total_steps`` known, a window cut short by the
     end of the run is kept only if it still has 2 steps (a quantile of one norm says nothing).
@@ -143,32 +299,46 @@ class CalibrationWindows:
         window: steps per window (>= 2).
         every: steps between window starts (0: one window; else >= ``window``, no overlap).
         total_steps: the run length, if known (``None``: windows never end early).
+        first: the first window's first step (1: from the start of the run).
     """
 
-    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None) -> None:
+    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None, first: int = 1) -> None:
         if not _is_int(window) or window < 2:
             raise ValueError(f"window={window!r} must be an integer >= 2 steps")
         if not _is_int(every) or every < 0 or (every and every < window):
             raise ValueError(f"every={every!r} must be 0 (one window) or an integer >= window={window}")
         if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
             raise ValueError(f"total_steps={total_steps!r} must be an integer >= 1 (or None: unknown)")
-        self.window, self.every, self.total_steps = int(window), int(every), total_steps
+        if not _is_int(first) or first < 1:
+            raise ValueError(f"first={first!r} must be a step number >= 1")
+        self.window, self.every, self.total_steps, self.first = int(window), int(every), total_steps, first
 
     def window_at(self, step: int) -> range | None:
         """The window (a range of 1-based steps) that contains ``step``, or ``None``."""
-        if step < 1 or (self.total_steps is not None and step > self.total_steps):
+        if step < self.first or (self.total_steps is not None and step > self.total_steps):
             return None
-        start = 1 + (step - 1) // self.every * self.every if self.every else 1
+        offset = (step - self.first) // self.every * self.every if self.every else 0
+        start = self.first + offset
         end = start + self.window
         if self.total_steps is not None:
             end = min(end, self.total_steps + 1)
         return range(start, end) if start <= step < end and end - start >= 2 else None
 
+    def next_start(self, step: int) -> int | None:
+        """The first step of the next window that opens after ``step`` (None: no more windows)."""
+        if step < self.first:
+            nxt = self.first
+        elif self.every:
+            nxt = self.first + ((step - self.first) // self.every + 1) * self.every
+        else:
+            return None
+        return nxt if self.total_steps is None or self.window_at(nxt) is not None else None
+
     def ranges(self) -> list[range]:
         """Every window of the run, in order (needs ``total_steps``)."""
         if self.total_steps is None:
             raise ValueError("the windows of a run of unknown length cannot be listed: pass total_steps")
-        starts = range(1, self.total_steps + 1, self.every) if self.every else [1]
+        starts = range(self.first, self.total_steps + 1, self.every) if self.every else [self.first]
         return [w for w in map(self.window_at, starts) if w is not None]
 
 

@@ -8,6 +8,7 @@ kind                   likely cause
 ``spikes``             bad samples, long sequences, label bugs (which data source?)
 ``slow_growth``        LR too high, instability accumulating
 ``always_clipped``     threshold too low, or LR / loss scale / loss normalisation wrong
+``sustained_clipping`` after the LR warm-up, the rolling clipping ratio stays above the band
 ``nonfinite``          overflow, invalid loss, bad input
 ``zero_norm``          detached graph, frozen params, empty loss mask
 ``scale_oscillating``  fp16 loss scale bouncing: overflows recur right after growth
@@ -34,8 +35,8 @@ from .records import StepLog
 
 __all__ = ["FINDING_KINDS", "SEVERITIES", "Finding", "diagnose", "format_findings"]
 
-FINDING_KINDS = ("nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped", "scale_oscillating",
-                 "scale_at_floor")
+FINDING_KINDS = ("nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped", "sustained_clipping",
+                 "scale_oscillating", "scale_at_floor")
 SEVERITIES = ("info", "warning", "error")
 _CAUSES = {
     "nonfinite": "overflow, an invalid loss or bad input; clipping does not fix NaNs",
@@ -44,6 +45,8 @@ _CAUSES = {
     "slow_growth": "LR too high, instability accumulating",
     "always_clipped": "τ too low, or the LR / loss scale / loss normalisation is wrong: clipping should catch "
                       "spikes, not set the step length",
+    "sustained_clipping": "clipping has become the normal step length after warm-up (seed 004's warning sign "
+                          "for pretraining): the LR, the loss scale or τ from a window that missed a change",
     "scale_oscillating": "overflows recur soon after every growth; the scale never settles",
     "scale_at_floor": "gradients overflow even at the smallest loss scale: check the loss, the LR, fp16 ranges "
                       "(or use bf16)",
@@ -96,7 +99,21 @@ class _Trace:
         self.clipped_col = [r.get("clipped") for r in rows]
         self.source = [str(r.get("data_source") or "") for r in rows]
         self.at_floor = np.array([_bool(r.get("scaler_at_floor")) for r in rows])
+        self.lr = np.array([_float(r.get("lr")) for r in rows])
         self.taken = ~self.skipped & np.isfinite(self.pre)
+
+    def clipped(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` was clipped: the ``clipped`` column, else post < pre, else pre > max_norm."""
+        out = []
+        for i in rows:
+            col = self.clipped_col[i]
+            if col is not None and col != "":
+                out.append(_bool(col))
+            elif np.isfinite(self.post[i]):
+                out.append(bool(self.post[i] < self.pre[i]))
+            else:
+                out.append(bool(np.isfinite(self.max_norm[i]) and self.pre[i] > self.max_norm[i]))
+        return np.array(out, dtype=bool)
 
 
 # -- the patterns ----------------------------------------------------------------------------
@@ -205,16 +222,7 @@ def _always_clipped(t: _Trace, max_ratio: float, min_steps: int) -> Finding | No
     idx = np.flatnonzero(t.taken)
     if len(idx) < min_steps:
         return None
-    clipped = []
-    for i in idx:
-        col = t.clipped_col[i]
-        if col is not None and col != "":
-            clipped.append(_bool(col))
-        elif np.isfinite(t.post[i]):
-            clipped.append(bool(t.post[i] < t.pre[i]))
-        else:
-            clipped.append(bool(np.isfinite(t.max_norm[i]) and t.pre[i] > t.max_norm[i]))
-    clipped = np.array(clipped)
+    clipped = t.clipped(idx)
     ratio = float(clipped.mean())
     if ratio <= max_ratio:
         return None
@@ -228,6 +236,39 @@ def _always_clipped(t: _Trace, max_ratio: float, min_steps: int) -> Finding | No
                    f"{ratio:.0%} of {len(idx)} taken steps were clipped ({tau_txt} median norm {p50:.3g}, "
                    f"p95 {p95:.3g}); likely {_CAUSES['always_clipped']}",
                    t.step[idx][clipped].tolist(), evidence)
+
+
+def _min_clips_above(window: int, above: float) -> int:
+    """The fewest clipped steps of ``window`` whose exact 95% interval lies entirely above ``above``."""
+    from .band import clopper_pearson
+
+    return next((k for k in range(window + 1) if clopper_pearson(k, window)[0] > above), window + 1)
+
+
+def _sustained_clipping(t: _Trace, window: int, above: float) -> Finding | None:
+    """Rolling windows of ``window`` taken steps after the LR warm-up whose clipping ratio is above
+    ``above`` beyond sampling noise (Clopper–Pearson lower bound > ``above``)."""
+    from .placement import warmup_end
+
+    end = warmup_end(t.lr[np.isfinite(t.lr)].tolist()) or 1
+    idx = np.flatnonzero(t.taken & (t.step >= t.step[0] + end - 1))
+    if len(idx) < window:
+        return None
+    counts = np.convolve(t.clipped(idx).astype(float), np.ones(window), "valid")
+    rolling = counts / window
+    over = np.flatnonzero(counts >= _min_clips_above(window, above))
+    if not len(over):
+        return None
+    ends = t.step[idx][over + window - 1]  # the step each over-band rolling window ends at
+    worst = int(np.argmax(rolling))
+    return Finding("sustained_clipping", "warning",
+                   f"after the LR warm-up (step {int(t.step[0]) + end - 1}) the clipping ratio over {window} steps "
+                   f"exceeded {above:.0%} beyond sampling noise in {len(over)} windows ending at steps "
+                   f"{int(ends[0])}–{int(ends[-1])} "
+                   f"(peak {rolling[worst]:.0%}, steps {int(t.step[idx][worst])}–{int(t.step[idx][worst + window - 1])}); "
+                   f"likely {_CAUSES['sustained_clipping']}",
+                   ends.tolist(), {"window": window, "above": above, "peak_ratio": float(rolling[worst]),
+                                   "windows_over": int(len(over)), "warmup_end": int(t.step[0]) + end - 1})
 
 
 def _scale_changes(t: _Trace) -> tuple[list[int], list[int]]:
@@ -278,6 +319,7 @@ def _scale_at_floor(t: _Trace, min_scale: float) -> Finding | None:
 def diagnose(records: Iterable[StepLog | Mapping[str, Any]], *, spike_window: int = 50, spike_factor: float = 5.0,
              spike_min_history: int = 10, growth_min_steps: int = 40, growth_min_rho: float = 0.5,
              growth_min_ratio: float = 2.0, clip_ratio_above: float = 0.5, clip_min_steps: int = 20,
+             sustained_window: int = 50, sustained_above: float = 0.05,
              scale_min_reversals: int = 4, scale_max_period: int = 200, min_scale: float = 1.0) -> list[Finding]:
     """Name the norm patterns in a run's records (empty list: nothing to report).
 
@@ -293,6 +335,11 @@ def diagnose(records: Iterable[StepLog | Mapping[str, Any]], *, spike_window: in
         clip_ratio_above, clip_min_steps: "always clipped" when more than this share of at
             least that many taken steps were clipped (``clipped`` column, else post < pre,
             else pre > max_norm).
+        sustained_window, sustained_above: "sustained clipping" when, after the LR warm-up (the
+            first step whose LR did not rise), the clipping ratio over some ``sustained_window``
+            consecutive taken steps exceeds ``sustained_above`` (the top of seed 004's pretraining
+            band) beyond noise: the exact 95% lower bound of that ratio is above it (over 50 steps
+            that takes ≥ 7 clipped steps, not 3); skipped when ``always_clipped`` already fires.
         scale_min_reversals, scale_max_period: the loss scale "oscillates" when it reverses
             direction at least that many times, at least once per ``scale_max_period`` steps.
         min_scale: the scaler's floor (a disabled scaler's constant 1.0 never counts).
@@ -309,7 +356,8 @@ def diagnose(records: Iterable[StepLog | Mapping[str, Any]], *, spike_window: in
         _zero_norm(t),
         _spikes(t, spike_window, spike_factor, spike_min_history),
         _slow_growth(t, growth_min_steps, growth_min_rho, growth_min_ratio),
-        _always_clipped(t, clip_ratio_above, clip_min_steps),
+        (always := _always_clipped(t, clip_ratio_above, clip_min_steps)),
+        None if always else _sustained_clipping(t, sustained_window, sustained_above),
         _scale_oscillating(t, scale_min_reversals, scale_max_period),
         _scale_at_floor(t, min_scale),
     ]

@@ -1,8 +1,8 @@
 """Global gradient norms: measure (never mutate) apart from scale (take a norm already computed).
 
 Dense gradients go through torch's fused ``_foreach_norm`` (one kernel per device/dtype group,
-fp32 accumulation); sparse COO gradients are coalesced and normed from their values, never
-densified. Nothing here syncs with the host.
+accumulating in at least fp32: fp16/bf16/fp32 in fp32, fp64 in fp64); sparse COO gradients are
+coalesced and normed from their values, never densified. Nothing here syncs with the host.
 
 References:
     Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural networks",
@@ -54,25 +54,33 @@ def group_indices(tensors: list[torch.Tensor], with_dtype: bool) -> dict[tuple, 
     return groups
 
 
-def per_tensor_norms(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of each tensor (sparse: of its values) as one 1-D fp32 tensor, in input order.
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a norm of ``dtype`` values accumulates in: at least fp32, never narrower."""
+    return torch.promote_types(dtype, torch.float32)
 
-    One fused ``_foreach_norm`` per (device, dtype) group with fp32 accumulation; the result
-    lives on the first tensor's device.
+
+def per_tensor_norms(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Norm of each tensor (sparse: of its values) as one 1-D tensor, in input order.
+
+    One fused ``_foreach_norm`` per (device, dtype) group, accumulating in
+    ``accumulation_dtype`` (fp16/bf16/fp32 → fp32, fp64 → fp64); the result is fp64 if any
+    tensor is fp64, else fp32, and lives on the first tensor's device.
     """
     views = dense_views(tensors)
     if not views:
         return torch.zeros(0, dtype=torch.float32)
     out: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
-    for idx in group_indices(views, with_dtype=True).values():
-        for i, n in zip(idx, torch._foreach_norm([views[i] for i in idx], norm_type, dtype=torch.float32)):
+    for (_, dtype), idx in group_indices(views, with_dtype=True).items():
+        norms = torch._foreach_norm([views[i] for i in idx], norm_type, dtype=accumulation_dtype(dtype))
+        for i, n in zip(idx, norms):
             out[i] = n
     device = views[0].device
-    return torch.stack([n.to(device) for n in out])
+    return torch.stack([n.to(device) for n in out])  # stack promotes fp32 + fp64 → fp64
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of all ``grads`` as one concatenated vector, as a 0-dim fp32 tensor.
+    """Norm of all ``grads`` as one concatenated vector, as a 0-dim tensor (fp64 if any
+    gradient is fp64, else fp32), equal to ``torch.nn.utils.get_total_norm``.
 
     Non-finite entries propagate (inf → inf, nan → nan), so ``isfinite(total_norm(g))`` is a
     one-kernel non-finite check for the L2 and inf norms.
@@ -108,7 +116,8 @@ def clip_global_l2_norm(parameters: Params, max_norm: float) -> tuple[torch.Tens
         max_norm: the threshold τ (> 0).
 
     Returns:
-        ``(pre, post)``: 0-dim fp32 tensors; ``post = pre · coefficient``.
+        ``(pre, post)``: 0-dim tensors (fp64 if any gradient is fp64, else fp32);
+        ``post = pre · coefficient``.
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be > 0 (use clip mode 'none' to disable)")

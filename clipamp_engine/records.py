@@ -29,7 +29,9 @@ class StepLog:
     ``grad_l2_pre_clip`` is the global L2 norm of the unscaled, accumulated gradient;
     ``grad_l2_post_clip`` the norm the optimizer saw; ``clipped`` whether they differ.
     ``max_norm`` is the clipping threshold in force (None for modes without one);
-    ``extra`` holds optional forensic columns (update_norm, data_source, …).
+    ``extra`` holds optional forensic columns (update_norm, data_source, …); ``pipeline``
+    says which update path ran (``"fused"``: unscale and clip folded into a fused optimizer,
+    ``"default"``: the canonical passes), constant for a run and not a CSV column.
     """
 
     step: int
@@ -44,6 +46,7 @@ class StepLog:
     extra: dict[str, Any] = field(default_factory=dict)
     skipped: bool = False
     skip_reason: str = ""
+    pipeline: str = "default"
 
     def row(self) -> dict[str, Any]:
         """Flat dict: canonical columns first, then clipped, token_count and extras."""

@@ -1,5 +1,6 @@
 """Dynamic loss scaling: torch's ``GradScaler`` plus the back-off it lacks for refused losses,
-and a DeepSpeed-style scaler with hysteresis, a floor, a cap and a floor alarm.
+and a scaler with DeepSpeed's overflow hysteresis, GradScaler's growth count, a floor, a cap
+and a floor alarm.
 
 References:
     Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740 (loss scaling).
@@ -14,9 +15,12 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 __all__ = ["HysteresisScaler", "LossScaleFloorWarning", "LossScaler"]
+
+#: The scale lives in an fp32 tensor (as GradScaler's does): it can never exceed this.
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -36,21 +40,42 @@ class LossScaler(torch.amp.GradScaler):
         state["_growth_tracker"] = 0
         self.load_state_dict(state)
 
+    def record_inf_check(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """Record ``found_inf`` as ``optimizer``'s inf check of this iteration, as ``unscale_`` +
+        ``step`` would, for an update that unscaled inside a fused optimizer; ``update()`` follows."""
+        if not self.is_enabled():
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.STEPPED
+
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The current scale as a device tensor (no sync); ``None`` when disabled or not yet used."""
+        return self._scale if self.is_enabled() else None
+
 
 class LossScaleFloorWarning(RuntimeWarning):
     """The loss scale reached its floor: overflows persist even at the smallest scale allowed."""
 
 
 class HysteresisScaler(LossScaler):
-    """Dynamic loss scaler with DeepSpeed's hysteresis, a floor and a cap.
+    """Dynamic loss scaler: DeepSpeed's overflow hysteresis, GradScaler's growth, a floor and a cap.
 
-    Overflow rule (DeepSpeed ``DynamicLossScaler.update_scale``): an overflow first spends
+    Overflow rule — DeepSpeed's (``DynamicLossScaler.update_scale``): an overflow first spends
     one unit of hysteresis; only when ``hysteresis == 1`` or the counter is down to 1 does the
     scale back off, to ``max(scale · backoff_factor, min_scale)``; the counter stays at 1, so
     further overflows back off immediately. The counter is restored to ``hysteresis`` on every
     overflow-free step when ``consecutive_hysteresis`` is true, otherwise only when the scale
-    grows. Growth is GradScaler's: after ``growth_interval`` consecutive overflow-free steps,
-    ``scale ← min(scale · growth_factor, max_scale)``.
+    grows.
+
+    Growth — counted as ``torch.amp.GradScaler`` counts it, not as DeepSpeed does: after
+    ``growth_interval`` consecutive overflow-free steps, ``scale ← min(scale · growth_factor,
+    max_scale)``. DeepSpeed grows when ``cur_iter − last_overflow_iter − 1`` is a positive
+    multiple of ``scale_window``, i.e. after ``scale_window + 1`` clean steps: with
+    ``growth_interval = scale_window`` every growth here comes one clean step earlier than
+    DeepSpeed's (the spacing between growths is the same). A growth that would leave the fp32
+    range is refused (scale kept, count restarted), as GradScaler's ``_amp_update_scale_``
+    refuses it, whatever ``max_scale`` says.
 
     Example (init_scale 256, factor 2, hysteresis 3): four overflows in a row leave the scale
     at 256, 256, 128, 64.
@@ -71,7 +96,7 @@ class HysteresisScaler(LossScaler):
             1 = GradScaler behaviour).
         consecutive_hysteresis: restore the counter on every overflow-free step.
         min_scale: the floor (> 0).
-        max_scale: the cap (≥ init_scale).
+        max_scale: the cap (≥ init_scale; may be inf: the fp32 range caps it anyway).
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -86,6 +111,8 @@ class HysteresisScaler(LossScaler):
             raise ValueError(f"min_scale={min_scale!r} must be > 0")
         if not min_scale <= init_scale <= max_scale:
             raise ValueError(f"need min_scale <= init_scale <= max_scale, got {min_scale} <= {init_scale} <= {max_scale}")
+        if not init_scale <= FP32_MAX:
+            raise ValueError(f"init_scale={init_scale!r} must fit in fp32 (<= {FP32_MAX:.4g}), where the scale is kept")
         self.hysteresis = hysteresis
         self.hysteresis_left = hysteresis
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
@@ -129,7 +156,9 @@ class HysteresisScaler(LossScaler):
             if tracker >= self._growth_interval:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
-                scale = min(scale * self._growth_factor, self.max_scale)
+                grown = min(scale * self._growth_factor, self.max_scale)
+                if grown <= FP32_MAX:  # else refused, as GradScaler refuses to grow the scale to inf
+                    scale = grown
                 tracker = 0
         self._write(scale, tracker)
         floor = scale <= self.min_scale

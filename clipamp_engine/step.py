@@ -4,6 +4,11 @@ autocast forward → fp32 loss → finite-loss check (before backward) → scale
 micro-batch) → unscale → non-finite check → clip → optimizer step → LR schedule → scaler
 update (skips included) → ``zero_grad(set_to_none=True)``.
 
+Two update paths, chosen automatically (``AmpTrainState.pipeline``): with a fused optimizer and
+a global-coefficient clip the unscale and the clip are folded into the optimizer's own pass
+and nothing syncs with the host between flushes (``clipamp_engine.fused``); otherwise the
+canonical passes run and each step is materialised at once.
+
 References:
     Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740.
     Pascanu, Mikolov, Bengio, arXiv:1211.5063 (global-norm clipping).
@@ -20,6 +25,8 @@ from torch import nn
 
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
+from .fused import (DeviceLambdaLR, RecordBuffer, fused_optimizer_step, fused_path_refusal, global_coefficient,
+                    is_fusable)
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import grads_of, scale_grads_, total_norm
 from .records import SkipLog, StepLog
@@ -98,6 +105,11 @@ class AmpTrainState:
         forensics: optional probe with ``before_step(params, grads, optimizer)`` and
             ``after_step(params, optimizer) -> dict`` whose columns land in ``record.extra``
             (see ``clipamp_engine.forensics``); ``None`` costs nothing.
+        fused: ``None`` (default) runs the fused path whenever it can (see
+            ``clipamp_engine.fused``), ``False`` always runs the canonical passes, ``True``
+            raises ``ValueError`` (with the reason) when the fused path cannot run.
+        log_every: on the fused path, ``step_deferred`` materialises records (one transfer)
+            every ``log_every`` steps; default 1 on CPU (a sync is free there), 50 elsewhere.
     """
 
     def __init__(
@@ -120,6 +132,8 @@ class AmpTrainState:
         skip_monitor: SkipRateMonitor | None = None,
         clip_window: int = 1000,
         forensics: Any = None,
+        fused: bool | None = None,
+        log_every: int | None = None,
     ) -> None:
         self.autocast_dtype = parse_dtype(dtype)
         self.dtype = dtype
@@ -150,6 +164,21 @@ class AmpTrainState:
         self.forensics = forensics if forensics is not None else _NoForensics()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.step_count = 0  # optimizer steps attempted (taken + skipped)
+        self._init_pipeline(fused, log_every, forensics is not None)
+
+    def _init_pipeline(self, fused: bool | None, log_every: int | None, forensics: bool) -> None:
+        refusal = fused_path_refusal(self.optimizer, self.clip, forensics)
+        if fused and refusal is not None:
+            raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
+        self.pipeline = "fused" if fused is not False and refusal is None else "default"
+        self.log_every = log_every if log_every is not None else (1 if self.device_type == "cpu" else 50)
+        if not isinstance(self.log_every, int) or self.log_every < 1:
+            raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
+        self._pending = RecordBuffer()  # fused path: device rows not yet materialised
+        self._ready: list[StepLog] = []  # default path: records materialised at once
+        self._device_lr = None
+        if self.pipeline == "fused" and isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
+            self._device_lr = DeviceLambdaLR(self.scheduler, self.log_every)
 
     # -- the step -------------------------------------------------------------------------
     def autocast(self):
@@ -158,32 +187,77 @@ class AmpTrainState:
     def step(self, inputs: Any, targets: Any) -> StepLog:
         """Run one optimizer step over ``(inputs, targets)``; return a ``StepLog`` or ``SkipLog``.
 
-        Raises ``SkipRateExceeded`` (with the step's record as ``.record``) when the fail-fast
-        skip-rate check trips, and the clip policy's ``ValueError`` from ``observe`` (e.g. a
-        ``CalibrationError``), also with ``.record``.
+        The record is materialised at once (one host sync on the fused path); see
+        ``step_deferred`` for the sync-free loop. Raises ``SkipRateExceeded`` (with the step's
+        record as ``.record``) when the fail-fast skip-rate check trips, and the clip policy's
+        ``ValueError`` from ``observe`` (e.g. a ``CalibrationError``), also with ``.record``.
         """
+        if len(self._pending):
+            raise RuntimeError(f"{len(self._pending)} records are pending: call flush() before step()")
+        self._run(inputs, targets)
+        return self.flush()[-1]
+
+    def step_deferred(self, inputs: Any, targets: Any) -> list[StepLog]:
+        """Run one optimizer step; return the records materialised by this call, oldest first.
+
+        On the fused path that is ``[]`` between flushes and the last ``log_every`` records at
+        each flush; on the default path, this step's record. Call ``flush()`` after the last step.
+        """
+        self._run(inputs, targets)
+        return self.flush() if len(self._pending) + len(self._ready) >= self.log_every or self._ready else []
+
+    def flush(self) -> list[StepLog]:
+        """Materialise the pending records (one transfer) and feed them to the monitors.
+
+        Each record then goes to the clip policy's ``observe`` and the monitors, in step order.
+        Raises ``SkipRateExceeded`` (or the policy's ``ValueError``) with ``.record`` (the step
+        that raised) and ``.records`` (every record of this flush, to be written by the caller).
+        """
+        records, self._ready = self._ready + self._pending.drain(), []
+        if self._device_lr is not None and records:
+            self._device_lr.sync(self._device_lr.start + sum(not r.skipped for r in records))
+        for record in records:
+            try:
+                self.clip.observe(record)  # e.g. a calibration window closes
+            except ValueError as e:
+                e.record, e.records = record, records
+                raise
+            if not record.skipped:
+                self.clip_monitor.add(record.clipped)
+            try:
+                self.skip_monitor.update(record.skipped, step=record.step)
+            except SkipRateExceeded as e:
+                e.record, e.records = record, records
+                raise
+        return records
+
+    def _run(self, inputs: Any, targets: Any) -> None:
         self.step_count += 1
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        scale = self.scaler.get_scale()  # sync (fp16 on an accelerator only): the scale this step uses
         try:
-            record = self._step(inputs, targets, lr, scale)
+            if self.pipeline == "fused":
+                if not is_fusable(self.clip):
+                    raise ValueError(f"clip mode {self.clip.mode!r} was set after the fused path was chosen and "
+                                     "needs the default path: build AmpTrainState with fused=False")
+                self._fused_step(inputs, targets)
+            else:
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                scale = self.scaler.get_scale()  # sync (fp16 on an accelerator only): the scale this step uses
+                self._ready.append(self._step(inputs, targets, lr, scale))
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-        try:
-            self.clip.observe(record)  # e.g. a calibration window closes
-        except ValueError as e:
-            e.record = record
-            raise
-        if not record.skipped:
-            self.clip_monitor.add(record.clipped)
-        try:
-            self.skip_monitor.update(record.skipped, step=record.step)
-        except SkipRateExceeded as e:
-            e.record = record
-            raise
-        return record
 
     def _step(self, inputs: Any, targets: Any, lr: float, scale: float) -> StepLog:
+        loss_acc, tokens, ref, refused = self._forward_backward(inputs, targets, check_loss=True)
+        if refused:
+            self.scaler.back_off()
+            return self._skip("nonfinite_loss", lr, scale, loss_acc, tokens)
+        return self._update(loss_acc, tokens, ref, lr, scale)
+
+    def _forward_backward(self, inputs: Any, targets: Any, check_loss: bool):
+        """Autocast forward and scaled backward per micro-batch → ``(loss_acc, tokens, ref, refused)``.
+
+        With ``check_loss`` a non-finite micro-batch loss stops before its backward (``refused``).
+        """
         k = self.accumulation_steps
         micro = zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
         total = _batch_size(inputs)
@@ -202,14 +276,18 @@ class AmpTrainState:
             else:  # mean loss: weight each micro-batch by its share of the samples
                 loss = result.float() * (_batch_size(y) / total) if k > 1 else result.float()
                 loss_acc = loss if loss_acc is None else loss_acc + loss
-            if not bool(torch.isfinite(loss)):  # sync: a non-finite loss never reaches backward
-                self.scaler.back_off()
-                return self._skip("nonfinite_loss", lr, scale, loss_acc, tokens)
+            if check_loss and not bool(torch.isfinite(loss)):  # sync: a non-finite loss never reaches backward
+                return loss_acc, tokens, ref, True
             if per_sample:
                 self.clip.backward(self.model, self.loss_fn, x, y)
             else:
                 self.scaler.scale(loss).backward()
+        return loss_acc, tokens, ref, False
 
+    def _update(self, loss_acc: torch.Tensor, tokens: torch.Tensor | None, ref: torch.Tensor | None,
+                lr: float, scale: float) -> StepLog:
+        """The canonical passes after backward: unscale → check → clip → step → schedule → scaler."""
+        k = self.accumulation_steps
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.params if p.grad is not None]
         grads = grads_of(params)
@@ -241,9 +319,44 @@ class AmpTrainState:
                        token_count=None if math.isnan(tok_f) else int(tok_f),
                        max_norm=self.clip.threshold, extra=extra)
 
+    def _fused_step(self, inputs: Any, targets: Any) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr  # the LR this step uses
+        loss_acc, tokens, ref, _ = self._forward_backward(inputs, targets, check_loss=False)
+        scale = self.scaler.scale_tensor()
+        self._fused_update(loss_acc, tokens, ref, lr, scale.clone() if scale is not None else 1.0)
+
+    def _fused_update(self, loss_acc: torch.Tensor, tokens: torch.Tensor | None, ref: torch.Tensor | None,
+                      lr: float | torch.Tensor, scale: float | torch.Tensor) -> None:
+        """Norm of the scaled gradients → skip flag and clip coefficient on the device → one fused
+        optimizer pass that unscales, clips and steps (or skips) → scaler and schedule, no sync."""
+        params = [p for p in self.params if p.grad is not None]
+        grads = grads_of(params)
+        norm = total_norm(grads)
+        factor = torch.ones_like(norm)  # what turns the stored gradient into the unscaled mean
+        if isinstance(scale, torch.Tensor):  # GradScaler's inverse scale, computed the same way
+            factor = scale.to(norm.device).double().reciprocal().float()
+        if tokens is not None and self.accumulation_steps > 1:
+            factor = factor * (ref / tokens.float()).to(norm.device)
+        pre = norm * factor
+        mean_loss = (loss_acc / tokens.float() if tokens is not None else loss_acc).detach().to(norm.device)
+        loss_finite = torch.isfinite(mean_loss)
+        found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
+        coef = global_coefficient(self.clip, pre)
+        fused_optimizer_step(self.optimizer, 1.0 / (factor * coef), found_inf)
+        self.scaler.record_inf_check(self.optimizer, found_inf)
+        self.scaler.update()
+        if self._device_lr is not None:
+            self._device_lr.advance(found_inf)
+        elif self.scheduler is not None and not bool(found_inf):  # sync: only LambdaLR runs on the device
+            self.scheduler.step()
+        self._pending.add(self.step_count, self.clip.threshold,
+                          [lr, pre, pre * coef, mean_loss, self._tokens_or_nan(tokens, norm.device), scale,
+                           found_inf, loss_finite])
+
     @staticmethod
-    def _tokens_or_nan(tokens: torch.Tensor | None) -> torch.Tensor:
-        return tokens.float() if tokens is not None else torch.tensor(float("nan"))
+    def _tokens_or_nan(tokens: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
+        return tokens.float() if tokens is not None else torch.full((), float("nan"), device=device)
 
     def _skip(self, reason: str, lr: float, scale: float, loss_acc: torch.Tensor,
               tokens: torch.Tensor | None, pre: torch.Tensor | None = None) -> SkipLog:
@@ -261,6 +374,8 @@ class AmpTrainState:
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs besides model and optimizer (which are included)."""
+        if len(self._pending):
+            raise RuntimeError(f"{len(self._pending)} records are pending: call flush() before state_dict()")
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -284,3 +399,6 @@ class AmpTrainState:
         self.skip_monitor.load_state_dict(state["skip_monitor"])
         self.clip_monitor.load_state_dict(state["clip_monitor"])
         self.step_count = state["step_count"]
+        self._pending, self._ready = RecordBuffer(), []
+        if self._device_lr is not None:  # tensor LRs and the window follow the loaded schedule
+            self._device_lr = DeviceLambdaLR(self.scheduler, self.log_every)

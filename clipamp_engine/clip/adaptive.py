@@ -7,6 +7,7 @@ after the record's own sync.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,18 +21,32 @@ __all__ = ["QuantileClip", "ZScoreClip"]
 # -- AutoClip (quantile) ---------------------------------------------------------------------
 
 class QuantileClip(ClipPolicy):
-    """AutoClip: clip at the q-quantile of the pre-clip norms seen so far (current one included).
+    """AutoClip: clip at the q-quantile of the pre-clip norms seen so far.
 
-    As in the paper's reference code, the current norm is appended to the history first and
-    τ_t = quantile_q(history) (linear interpolation, like ``np.percentile``); so the first
-    step is never clipped (τ_1 = ‖g_1‖). The paper keeps the whole history; here the last
-    ``history`` norms (a device ring buffer, so no host sync). The paper's default percentile
-    is p=10, i.e. ``quantile=0.1``: by design it clips most steps (~90% once the history is
-    stationary); ``quantile=0.9``–``0.99`` turns it into a spike-only guard.
+    Two conventions for "so far", both offered (``include_current``):
+
+    - ``True`` (default) — the paper's reference code: the current norm is appended to the
+      history first, then τ_t = quantile_q(history ∪ {‖g_t‖}).
+    - ``False`` — the ``autoclip`` package (``QuantileClip``, ``global_threshold=True``): τ_t
+      is the q-quantile of the previous norms only (τ_1 = ∞), then ‖g_t‖ is appended.
+
+    Including the current norm raises τ_t whenever that norm is above the quantile of the
+    previous ones — the spike case — so a spike is clipped *less* under the paper's rule: at
+    ``quantile=1.0`` τ_t = max(history ∪ {‖g_t‖}) ≥ ‖g_t‖ and nothing is ever clipped, while
+    the package's rule clips a spike to the largest previous norm. Example, q = 0.9, previous
+    norms 1, 2, …, 10 and a spike of 100: the package clips it to 9.1, the paper's rule to
+    10 (the 0.9-quantile of 1…10 and 100). Both leave step 1 unclipped.
+
+    Quantiles interpolate linearly, like ``np.percentile``. The paper keeps the whole
+    history; here the last ``history`` norms (a device ring buffer, so no host sync). The
+    paper's default percentile is p=10, i.e. ``quantile=0.1``: by design it clips most steps
+    (~90% once the history is stationary); ``quantile=0.9``–``0.99`` turns it into a
+    spike-only guard.
 
     Args:
         quantile: q in (0, 1] (the paper's percentile p / 100).
         history: how many recent pre-clip norms to keep (≥ 1).
+        include_current: the paper's rule (``True``) or the ``autoclip`` package's (``False``).
 
     References:
         Seetharaman, Wichern, Pardo, Le Roux, "AutoClip: Adaptive Gradient Clipping for
@@ -40,13 +55,16 @@ class QuantileClip(ClipPolicy):
 
     mode = "quantile"
 
-    def __init__(self, quantile: float = 0.1, history: int = 1000) -> None:
+    def __init__(self, quantile: float = 0.1, history: int = 1000, include_current: bool = True) -> None:
         q = positive("quantile", quantile)
         if q > 1:
             raise ValueError(f"quantile={quantile!r} must be in (0, 1] (the paper's percentile p=10 is 0.1)")
         if int(history) != history or int(history) < 1:
             raise ValueError(f"history={history!r} must be an integer >= 1")
-        self.quantile, self.history = q, int(history)
+        if include_current not in (True, False):
+            raise ValueError(f"include_current={include_current!r} must be true (the paper's rule) "
+                             "or false (the autoclip package's: previous norms only)")
+        self.quantile, self.history, self.include_current = q, int(history), bool(include_current)
         self._buf: torch.Tensor | None = None
         self._filled = 0  # entries written into the ring buffer (position = _filled % history)
         self.seen = 0  # norms observed in total
@@ -60,15 +78,24 @@ class QuantileClip(ClipPolicy):
                 self._buf.copy_(old)
         return self._buf
 
-    def clip_(self, params, grads, pre, step):
-        buf = self._ensure(pre.device)
+    def _record(self, buf: torch.Tensor, pre: torch.Tensor) -> None:
         buf[self._filled % self.history] = pre  # a device copy, no sync
         self._filled += 1
         self.seen += 1
-        tau = torch.quantile(buf[: min(self._filled, self.history)], self.quantile)
+
+    def clip_(self, params, grads, pre, step):
+        buf = self._ensure(pre.device)
+        if self.include_current:
+            self._record(buf, pre)
+        kept = min(self._filled, self.history)
+        tau = torch.quantile(buf[:kept], self.quantile) if kept else None  # None: no history, τ = ∞
+        if not self.include_current:
+            self._record(buf, pre)
+        self._tau = tau
+        if tau is None:
+            return pre
         coef = coefficient_above(pre, tau)
         scale_grads_(grads, coef)
-        self._tau = tau
         return pre * coef
 
     @property
@@ -84,7 +111,8 @@ class QuantileClip(ClipPolicy):
         return torch.roll(self._buf[:n], -start).cpu() if n else torch.zeros(0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"quantile": self.quantile, "history": self.history, "norms": self.norms(), "seen": self.seen,
+        return {"quantile": self.quantile, "history": self.history, "include_current": self.include_current,
+                "norms": self.norms(), "seen": self.seen,
                 "tau": None if self._tau is None else self._tau.detach().cpu()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -110,22 +138,30 @@ class ZScoreClip(ClipPolicy):
     set, applies) and initialise μ = mean, σ² = population variance of them. Then, per step
     with norm g::
 
-        z = (g − μ) / (σ + eps)
+        z = (g − μ) / (σ + eps·μ)
         if z > z_thresh:  τ = μ + (z_thresh² / z) · σ      ("adaptive_scaling", the paper's
                                                             reciprocal rule), or τ = μ ("mean")
-                          g is clipped to τ, and the EMA is fed τ
-        else:             the EMA is fed g
+                          g is clipped to τ (coefficient τ/g), and the EMA is fed τ
+        else:             g is left untouched, and the EMA is fed g
         μ ← α μ + (1 − α) g_fed;   σ² ← α σ² + (1 − α)(g_fed − μ)²   (with the new μ)
 
-    This is the released implementation's ``mode="zscore"`` with ``clip_factor=1`` and
-    ``skip_update_on_spike=False`` (``τ = μ + z_thresh·σ / (z / z_thresh)``, identical to
-    the paper's reciprocal form). The larger the outlier, the harder it is pulled back
-    (τ → μ as z → ∞). Example: μ=1, σ=0.5, g=3 gives z=4 and, with z_thresh=2,
-    τ = 1 + (4/4)·0.5 = 1.5 (with the default z_thresh=2.5, τ = 1.78125).
+    This is the authors' reference ``ZClip`` class (bluorion-com/ZClip, ``zclip/zclip.py``)
+    in ``mode="zscore"`` with ``clip_factor=1``, ``skip_update_on_spike=False`` and
+    ``max_grad_norm=None`` (its default is 1.0): only a step with z > z_thresh is clipped.
+    ``τ = μ + z_thresh·σ / (z / z_thresh)`` there, identical to the paper's reciprocal form.
+    The larger the outlier, the harder it is pulled back (τ → μ as z → ∞). Example: μ=1,
+    σ=0.5, g=3 gives z=4 and, with z_thresh=2, τ = 1 + (4/4)·0.5 = 1.5 (with the default
+    z_thresh=2.5, τ = 1.78125).
+
+    Scale-free, unlike the reference: every decision and every ratio g_post/g is the same for
+    a norm sequence and for that sequence times any constant (norms ~1e-5 late in a large
+    model's training, or ~1e3 early). The reference adds an absolute ``eps=1e-6`` to σ and to
+    g in its coefficient, which at norms ~1e-5 (σ ~ 1e-6) hides spikes; here ``eps`` is
+    relative to μ and the coefficient is exactly τ/g. At norms ~1 the two agree.
 
     ``threshold`` is the bound in force at the latest step: τ when it clipped, otherwise the
-    trigger level μ + z_thresh·σ (capped at ``max_norm``); ``None`` during warm-up without
-    ``max_norm``.
+    trigger level μ + z_thresh·(σ + eps·μ) above which it would have (both capped at
+    ``max_norm``); ``None`` during warm-up without ``max_norm``.
 
     Args:
         alpha: EMA factor α (0.97).
@@ -134,7 +170,8 @@ class ZScoreClip(ClipPolicy):
         clip_option: ``"adaptive_scaling"`` (default) or ``"mean"``.
         max_norm: optional fixed ceiling also applied (``None``: none; the released code's
             ``max_grad_norm``).
-        eps: added to σ in the z-score.
+        eps: guard added to σ in the z-score, relative to μ (``σ + eps·μ``; ≥ 0), so that a
+            constant warm-up (σ = 0) still gives a finite z.
 
     References:
         Kumar, Owen, Chowdhury, Güra, "ZClip: Adaptive Spike Mitigation for LLM
@@ -157,6 +194,8 @@ class ZScoreClip(ClipPolicy):
         self.clip_option = clip_option
         self.max_norm = None if max_norm is None else positive("max_norm", max_norm)
         self.eps = float(eps)
+        if not (self.eps >= 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps={eps!r} must be a finite number >= 0 (relative to the mean norm)")
         self._warm: torch.Tensor | None = None
         self._n_warm = 0
         self.mean: torch.Tensor | None = None
@@ -185,16 +224,19 @@ class ZScoreClip(ClipPolicy):
 
         mean, var = self.mean.to(pre.device), self.var.to(pre.device)
         std = var.sqrt()
-        z = (pre - mean) / (std + self.eps)
+        spread = std + self.eps * mean  # scales with the norms, so z does not
+        z = (pre - mean) / spread
         spike = z > self.z_thresh
         if self.clip_option == "adaptive_scaling":
             target = mean + (self.z_thresh ** 2 / z) * std
         else:
             target = mean
-        tau = torch.where(spike, target, mean + self.z_thresh * std)
+        bound = torch.where(spike, target, torch.full_like(target, math.inf))  # only spikes are clipped
+        tau = torch.where(spike, target, mean + self.z_thresh * spread)
         if self.max_norm is not None:
+            bound = torch.clamp(bound, max=self.max_norm)
             tau = torch.clamp(tau, max=self.max_norm)
-        coef = coefficient_above(pre, tau)
+        coef = coefficient_above(pre, bound, eps=0.0)
         scale_grads_(grads, coef)
         fed = torch.where(spike, target, pre)
         a = self.alpha

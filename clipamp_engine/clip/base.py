@@ -98,13 +98,14 @@ def scale_each_(tensors: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]
         torch._foreach_mul_([views[i] for i in idx], [factors[i].to(device) for i in idx])
 
 
-def coefficient_above(norm: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
-    """``τ / (norm + 1e-6)`` where ``norm > τ``, else exactly 1 (branch-free, no sync).
+def coefficient_above(norm: torch.Tensor, tau: torch.Tensor | float, eps: float = CLIP_EPS) -> torch.Tensor:
+    """``τ / (norm + eps)`` where ``norm > τ``, else exactly 1 (branch-free, no sync).
 
     Unlike ``clip_coefficient`` (torch's ``min(1, τ/(n+ε))``), a norm at or under τ is left
     bit-for-bit untouched, which the adaptive modes need (τ can equal the norm itself).
+    ``eps=0`` gives the scale-free ``τ / norm`` (safe: ``norm > τ ≥ 0`` where it is used).
     """
-    return torch.where(norm > tau, tau / (norm + CLIP_EPS), torch.ones_like(norm))
+    return torch.where(norm > tau, tau / (norm + eps), torch.ones_like(norm))
 
 
 # -- naming and optimizer structure ---------------------------------------------------------

@@ -1,10 +1,13 @@
 """``clip=calibrated``: measure the norms in calibration windows, then clip at τ = Quantile_q of them.
 
 The seed's "Norm Calibration Window": train a short interval without clipping (or at a
-conservative cap), take a high quantile of the finite pre-clip norms as the threshold, and
-revise it in later windows if asked. The policy owns the whole procedure (window schedule,
-the window's norms, the summaries, the adopted τ), so ``state_dict()`` is all a resumed run
-needs, and a user's own loop around ``AmpTrainState`` calibrates exactly as the app does.
+conservative cap), take a high quantile of the finite pre-clip norms as the threshold, check
+that it clips as predicted on the following steps, and revise it in later windows if asked.
+The policy owns the whole procedure — where the window starts (``start``, see
+``clipamp_engine.placement``), the window's norms, each window's summary with the confidence
+interval of every quantile, the adopted τ, the validation counts behind each τ's band check
+(``clipamp_engine.band``) and the drift between windows — so ``state_dict()`` is all a resumed
+run needs, and a user's own loop around ``AmpTrainState`` calibrates exactly as the app does.
 
 References:
     Seed lesson 004, "Choosing the threshold" and "Norm Calibration Window".
@@ -12,40 +15,56 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..calibration import CalibrationError, CalibrationSummary, CalibrationWindows, NormCalibrator
+from ..band import PRETRAINING_BAND, BandCheck, band_quantile, check_band, validate_band
+from ..calibration import CONFIDENCE, CalibrationError, CalibrationSummary, CalibrationWindows, NormCalibrator
+from ..placement import Placement, StartDetector, fixed_placement
 from ..records import StepLog
 from .base import ClipPolicy, positive
 from .fixed import GlobalNormClip, NoClip
 
 __all__ = ["CalibratedClip"]
 
+PHASES = ("settle", "calibrate", "validate", "train")
+
 
 class CalibratedClip(ClipPolicy):
-    """Global-norm clipping at a threshold measured in calibration windows.
+    """Global-norm clipping at a threshold measured in calibration windows, checked on held-out steps.
 
-    Steps 1 … ``window`` form the first window, then one starts every ``every`` steps
-    (see ``CalibrationWindows``). Until the first window closes, steps are clipped at ``cap``
-    (or not at all); at the last step of each window its finite pre-clip norms are summarised
-    (``NormCalibrator``) and, from the next step on, gradients are clipped at
-    τ = Quantile_``quantile`` of them (``GlobalNormClip(τ)``). Later windows measure under the
-    τ in force and replace it when they close. Skipped steps inside a window are counted,
-    never mixed into the quantiles.
+    Before the first window (``start``: ``"auto"`` or a number of steps to wait) steps are in
+    phase ``settle``; ``auto`` opens the window once the LR warm-up is over and the rolling median
+    of the norms has settled (``StartDetector``, at the latest when the window and its validation
+    still fit in ``total_steps``). A window (phase ``calibrate``) lasts ``window`` steps, then one
+    opens every ``every`` steps after the first. Until the first window closes, steps are clipped
+    at ``cap`` (or not at all); at the last step of each window its finite pre-clip norms are
+    summarised (``NormCalibrator``: quantiles with order-statistic intervals) and, from the next
+    step on, gradients are clipped at τ = Quantile_``quantile`` (``quantile=None``: the quantile
+    aiming at the centre of ``target_clip``, ``band_quantile``). The ``validate`` steps after a
+    window (0: every step until the next window or the end) count how often τ clips (phase
+    ``validate``; later steps are ``train``); ``checks()`` compares that with the window's
+    prediction and the band. A later window whose τ interval does not overlap the previous one's
+    is flagged as drift (``drift()``). Skipped steps are counted, never mixed into quantiles or
+    ratios.
 
-    The norms reach the policy through ``observe(record)`` (host values the step already
-    read back), so calibrating adds no host sync. ``phase(step)`` names a step's role:
-    ``"calibrate"`` inside a window, ``"validate"`` outside.
+    The norms reach the policy through ``observe(record)`` (host values the step already read
+    back), so calibrating adds no host sync.
 
     Args:
         window: steps per window (>= 2).
         every: steps between window starts (0: one window; else >= ``window``).
-        quantile: q of the recommendation τ = Quantile_q (0 < q < 1).
+        quantile: q of τ = Quantile_q (0 < q < 1), or ``None`` to aim at ``target_clip``.
         candidates: fixed thresholds whose would-be clipping ratio each summary reports.
-        cap: τ while the first window measures (``None``: no clipping then).
+        cap: τ until the first window closes (``None``: no clipping then).
+        start: ``"auto"``, or the number of steps before the first window (0: it starts at step 1).
+        validate: held-out steps after each window that check τ (0: all until the next window).
+        target_clip: the clipping-ratio band ``[low, high]`` τ is judged against (seed 004's
+            pretraining band by default).
+        confidence: level of the quantile and ratio intervals.
         total_steps: the run length (context, not an option): a window cut by the end of the
-            run is kept only with >= 2 steps. ``None``: the run length is unknown.
+            run is kept only with >= 2 steps; ``auto`` starts early enough to fit. ``None``: unknown.
 
     Raises (from ``observe``, i.e. ``AmpTrainState.step``):
         CalibrationError: a window had no finite norm, or recommends τ <= 0.
@@ -53,16 +72,46 @@ class CalibratedClip(ClipPolicy):
 
     mode = "calibrated"
 
-    def __init__(self, window: int = 100, every: int = 0, quantile: float = 0.95,
-                 candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0), cap: float | None = None, *,
-                 total_steps: int | None = None) -> None:
-        self.windows = CalibrationWindows(window, every, total_steps)
-        self.quantile, self.candidates = quantile, tuple(candidates)
-        NormCalibrator(quantile, self.candidates)  # validates quantile
+    def __init__(self, window: int = 100, every: int = 0, quantile: float | None = 0.95,
+                 candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0), cap: float | None = None,
+                 start: int | str = 0, validate: int = 0, target_clip: Sequence[float] = PRETRAINING_BAND,
+                 confidence: float = CONFIDENCE, *, total_steps: int | None = None) -> None:
+        self.band = validate_band(target_clip)
+        self.quantile = band_quantile(self.band) if quantile is None else quantile
+        self.candidates, self.confidence = tuple(candidates), confidence
+        NormCalibrator(self.quantile, self.candidates, confidence)  # validates quantile
         self.cap = None if cap is None else positive("cap", cap)
+        if not (start == "auto" or (isinstance(start, int) and not isinstance(start, bool) and start >= 0)):
+            raise ValueError(f"start={start!r} must be 'auto' or a number of steps >= 0 (0: the window starts "
+                             f"at step 1)")
+        if not isinstance(validate, int) or validate < 0:
+            raise ValueError(f"validate={validate!r} must be a number of steps >= 0 (0: every step after the window)")
+        self.start, self.validate, self.total_steps = start, validate, total_steps
+        CalibrationWindows(window, every, total_steps)  # validates window, every, total_steps
+        self.window, self.every = window, every
+        latest = self._latest_start()
+        self.detector = StartDetector(latest=latest) if start == "auto" else None
+        self.placement: Placement | None = None if start == "auto" else fixed_placement(start)
+        if start == "auto" and latest == 1:  # no room to wait: the window and its validation fill the run
+            self.placement = Placement(1, None, None, None, "deadline",
+                                       f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
+                                       f"before a {window}-step window and its validation: the window starts at "
+                                       f"step 1 (raise steps to let calibrate.start=auto wait)")
+        self.windows = self._windows()
         self.summaries: list[CalibrationSummary] = []
+        self.validation: list[list[int]] = []  # per closed window: [clipped, taken] over its validation steps
         self._calibrator: NormCalibrator | None = None  # the open window's
         self._active: ClipPolicy = self._before_first_window()
+
+    def _latest_start(self) -> int | None:
+        if self.total_steps is None:
+            return None
+        return max(1, self.total_steps - self.window - (self.validate or self.window) + 1)
+
+    def _windows(self) -> CalibrationWindows | None:
+        if self.placement is None:
+            return None
+        return CalibrationWindows(self.window, self.every, self.total_steps, first=self.placement.start)
 
     def _before_first_window(self) -> ClipPolicy:
         return GlobalNormClip(self.cap) if self.cap is not None else NoClip()
@@ -73,7 +122,19 @@ class CalibratedClip(ClipPolicy):
         return self.summaries[-1].recommended_max_norm if self.summaries else None
 
     def phase(self, step: int) -> str:
-        return "calibrate" if self.windows.window_at(step) is not None else "validate"
+        """``settle`` before the first window, ``calibrate`` in one, ``validate`` after one, then ``train``."""
+        if self.windows is None or step < self.windows.first:
+            return "settle"
+        if self.windows.window_at(step) is not None:
+            return "calibrate"
+        if not self.validate:
+            return "validate"
+        last = self.windows.window_at(self._last_window_start(step))
+        return "validate" if last is not None and step - last[-1] <= self.validate else "train"
+
+    def _last_window_start(self, step: int) -> int:
+        w = self.windows
+        return w.first + ((step - w.first) // w.every * w.every if w.every else 0)
 
     def clip_(self, params, grads, pre, step):
         return self._active.clip_(params, grads, pre, step)
@@ -83,11 +144,19 @@ class CalibratedClip(ClipPolicy):
         return self._active.threshold
 
     def observe(self, record: StepLog) -> None:
+        if self.placement is None:
+            self.placement = self.detector.update(record.step, record.lr, record.grad_l2_pre_clip, record.skipped)
+            self.windows = self._windows()
+            return
+        phase = self.phase(record.step)
+        if phase == "validate" and self.validation and not record.skipped:
+            self.validation[-1][0] += bool(record.clipped)
+            self.validation[-1][1] += 1
         window = self.windows.window_at(record.step)
         if window is None:
             return
         if self._calibrator is None:
-            self._calibrator = NormCalibrator(self.quantile, self.candidates)
+            self._calibrator = NormCalibrator(self.quantile, self.candidates, self.confidence)
         self._calibrator.add(record)
         if record.step == window[-1]:
             summary = self._calibrator.summary()
@@ -101,17 +170,37 @@ class CalibratedClip(ClipPolicy):
                                    f"max_norm={tau!r}: its gradient norms are zero (a detached graph or frozen "
                                    f"parameters?)")
         self.summaries.append(summary)
+        self.validation.append([0, 0])
         self._active = GlobalNormClip(tau)
 
+    def checks(self) -> list[BandCheck | None]:
+        """Per closed window: its τ judged on its validation steps so far (None: none taken yet)."""
+        return [check_band(s.recommended_max_norm, s.predicted_clip_ratio, clipped, taken, self.band,
+                           self.confidence) if taken else None
+                for s, (clipped, taken) in zip(self.summaries, self.validation)]
+
+    def drift(self) -> list[bool]:
+        """Per closed window: whether its τ interval is separate from the previous window's (False for the first)."""
+        return [False] + [not b.tau_ci.overlaps(a.tau_ci) for a, b in zip(self.summaries, self.summaries[1:])]
+
     def state_dict(self) -> dict[str, Any]:
-        """The open window's norms, every closed window's summary (the last one's τ is in force)."""
-        return {"calibrator": None if self._calibrator is None else self._calibrator.state_dict(),
-                "summaries": [s.as_state() for s in self.summaries]}
+        """Placement (or the detector deciding it), the open window's norms, every closed window's summary
+        and validation counts (the last summary's τ is in force)."""
+        return {"placement": self.placement.as_dict() if self.placement else None,
+                "detector": self.detector.state_dict() if self.detector else None,
+                "calibrator": None if self._calibrator is None else self._calibrator.state_dict(),
+                "summaries": [s.as_state() for s in self.summaries],
+                "validation": [list(v) for v in self.validation]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.detector is not None and state.get("detector") is not None:
+            self.detector.load_state_dict(state["detector"])
+        self.placement = Placement(**state["placement"]) if state.get("placement") else self.placement
+        self.windows = self._windows()
         self._calibrator = None
         if state["calibrator"] is not None:
-            self._calibrator = NormCalibrator(self.quantile, self.candidates)
+            self._calibrator = NormCalibrator(self.quantile, self.candidates, self.confidence)
             self._calibrator.load_state_dict(state["calibrator"])
-        self.summaries = [CalibrationSummary(**s) for s in state["summaries"]]
+        self.summaries = [CalibrationSummary.from_state(s) for s in state["summaries"]]
+        self.validation = [list(v) for v in state.get("validation", [[0, 0]] * len(self.summaries))]
         self._active = GlobalNormClip(self.tau) if self.summaries else self._before_first_window()

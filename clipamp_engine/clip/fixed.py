@@ -216,7 +216,7 @@ class PerGroupClip(ClipPolicy):
     def clip_(self, params, grads, pre, step):
         norms = per_tensor_norms(grads)
         idx = self._indices(params, norms.device)
-        unit_sq = torch.zeros(len(self.max_norms), dtype=torch.float32, device=norms.device)
+        unit_sq = torch.zeros(len(self.max_norms), dtype=norms.dtype, device=norms.device)
         unit_sq.index_add_(0, idx, norms * norms)
         coef = clip_coefficient(unit_sq.sqrt(), self._tau)[idx]  # τ = inf → 1
         scale_each_(grads, coef.unbind())

@@ -108,7 +108,7 @@ class AmpConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
-    hysteresis: int = 1  # > 1: absorb this many overflows before backing off (DeepSpeed semantics)
+    hysteresis: int = 1  # N > 1: DeepSpeed's delayed_shift (N-1 overflows absorbed before backing off)
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0  # floor (an alarm when reached)
     max_scale: float = 16777216.0  # cap (2**24)
@@ -148,10 +148,15 @@ class ClipConfig:
     decoupled_weight_decay: Optional[bool] = None  # update: null = detect per group
     quantile: Optional[float] = None  # quantile (AutoClip), calibrated: q of τ = Quantile_q
     history: Optional[int] = None  # quantile
+    include_current: Optional[bool] = None  # quantile: the paper's rule (true) or the autoclip package's (false)
     window: Optional[int] = None  # calibrated: steps per calibration window
     every: Optional[int] = None  # calibrated: steps between window starts (0: one window)
     candidates: Optional[List[float]] = None  # calibrated: thresholds whose clipping ratio is reported
     cap: Optional[float] = None  # calibrated: τ while the first window measures (null: no clipping)
+    start: Optional[Any] = None  # calibrated: first window's start step, or "auto" (after warm-up)
+    validate: Optional[int] = None  # calibrated: held-out steps after each window that check the band
+    target_clip: Optional[List[float]] = None  # calibrated: [low, high] clipping-ratio band
+    confidence: Optional[float] = None  # calibrated: level of the quantile intervals
     alpha: Optional[float] = None  # zscore (ZClip)
     z_thresh: Optional[float] = None  # zscore
     warmup_steps: Optional[int] = None  # zscore

@@ -15,19 +15,31 @@ from sweep.config.schema import ClipConfig, Config, OptimConfig
 from sweep.errors import UserError
 
 
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused optimizer kernels run on these parameters (device and dtype)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
+    return bool(params) and all(p.device.type in _get_fused_kernels_supported_devices()
+                                and torch.is_floating_point(p) for p in params)
+
+
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW/Adam/SGD over the trainable parameters; no weight decay on 1-D params (biases, norms)."""
+    """AdamW/Adam/SGD over the trainable parameters; no weight decay on 1-D params (biases, norms).
+
+    Fused kernels where the device supports them: the engine then folds unscale and clip into
+    the optimizer's own pass (``clipamp_engine.fused``).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = fused_supported(params)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     if cfg.name == "adam":  # coupled L2: weight decay is added to the gradient (and clipped with it)
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas))
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

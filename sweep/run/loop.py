@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import signal
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from clipamp_engine import AmpTrainState, StepCSVWriter, StepLog
+from clipamp_engine import AmpTrainState, SkipRateExceeded, StepCSVWriter, StepLog
 
 #: Extra CSV columns the app writes after the canonical eight.
 APP_COLUMNS = ("clipped", "token_count", "max_norm", "phase", "data_source", "grad_l2_token_normalised",
@@ -106,33 +107,57 @@ def run_steps(
     checkpoint: Callable[[int], None] | None = None,
     checkpoint_every: int = 0,
 ) -> None:
-    """Run ``steps`` (1-based step numbers) through ``state``, recording every step as it ends.
+    """Run ``steps`` (1-based step numbers) through ``state``, recording every step.
 
-    Every ``checkpoint_every`` steps, and when ``stop`` was requested, ``checkpoint(step)`` runs
-    at the step boundary; a stop then raises ``RunInterrupted``.
+    Records are materialised by the engine every ``state.log_every`` steps (every step on CPU)
+    and then written in order: the CSV, MLflow and ``on_record`` see the same rows, later.
+    Every ``checkpoint_every`` steps, and when ``stop`` was requested, the pending records are
+    flushed and ``checkpoint(step)`` runs at the step boundary; a stop then raises ``RunInterrupted``.
     """
+    pending: deque[tuple[str, Any, bool]] = deque()  # host facts of steps whose record is not out yet
     with progress_bar(progress, label) as bar:
         task = bar.add_task(label, total=len(steps), info="")
+
+        def emit(logs: list[StepLog]) -> None:
+            for log in logs:
+                phase, source, at_floor = pending.popleft()
+                _record_step(log, phase, source, at_floor, writer, tracker, records)
+                if on_record is not None:
+                    on_record(log)
+                if bar.tasks and (log.step % 10 == 0 or log.step == steps[-1]):
+                    bar.update(task, completed=log.step - steps[0] + 1,
+                               info=f"loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  "
+                                    f"τ {log.max_norm or float('nan'):.3g}")
+
         for step in steps:
             batch = next(batches)
-            log = state.step(batch.inputs, batch.targets)
-            tok = log.token_count
-            row = log.with_extra(
-                phase=phase_of(step), data_source=batch.data_source,
-                grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None,
-                scaler_at_floor=state.scaler.at_floor).row()
-            writer.write(row)
-            records.rows.append(row)
-            tracker.add_step(log.step, {k: row[k] for k in STEP_METRICS} | {"clipped": float(log.clipped)})
-            if on_record is not None:
-                on_record(log)
-            if bar.tasks and (step % 10 == 0 or step == steps[-1]):
-                bar.update(task, completed=step - steps[0] + 1,
-                           info=f"loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  τ {log.max_norm or float('nan'):.3g}")
-            if checkpoint is not None and (stop is not None and stop.signum is not None
-                                           or checkpoint_every and step % checkpoint_every == 0):
+            try:
+                logs = state.step_deferred(batch.inputs, batch.targets)
+            except SkipRateExceeded as e:  # the flush that tripped the alarm: keep its rows
+                pending.append((phase_of(step), batch.data_source, state.scaler.at_floor))
+                emit(e.records)
+                raise
+            pending.append((phase_of(step), batch.data_source, state.scaler.at_floor))
+            emit(logs)
+            stopping = stop is not None and stop.signum is not None
+            if checkpoint is not None and (stopping or checkpoint_every and step % checkpoint_every == 0):
+                emit(state.flush())
                 checkpoint(step)
-            if stop is not None and stop.signum is not None:
+            if stopping:
+                emit(state.flush())
                 tracker.flush()
                 raise RunInterrupted(stop.signum, step)
+        emit(state.flush())
     tracker.flush()
+
+
+def _record_step(log: StepLog, phase: str, source: Any, at_floor: bool, writer: StepCSVWriter, tracker: Any,
+                 records: RunRecords) -> None:
+    """One materialised step: its CSV row, its in-memory row and its batched metrics."""
+    tok = log.token_count
+    row = log.with_extra(phase=phase, data_source=source,
+                         grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None,
+                         scaler_at_floor=at_floor).row()
+    writer.write(row)
+    records.rows.append(row)
+    tracker.add_step(log.step, {k: row[k] for k in STEP_METRICS} | {"clipped": float(log.clipped)})

@@ -148,6 +148,7 @@ class _ActiveRun:
         start = ckpt["step"] if ckpt else 0
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
+        tracker.set_tags({"pipeline": state.pipeline})  # fused or default update path (clipamp_engine.fused)
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
         run = cls(cfg, tracker, task, hooks, state, faults, writer, RunRecords(), start,

@@ -12,6 +12,8 @@ from clipamp_engine.csvlog import StepCSVWriter
 from clipamp_engine.diagnosis import FINDING_KINDS, Finding, diagnose, format_findings
 from clipamp_engine.records import SkipLog, StepLog
 
+stats = pytest.importorskip("scipy.stats")
+
 
 def _trace(norms, *, tau=10.0, scale=None, sources=None, skipped=None, reasons=None):
     rows = []
@@ -149,5 +151,45 @@ def test_format_findings_is_a_markdown_list():
     text = format_findings([f])
     assert text.startswith("- **spikes** (warning): 2 norm spikes — steps 1, 2, 3")
     assert "(+4)" in text
-    assert set(FINDING_KINDS) == {"nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped",
+    assert set(FINDING_KINDS) == {"nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped", "sustained_clipping",
                                   "scale_oscillating", "scale_at_floor"}
+
+
+def _with_lr(rows, warmup):
+    for r in rows:
+        r["lr"] = 3e-3 * min(1.0, r["step"] / warmup)
+    return rows
+
+
+def test_sustained_clipping_after_warmup_is_found_and_warmup_clipping_is_not():
+    norms = _healthy(400)
+    rows = _with_lr(_trace(norms, tau=1.1), warmup=20)  # lognormal(0, .15) > 1.1: ~26% of steps
+    for r in rows[:20]:
+        r["grad_l2_pre_clip"] *= 5  # a warm-up burst, clipped: not a finding by itself
+    clipped = np.array([r["grad_l2_pre_clip"] > 1.1 for r in rows])
+    found = [f for f in diagnose(rows) if f.kind == "sustained_clipping"]
+    assert len(found) == 1
+    f = found[0]
+    after = clipped[20:]
+    counts = np.convolve(after.astype(float), np.ones(50), "valid")  # the reference computation
+    lower = stats.beta.ppf(0.025, counts, 50 - counts + 1)  # Clopper–Pearson lower bound of each window
+    assert f.evidence["warmup_end"] == 21 and f.evidence["peak_ratio"] == pytest.approx(counts.max() / 50)
+    assert f.evidence["windows_over"] == int((lower > 0.05).sum()) > 0
+    # the same trace clipped only during warm-up: nothing sustained
+    calm = _with_lr(_trace(norms, tau=3.0), warmup=20)
+    for r in calm[:20]:
+        r["grad_l2_pre_clip"] *= 5
+    assert "sustained_clipping" not in _kinds(diagnose(calm))
+
+
+def test_always_clipped_takes_precedence_over_sustained():
+    rows = _with_lr(_trace(_healthy(200), tau=0.5), warmup=10)
+    assert "always_clipped" in _kinds(diagnose(rows)) and "sustained_clipping" not in _kinds(diagnose(rows))
+
+
+def test_a_few_clips_in_band_are_not_sustained_clipping():
+    """3 clipped of 50 steps (6%) is within the noise of a 3% target: no finding; 7 of 50 is."""
+    for k, found in ((3, False), (6, False), (7, True)):
+        norms = [2.0 if i % 50 < k else 1.0 for i in range(200)]
+        rows = _with_lr(_trace(norms, tau=1.5), warmup=1)
+        assert ("sustained_clipping" in _kinds(diagnose(rows))) is found, k

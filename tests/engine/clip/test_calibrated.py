@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,8 @@ from torch import nn
 from clipamp_engine import AmpTrainState
 from clipamp_engine.calibration import CalibrationError, CalibrationWindows, NormCalibrator
 from clipamp_engine.clip import CalibratedClip, GlobalNormClip, NoClip, clip_mode_options, make_clip_policy
+from clipamp_engine.placement import auto_window_start
+from clipamp_engine.records import StepLog
 
 TOTAL = 13
 SKIP_STEPS = {2, 6}  # NaN inputs: refused before backward, inside the first and second windows
@@ -50,7 +54,8 @@ def test_bad_options_name_the_value(options, match):
 
 def test_registered_with_plain_options_and_total_steps_as_context():
     assert clip_mode_options("calibrated") == {"window": 100, "every": 0, "quantile": 0.95,
-                                               "candidates": [0.5, 1.0, 2.0, 5.0], "cap": None}
+                                               "candidates": [0.5, 1.0, 2.0, 5.0], "cap": None, "start": 0,
+                                               "validate": 0, "target_clip": [0.01, 0.05], "confidence": 0.95}
     policy = make_clip_policy("calibrated", window=3, every=4, total_steps=TOTAL)
     assert policy.windows.ranges() == _reference_windows(3, 4, TOTAL)
 
@@ -149,3 +154,120 @@ def test_a_window_with_no_finite_norm_raises_with_the_record():
     with pytest.raises(CalibrationError, match=r"steps 1-2\) has no finite norm") as err:
         state.step(nan, torch.zeros(16, 2))
     assert err.value.record.step == 2 and err.value.record.skipped
+
+
+# -- window placement, validation on held-out steps, drift -------------------------------------
+
+def _record(step, lr, norm, tau=None):
+    clipped = tau is not None and norm > tau
+    return StepLog(step=step, lr=lr, grad_l2_pre_clip=norm, grad_l2_post_clip=min(norm, tau) if clipped else norm,
+                   loss=2.0, scaler_scale=1.0, clipped=clipped, max_norm=tau)
+
+
+def _drive(policy, norms, lrs):
+    """Feed records as AmpTrainState would: each step clipped at the threshold in force before it."""
+    phases = []
+    for i, (n, lr) in enumerate(zip(norms, lrs), start=1):
+        policy.observe(_record(i, lr, float(n), policy.threshold))
+        phases.append(policy.phase(i))
+    return phases
+
+
+def _warmup_trace(n=400, seed=0, jump_at=None):
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, n + 1)
+    lrs = np.minimum(steps / 20, 1.0) * 3e-3
+    norms = (1 + 9 * np.exp(-steps / 15)) * rng.lognormal(0, 0.3, n)
+    if jump_at:
+        norms[jump_at - 1:] *= 3
+    return norms, lrs
+
+
+def test_auto_start_is_the_placement_rule_and_the_window_is_numpy_quantiles():
+    norms, lrs = _warmup_trace()
+    policy = CalibratedClip(window=100, start="auto", quantile=None, total_steps=len(norms))
+    phases = _drive(policy, norms, lrs)
+    trace = list(zip(range(1, len(norms) + 1), lrs.tolist(), norms.tolist()))
+    placed = auto_window_start(trace, latest=len(norms) - 200 + 1)
+    assert policy.placement == placed and placed.rule == "auto" and placed.start > placed.warmup_end == 21
+    s = placed.start
+    assert phases[:s - 1] == ["settle"] * (s - 1) and phases[s - 1:s + 99] == ["calibrate"] * 100
+    assert phases[s + 99:] == ["validate"] * (len(norms) - s - 99)
+    window = norms[s - 1:s + 99]
+    summary = policy.summaries[0]
+    assert summary.quantile == pytest.approx(0.97)  # aimed at the band's midpoint
+    assert policy.tau == pytest.approx(np.quantile(window, summary.quantile))
+    after = norms[s + 99:]
+    check = policy.checks()[0]
+    assert (check.clipped, check.steps) == (int((after > policy.tau).sum()), len(after))
+    assert check.predicted == pytest.approx(np.mean(window > policy.tau))
+
+
+def test_validate_steps_then_train_and_start_n():
+    norms, lrs = _warmup_trace(200)
+    policy = CalibratedClip(window=50, start=40, validate=30, total_steps=200)
+    phases = _drive(policy, norms, lrs)
+    assert phases == ["settle"] * 40 + ["calibrate"] * 50 + ["validate"] * 30 + ["train"] * 80
+    assert policy.checks()[0].steps == 30 and policy.placement.rule == "fixed"
+    legacy = CalibratedClip(window=50, total_steps=200)  # start=0: the window from step 1, as before
+    assert _drive(legacy, norms, lrs)[:51] == ["calibrate"] * 50 + ["validate"]
+
+
+def test_drift_is_flagged_only_when_the_tau_intervals_separate():
+    """Over 20 seeds: a stationary trace rarely separates two 95% intervals; a ×3 jump always does."""
+    false_alarms, caught = 0, 0
+    for seed in range(20):
+        norms, lrs = _warmup_trace(600, seed=seed)
+        steady = CalibratedClip(window=100, every=150, start=60, quantile=0.9, total_steps=600)
+        _drive(steady, norms, lrs)
+        assert len(steady.summaries) == 4
+        false_alarms += sum(steady.drift())
+        norms, lrs = _warmup_trace(600, seed=seed, jump_at=300)  # windows 61-160, 211-310, 361-460, 511-600
+        moved = CalibratedClip(window=100, every=150, start=60, quantile=0.9, total_steps=600)
+        _drive(moved, norms, lrs)
+        caught += moved.drift()[2]
+        assert moved.checks()[1].realised > moved.checks()[1].predicted  # the window before the jump under-predicts
+    assert false_alarms <= 3  # of 60 window pairs
+    assert caught == 20
+
+
+@pytest.mark.parametrize("kill_after", [15, 45, 58, 66])  # settle, calibrate, validate, train
+def test_auto_start_and_validation_resume_from_the_state_dict_alone(kill_after):
+    total = 70
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)) for _ in range(total)]
+
+    def policy():
+        return CalibratedClip(10, start="auto", validate=10, quantile=0.5, total_steps=total)
+
+    full = _engine(policy())
+    expected = [full.step(x, y) for x, y in batches]
+    assert full.clip.placement is not None and full.clip.summaries
+    first = _engine(policy())
+    records = [first.step(x, y) for x, y in batches[:kill_after]]
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = _engine(policy())
+    resumed.load_state_dict(torch.load(buf))
+    records += [resumed.step(x, y) for x, y in batches[kill_after:]]
+    assert _rows(records) == _rows(expected)
+    assert resumed.clip.placement == full.clip.placement
+    assert [c.as_dict() for c in resumed.clip.checks()] == [c.as_dict() for c in full.clip.checks()]
+    assert [resumed.clip.phase(s) for s in range(1, total + 1)] == [full.clip.phase(s) for s in range(1, total + 1)]
+
+
+@pytest.mark.parametrize("options, match", [({"start": "later"}, "start='later'"), ({"start": -1}, "start=-1"),
+                                            ({"validate": -2}, "validate=-2"),
+                                            ({"target_clip": [0.05, 0.01]}, "target_clip")])
+def test_bad_calibration_options_name_the_value(options, match):
+    with pytest.raises(ValueError, match=match):
+        make_clip_policy("calibrated", **options)
+
+
+def test_auto_in_a_run_too_short_to_wait_starts_at_step_1_and_says_why():
+    p = CalibratedClip(window=20, start="auto", total_steps=40)
+    assert p.placement.start == 1 and p.placement.rule == "deadline" and "no room to wait" in p.placement.reason
+    assert p.phase(1) == "calibrate"
+    roomy = CalibratedClip(window=20, start="auto", total_steps=100)
+    assert roomy.placement is None and roomy.detector.latest == 100 - 20 - 20 + 1

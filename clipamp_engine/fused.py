@@ -1,0 +1,178 @@
+"""The fused update path: unscale and clip folded into the optimizer's own pass, no host sync.
+
+torch's fused optimizers (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``) accept
+``grad_scale`` and ``found_inf`` tensors (the contract ``GradScaler.step`` uses): the kernel
+divides each gradient by ``grad_scale`` and skips the whole update when ``found_inf == 1``.
+Clipping by the global norm is a scalar too, so with ``pre`` the norm of the *unscaled*
+gradient and ``c = min(1, τ / (pre + 1e-6))`` the optimizer is handed
+``grad_scale = loss_scale / (c · token_factor)`` and gradients are read twice in all: once
+for the norm, once by the optimizer (the canonical recipe reads them three to four times:
+unscale, norm, scale, optimizer).
+
+The skip decision stays on the device (``found_inf = ¬isfinite(pre) ∨ ¬isfinite(loss)``); the
+record of a step is one small device tensor, materialised with the others in one transfer
+per flush (``RecordBuffer``); the LR schedule advances on taken steps only through a device
+counter (``DeviceLambdaLR``).
+
+What the fused path needs, and what it gives up (otherwise the default path runs):
+- an optimizer with ``_step_supports_amp_scaling`` (fused torch optimizers);
+- a policy whose clip is one global coefficient (``norm``, ``none``, and ``calibrated``, which
+  delegates to one of them; its windows observe the records when they are materialised); ``value``,
+  ``staged``, ``per_group``, ``agc``, ``update``, ``quantile``, ``zscore`` and ``dpsgd``
+  need per-tensor passes, the update itself or host-side state, and keep their passes;
+- no forensics probe (it snapshots parameters and reads the update);
+- a non-finite loss still runs backward (its gradients are discarded by the same flag);
+- ``HysteresisScaler``'s rule is host arithmetic: one sync per step with fp16;
+- an LR scheduler other than ``LambdaLR`` costs one sync per step (to step it on taken
+  steps only); ``LambdaLR`` turns every group's ``lr`` into a 0-dim tensor.
+
+References:
+    Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740 (loss scaling).
+    Pascanu, Mikolov, Bengio, arXiv:1211.5063 (global-norm clipping).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .clip.base import ClipPolicy
+from .clip.calibrated import CalibratedClip
+from .clip.fixed import GlobalNormClip, NoClip
+from .norms import clip_coefficient
+from .records import SkipLog, StepLog
+
+__all__ = ["DeviceLambdaLR", "RecordBuffer", "fused_optimizer_step", "fused_path_refusal", "global_coefficient",
+           "is_fusable"]
+
+#: Policies whose clip is one global scalar coefficient (exact types: subclasses may add state).
+FUSABLE_POLICIES: tuple[type[ClipPolicy], ...] = (GlobalNormClip, NoClip)
+
+
+def _in_force(clip: ClipPolicy) -> ClipPolicy:
+    """The policy that clips this step: a ``CalibratedClip`` delegates to a fixed one."""
+    return clip._active if type(clip) is CalibratedClip else clip
+
+
+def is_fusable(clip: ClipPolicy) -> bool:
+    """Whether ``clip`` is one global coefficient this step (see ``FUSABLE_POLICIES``)."""
+    return type(_in_force(clip)) in FUSABLE_POLICIES
+
+
+def fused_path_refusal(optimizer: torch.optim.Optimizer, clip: ClipPolicy, forensics: bool) -> str | None:
+    """Why the fused path cannot run for this setup, or ``None`` when it can."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return f"{type(optimizer).__name__} does not take grad_scale/found_inf (build it with fused=True)"
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        return f"{type(optimizer).__name__}.step takes the deprecated grad_scaler argument"
+    if not is_fusable(clip):
+        return f"clip mode {clip.mode!r} is not one global coefficient"
+    if forensics:
+        return "forensics read the update"
+    return None
+
+
+def global_coefficient(clip: ClipPolicy, pre: torch.Tensor) -> torch.Tensor:
+    """The policy's clip coefficient for a finite ``pre`` (1 where ``pre`` is not finite)."""
+    clip = _in_force(clip)
+    if type(clip) is GlobalNormClip:
+        coef = clip_coefficient(pre, clip.max_norm)
+        return torch.where(torch.isfinite(pre), coef, torch.ones_like(coef))
+    return torch.ones_like(pre)
+
+
+def fused_optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """One optimizer step that divides gradients by ``grad_scale`` and is skipped if ``found_inf == 1``."""
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+
+
+class DeviceLambdaLR:
+    """Advance a ``LambdaLR`` on taken steps only, without asking the host which steps were taken.
+
+    A device counter holds the number of taken steps; each group's ``lr`` is a 0-dim tensor
+    set from a window of precomputed factors ``lr_lambda(T₀ … T₀ + W − 1)`` indexed by
+    ``counter − T₀``. Between two flushes at most ``W − 1`` steps run, so the window always
+    holds the next LR; ``sync(taken)`` (at a flush, where the count is on the host anyway)
+    moves the window and brings the scheduler object (``last_epoch``, ``_last_lr``) up to date
+    for checkpoints.
+    """
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR, window: int) -> None:
+        self.scheduler = scheduler
+        self.window = window + 1
+        groups = scheduler.optimizer.param_groups
+        device = groups[0]["params"][0].device
+        for g in groups:
+            if not isinstance(g["lr"], torch.Tensor):
+                g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
+        self.taken = torch.zeros((), dtype=torch.long, device=device)
+        self.sync(scheduler.last_epoch)
+
+    def sync(self, taken: int) -> None:
+        s = self.scheduler
+        s.last_epoch = taken
+        s._last_lr = [base * fn(taken) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        self.start = taken
+        rows = [[base * fn(taken + i) for i in range(self.window)] for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        self.table = torch.tensor(rows, dtype=torch.float32, device=self.taken.device)
+        self.taken.fill_(taken)
+        for g, lr in zip(s.optimizer.param_groups, s._last_lr):
+            g["lr"].fill_(lr)
+
+    def advance(self, found_inf: torch.Tensor) -> None:
+        """After a step: count it when taken and load the LR for the next one (on the device)."""
+        self.taken += 1 - found_inf.long()
+        lrs = torch.index_select(self.table, 1, (self.taken - self.start).reshape(1))  # no host index
+        for i, g in enumerate(self.scheduler.optimizer.param_groups):
+            g["lr"].copy_(lrs[i, 0])
+
+
+#: Layout of one pending record row (fp32 on the device).
+ROW = ("lr", "pre", "post", "loss", "tokens", "scale", "skipped", "loss_finite")
+
+
+class RecordBuffer:
+    """Device rows of steps not yet materialised; ``drain()`` turns them into records in one transfer."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+        self.meta: list[tuple[int, float | None]] = []  # (step, max_norm) known on the host
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, step: int, max_norm: float | None, values: Sequence[torch.Tensor | float]) -> None:
+        """Queue one row (``ROW`` order); floats become device scalars without a host transfer."""
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        self.rows.append(torch.stack([v.to(device).float().reshape(()) if isinstance(v, torch.Tensor)
+                                      else torch.full((), v, device=device) for v in values]))
+        self.meta.append((step, max_norm))
+
+    def drain(self) -> list[StepLog]:
+        if not self.rows:
+            return []
+        table = torch.stack(self.rows).tolist()  # sync: one transfer for every pending record
+        out = [_record(step, max_norm, dict(zip(ROW, values))) for (step, max_norm), values in zip(self.meta, table)]
+        self.rows, self.meta = [], []
+        return out
+
+
+def _record(step: int, max_norm: float | None, v: dict[str, Any]) -> StepLog:
+    tokens = None if math.isnan(v["tokens"]) else int(v["tokens"])
+    common = dict(step=step, lr=v["lr"], grad_l2_pre_clip=v["pre"], loss=v["loss"], scaler_scale=v["scale"],
+                  token_count=tokens, max_norm=max_norm, pipeline="fused")
+    if v["skipped"]:
+        reason = "nonfinite_grad" if v["loss_finite"] else "nonfinite_loss"
+        pre = v["pre"] if reason == "nonfinite_grad" else float("nan")
+        return SkipLog(**{**common, "grad_l2_pre_clip": pre}, grad_l2_post_clip=float("nan"), clipped=False,
+                       skip_reason=reason)
+    return StepLog(**common, grad_l2_post_clip=v["post"], clipped=v["post"] < v["pre"])

@@ -1,0 +1,149 @@
+"""Where a calibration window should start: after the LR warm-up and the norms' initial transient.
+
+A window that covers the warm-up measures a burst that never comes back (norms fall once the LR
+stops rising and the loss leaves its initial plateau), so its quantiles overstate τ. The rule
+(``calibrate.start=auto``), decided online from the records a policy sees, one step at a time:
+
+1. **warm-up over**: the first step whose LR is not above the previous step's (a schedule
+   without warm-up ends it at step 2; the LR is read from the records, nothing is configured);
+2. **transient over**: from then on, the rolling median of the last ``span`` finite pre-clip
+   norms (measured after the warm-up only) has stayed within a relative band — max/min of the
+   last ``patience`` rolling medians ≤ 1 + ``band``. A median ignores isolated spikes, so a bad
+   batch does not delay the window; a trend (decay or growth faster than the band per
+   ``patience`` steps) does.
+
+The window starts on the step after both hold. ``latest`` caps the wait (the window must
+still fit in the run): reaching it starts the window anyway and says so.
+
+References:
+    Seed lesson 004, "Norm Calibration Window" and "sustained clipping after warmup".
+    Page, "Continuous inspection schemes", Biometrika 41 (1954) (stopping once a monitored
+    statistic stays in control; here the statistic is a rolling median).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the window starts and why."""
+
+    start: int  # first step of the window (1-based)
+    warmup_end: int | None  # first step whose LR did not rise (None: not seen before `latest`)
+    settled_at: int | None  # step at which the rolling median had been in band for `patience` steps
+    median: float | None  # rolling median of the norms at that point (None when none was computed)
+    rule: str  # "auto" | "fixed" | "deadline"
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "warmup_end": self.warmup_end, "settled_at": self.settled_at,
+                "median": self.median, "rule": self.rule, "reason": self.reason}
+
+
+def fixed_placement(skip: int) -> Placement:
+    """``calibrate.start=N``: the window starts after ``N`` steps (``0``: at step 1, as before)."""
+    return Placement(skip + 1, None, None, None, "fixed",
+                     f"calibrate.start={skip}: the window starts at step {skip + 1}"
+                     + (" (it includes any LR warm-up)" if skip == 0 else ""))
+
+
+def _not_rising(previous: float, lr: float) -> bool:
+    return lr <= previous * (1 + 1e-12)
+
+
+class StartDetector:
+    """The online rule of this module: feed every record, ``placement`` is set once the window may start.
+
+    Args:
+        span: norms in each rolling median.
+        band: allowed relative spread (max/min − 1) of the last ``patience`` rolling medians.
+        patience: how many consecutive rolling medians must stay in the band.
+        latest: the window starts at this step at the latest (None: no deadline).
+    """
+
+    def __init__(self, span: int = 20, band: float = 0.25, patience: int = 20, latest: int | None = None) -> None:
+        if span < 1 or patience < 1 or not band > 0:
+            raise ValueError(f"span={span}, patience={patience} must be >= 1 and band={band} > 0")
+        self.span, self.band, self.patience, self.latest = span, band, patience, latest
+        self.warmup_end: int | None = None
+        self.placement: Placement | None = None
+        self._last_lr: float | None = None
+        self._norms: deque[float] = deque(maxlen=span)
+        self._medians: deque[float] = deque(maxlen=patience)
+
+    def update(self, step: int, lr: float, norm: float, skipped: bool = False) -> Placement | None:
+        """Read one record; return the placement on the step it is decided (then keep returning it)."""
+        if self.placement is not None:
+            return self.placement
+        if self.warmup_end is None and self._last_lr is not None and _not_rising(self._last_lr, lr):
+            self.warmup_end = step
+        self._last_lr = lr
+        if self.warmup_end is not None and not skipped and math.isfinite(norm):
+            self._norms.append(norm)
+            if len(self._norms) == self.span:
+                self._medians.append(statistics.median(self._norms))
+        if len(self._medians) == self.patience and self._in_band():
+            m = self._medians[-1]
+            self.placement = Placement(
+                step + 1, self.warmup_end, step, m, "auto",
+                f"LR warm-up over at step {self.warmup_end} (the LR stopped rising); the rolling median of "
+                f"{self.span} norms varied by at most {self.band:.0%} over the {self.patience} steps to step {step} "
+                f"(median {m:.3g}): the window starts at step {step + 1}")
+        elif self.latest is not None and step + 1 >= self.latest:
+            self.placement = self._deadline(step)
+        return self.placement
+
+    def _in_band(self) -> bool:
+        lo, hi = min(self._medians), max(self._medians)
+        return lo > 0 and hi / lo <= 1 + self.band
+
+    def _deadline(self, step: int) -> Placement:
+        why = ("the LR was still rising" if self.warmup_end is None
+               else f"the rolling median of the norms still varied by more than {self.band:.0%} "
+                    f"(warm-up over at step {self.warmup_end})")
+        m = self._medians[-1] if self._medians else None
+        return Placement(step + 1, self.warmup_end, None, m, "deadline",
+                         f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
+                         f"leaves room for the window and its validation steps: its quantiles may still include "
+                         f"a transient (use a longer run or calibrate.start=N)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"warmup_end": self.warmup_end, "last_lr": self._last_lr, "norms": list(self._norms),
+                "medians": list(self._medians), "latest": self.latest,
+                "placement": self.placement.as_dict() if self.placement else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.warmup_end, self._last_lr, self.latest = state["warmup_end"], state["last_lr"], state["latest"]
+        self._norms = deque(state["norms"], maxlen=self.span)
+        self._medians = deque(state["medians"], maxlen=self.patience)
+        self.placement = Placement(**state["placement"]) if state["placement"] else None
+
+
+def auto_window_start(trace: Iterable[tuple[int, float, float]], **rule: Any) -> Placement | None:
+    """The ``auto`` start for a recorded trace of ``(step, lr, norm)``: the step the online rule picks.
+
+    ``rule``: ``StartDetector`` arguments. ``None`` when the rule never fires within the trace.
+    """
+    detector = StartDetector(**rule)
+    for step, lr, norm in trace:
+        placement = detector.update(step, lr, norm, skipped=not math.isfinite(norm))
+        if placement is not None:
+            return placement
+    return None
+
+
+def warmup_end(lrs: Iterable[float]) -> int | None:
+    """1-based index of the first LR not above its predecessor (the end of a warm-up), or None."""
+    last = None
+    for i, lr in enumerate(lrs, start=1):
+        if last is not None and _not_rising(last, lr):
+            return i
+        last = lr
+    return None

@@ -1,0 +1,63 @@
+"""Target clipping band: the quantile aimed at it, the exact interval, the verdict on held-out steps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from clipamp_engine.band import PRETRAINING_BAND, band_quantile, check_band, clopper_pearson, validate_band
+
+stats = pytest.importorskip("scipy.stats")
+
+
+@pytest.mark.parametrize("k,n", [(0, 100), (2, 100), (5, 140), (37, 40), (100, 100), (1, 1)])
+def test_clopper_pearson_matches_scipy(k, n):
+    ref = stats.binomtest(k, n).proportion_ci(0.95, method="exact")
+    lo, hi = clopper_pearson(k, n)
+    assert lo == pytest.approx(ref.low, abs=1e-9) and hi == pytest.approx(ref.high, abs=1e-9)
+
+
+def test_band_quantile_aims_at_the_band_midpoint():
+    assert band_quantile(PRETRAINING_BAND) == pytest.approx(0.97)
+    norms = np.random.default_rng(0).lognormal(0, 0.4, 20000)
+    tau = np.quantile(norms, band_quantile((0.01, 0.05)))
+    assert 0.01 < np.mean(norms > tau) < 0.05
+
+
+@pytest.mark.parametrize("band", [(0.05, 0.01), (0, 0.05), (0.01, 1.0), ("a", 1), (0.1,)])
+def test_bad_bands_are_refused_with_the_fix(band):
+    with pytest.raises(ValueError, match="e.g. \\[0.01, 0.05\\]"):
+        validate_band(band)
+
+
+def test_inside_the_band_keeps_tau():
+    c = check_band(2.0, predicted=0.022, clipped=3, steps=140, band=(0.01, 0.05))
+    assert c.inside and c.consistent and c.within_2x
+    assert "inside the band" in c.verdict and c.action.startswith("keep clip.max_norm=2")
+
+
+def test_a_few_steps_outside_the_band_are_called_noise_not_drift():
+    c = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05))
+    assert not c.inside and c.consistent and not c.within_2x
+    assert "below the band" in c.verdict and "consistent with the window" in c.verdict
+    assert "raise calibrate.validate" in c.action
+
+
+def test_norms_that_fell_after_the_window_are_drift_down():
+    # the issue's default run: τ = p95 of a window over the warm-up, nothing clipped afterwards
+    c = check_band(4.0, predicted=0.05, clipped=0, steps=200, band=(0.01, 0.05))
+    assert not c.consistent and c.factor == 0 and "drifted" in c.verdict
+    assert "calibrate.start=auto" in c.action
+
+
+def test_norms_that_rose_after_the_window_are_drift_up():
+    c = check_band(1.0, predicted=0.02, clipped=30, steps=100, band=(0.01, 0.05))
+    assert not c.consistent and c.factor == pytest.approx(15.0) and "15× the prediction" in c.verdict
+    assert "rose after the window" in c.action
+
+
+def test_a_prediction_outside_the_band_points_at_the_band_quantile():
+    c = check_band(1.0, predicted=0.10, clipped=11, steps=100, band=(0.01, 0.05))
+    assert c.consistent and not c.inside and "calibrate.quantile=null" in c.action

@@ -1,0 +1,211 @@
+"""The fused path (unscale + clip inside a fused optimizer, deferred records) equals the default path."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clipamp_engine import AmpTrainState, LossScaler, SkipRateExceeded, SkipRateMonitor, make_clip_policy
+
+from .test_step import Tiny, _batch
+
+FLOATS = ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")
+
+
+def _setup(dtype, fused, opt_name="adamw", accumulation=1, log_every=None, schedule=True, loss_fn=F.mse_loss):
+    torch.manual_seed(0)
+    model = Tiny()
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[opt_name]
+    kw = {"momentum": 0.9} if opt_name == "sgd" else {"weight_decay": 0.1}
+    opt = cls(model.parameters(), lr=1e-2, fused=True, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)) if schedule else None
+    state = AmpTrainState(model, opt, loss_fn, dtype=dtype, max_norm=0.5, scheduler=sched, init_scale=2.0**10,
+                          growth_interval=3, accumulation_steps=accumulation, fused=fused, log_every=log_every)
+    return model, opt, sched, state
+
+
+def _script(i, model):
+    """Batch ``i`` of a run with injected faults: inf and NaN gradients, a NaN loss, spikes."""
+    x, y = _batch(i)
+    if i == 3:
+        model.poison = float("inf")
+    if i == 6:
+        y = y * float("nan")  # NaN loss
+    if i in (5, 9):
+        x, y = x * 300, y * 300  # spike: clipped hard (fp16: also an overflow at a high scale)
+    if i == 11:
+        model.poison = float("nan")
+    return x, y
+
+
+def _run(dtype, fused, steps=14, deferred=False, **kw):
+    model, opt, sched, state = _setup(dtype, fused, log_every=4 if deferred else None, **kw)
+    records, params_before = [], []
+    for i in range(steps):
+        params_before.append([p.detach().clone() for p in model.parameters()])
+        batch = _script(i, model)
+        records += state.step_deferred(*batch) if deferred else [state.step(*batch)]
+    records += state.flush()
+    return model, opt, sched, state, records, params_before
+
+
+def _same_record(a, b, rel):
+    assert (a.step, a.skipped, a.skip_reason, a.clipped, a.token_count, a.max_norm) == \
+           (b.step, b.skipped, b.skip_reason, b.clipped, b.token_count, b.max_norm)
+    for name in FLOATS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rel), (a.step, name, x, y)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_fused_path_equals_default_path(dtype, opt_name):
+    m_f, o_f, s_f, st_f, rec_f, before_f = _run(dtype, None, opt_name=opt_name)
+    m_d, o_d, s_d, st_d, rec_d, before_d = _run(dtype, False, opt_name=opt_name)
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    assert {r.pipeline for r in rec_f} == {"fused"} and {r.pipeline for r in rec_d} == {"default"}
+    reasons = [r.skip_reason for r in rec_d if r.skipped]
+    assert {"nonfinite_grad", "nonfinite_loss"} <= set(reasons) and any(r.clipped for r in rec_d)
+    for a, b in zip(rec_f, rec_d, strict=True):
+        _same_record(a, b, rel=1e-5)
+    for p, q in zip(m_f.parameters(), m_d.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for sf, sd in zip(o_f.state.values(), o_d.state.values()):
+        for name in sd:
+            torch.testing.assert_close(sf[name], sd[name], rtol=1e-5, atol=1e-7)
+    assert s_f.last_epoch == s_d.last_epoch == sum(not r.skipped for r in rec_d)  # schedule: taken steps only
+    assert st_f.scaler.get_scale() == st_d.scaler.get_scale()
+    # a skipped step leaves the parameters bit-equal to what they were before it
+    params_after = before_f[1:] + [[p.detach() for p in m_f.parameters()]]
+    for r, pre, post in zip(rec_f, before_f, params_after):
+        if r.skipped:
+            assert all(torch.equal(a, b) for a, b in zip(pre, post)), r.step
+
+
+def test_calibrated_clip_fused_equals_default():
+    """A calibration window closes on observed records; τ applies from the next step on both paths."""
+    runs = []
+    for fused in (None, False):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        clip = make_clip_policy("calibrated", window=5, total_steps=14)
+        state = AmpTrainState(model, opt, F.mse_loss, dtype="bf16", clip=clip, fused=fused)
+        recs = []
+        for i in range(14):
+            recs += state.step_deferred(*_script(i, model))
+        recs += state.flush()
+        runs.append((state, recs, model))
+    (st_f, rec_f, m_f), (st_d, rec_d, m_d) = runs
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    assert st_f.clip.tau == pytest.approx(st_d.clip.tau, rel=1e-5) and rec_d[-1].max_norm == st_d.clip.tau
+    for a, b in zip(rec_f, rec_d, strict=True):
+        _same_record(a, b, rel=1e-5)
+    for p, q in zip(m_f.parameters(), m_d.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_deferred_records_equal_per_step_records():
+    """``step_deferred`` + ``flush`` every 4 steps: the same records, bit for bit, just later."""
+    *_, rec_now, _ = _run("fp16", None)
+    m, _, sched, state, rec_later, _ = _run("fp16", None, deferred=True)
+    for a, b in zip(rec_now, rec_later, strict=True):
+        _same_record(a, b, rel=0)
+    assert sched.last_epoch == sum(not r.skipped for r in rec_later)
+
+
+def test_token_mean_accumulation_matches_default_path():
+    def token_loss(out, y):
+        return F.mse_loss(out.float(), y, reduction="sum"), torch.tensor(y.numel())
+
+    runs = [_run("bf16", fused, steps=6, accumulation=2, loss_fn=token_loss) for fused in (None, False)]
+    for a, b in zip(runs[0][4], runs[1][4], strict=True):
+        _same_record(a, b, rel=1e-5)
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_path_is_chosen_automatically():
+    torch.manual_seed(0)
+    model = Tiny()
+    foreach = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert AmpTrainState(model, foreach, F.mse_loss).pipeline == "default"
+    with pytest.raises(ValueError, match="fused=True"):
+        AmpTrainState(model, foreach, F.mse_loss, fused=True)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    assert AmpTrainState(model, fused, F.mse_loss).pipeline == "fused"
+    agc = make_clip_policy("agc", named_params=model)
+    assert AmpTrainState(model, fused, F.mse_loss, clip=agc).pipeline == "default"
+
+
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+
+def test_no_host_sync_between_flushes(monkeypatch):
+    """By construction: no Python-level tensor→host read runs between two flushes."""
+    model, opt, sched, state = _setup("fp16", None, log_every=5)
+    calls = []
+    for name in SYNCS:
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+    per_step, records = [], []
+    for i in range(10):
+        out = state.step_deferred(*_script(i, model))
+        per_step.append((len(out), list(calls)))
+        records += out
+        calls.clear()
+    monkeypatch.undo()
+    assert [n for n, _ in per_step] == [0, 0, 0, 0, 5] * 2
+    assert [c for n, c in per_step if n == 0] == [[]] * 8  # no sync at all between flushes
+    assert [c for n, c in per_step if n == 5] == [["tolist"]] * 2  # one transfer per flush
+    assert {r.skip_reason for r in records} == {"", "nonfinite_grad", "nonfinite_loss"}
+    assert sched.last_epoch == sum(not r.skipped for r in records)  # the schedule saw taken steps only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_cuda_sync_between_flushes():
+    torch.manual_seed(0)
+    model = Tiny().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, scaler=LossScaler("cuda"),
+                          log_every=4)
+    batches = [tuple(t.cuda() for t in _batch(i)) for i in range(8)]
+    state.step_deferred(*batches[0])  # warm-up (lazy state, scaler init)
+    state.flush()
+    for i in range(1, 4):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            assert state.step_deferred(*batches[i]) == []
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(state.step_deferred(*batches[4])) == 4
+
+
+def test_skip_rate_alarm_at_flush_carries_every_record():
+    model, opt, sched, state = _setup("fp32", None, log_every=4)
+    state.skip_monitor = SkipRateMonitor(window=4, warn_above=1.0, fail_window=4, fail_above=0.2)
+    for i in range(3):
+        assert state.step_deferred(*_script(i + 10, model)) == []
+    with pytest.raises(SkipRateExceeded) as err:
+        state.step_deferred(*_script(3, model))
+    assert [r.step for r in err.value.records] == [1, 2, 3, 4] and err.value.record.step == 4
+
+
+def test_checkpoint_needs_a_flush_and_resumes_the_device_schedule():
+    model, opt, sched, state = _setup("fp32", None, log_every=3)
+    for i in range(4):
+        state.step_deferred(*_batch(i))
+    with pytest.raises(RuntimeError, match="flush"):
+        state.state_dict()
+    state.flush()
+    ckpt = copy.deepcopy(state.state_dict())
+    ref = [state.step(*_batch(i)) for i in range(4, 8)]
+    model2, opt2, sched2, state2 = _setup("fp32", None, log_every=3)
+    state2.load_state_dict(ckpt)
+    resumed = [state2.step(*_batch(i)) for i in range(4, 8)]
+    for a, b in zip(resumed, ref, strict=True):
+        _same_record(a, b, rel=0)
