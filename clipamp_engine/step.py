@@ -24,9 +24,9 @@ from torch import nn
 
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
+from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .fused import (DeviceLambdaLR, RecordBuffer, fused_optimizer_step, fused_path_refusal, global_coefficient,
                     is_fusable)
-from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
 from .records import SkipLog, StepLog
@@ -180,7 +180,8 @@ class AmpTrainState:
     def _init_pipeline(self, fused: bool | None, log_every: int | None, forensics: bool) -> None:
         refusal = fused_path_refusal(self.optimizer, self.clip, forensics)
         if refusal is None and self.replicas.size > 1:
-            refusal = f"{self.replicas.kind} over {self.replicas.size} ranks: the default path agrees on skips and records"
+            refusal = (f"{self.replicas.kind} over {self.replicas.size} ranks: the default path agrees on "
+                       "skips and records")
         if fused and refusal is not None:
             raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
         self.pipeline = "fused" if fused is not False and refusal is None else "default"
