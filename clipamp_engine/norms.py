@@ -2,7 +2,8 @@
 
 Dense gradients go through torch's fused ``_foreach_norm`` (one kernel per device/dtype group,
 accumulating in at least fp32: fp16/bf16/fp32 in fp32, fp64 in fp64); sparse COO gradients are
-coalesced and normed from their values, never densified. Nothing here syncs with the host.
+coalesced and normed from their values, never densified. FSDP2 gradients (DTensor shards)
+give the norm over the whole mesh. Nothing here syncs with the host.
 
 References:
     Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural networks",
@@ -11,6 +12,7 @@ References:
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -87,7 +89,17 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(per_tensor_norms(grads, norm_type), norm_type)
+    return full_tensor(torch.linalg.vector_norm(per_tensor_norms(grads, norm_type), norm_type))
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor as the plain tensor it stands for (a collective over its mesh); others as is.
+
+    The norm of FSDP2's sharded gradients is a DTensor whose reduction is pending or already
+    replicated; the full value is the norm of the whole unsharded gradient, equal on every rank.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (import is slow)
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:

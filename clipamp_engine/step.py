@@ -16,7 +16,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,14 +24,18 @@ from torch import nn
 
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
+from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .fused import (DeviceLambdaLR, RecordBuffer, fused_optimizer_step, fused_path_refusal, global_coefficient,
                     is_fusable)
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
-from .norms import grads_of, scale_grads_, total_norm
+from .norms import full_tensor, grads_of, scale_grads_, total_norm
 from .records import SkipLog, StepLog
 from .scaling import LossScaler
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+#: Clip modes that index or snapshot whole parameters, refused under FSDP2 (sharded parameters).
+UNSHARDED_ONLY = ("per_group", "update")
 
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
@@ -154,6 +157,14 @@ class AmpTrainState:
         if self.clip.per_sample and (accumulation_steps != 1 or dtype == "fp16"):
             raise ValueError(f"clip mode {self.clip.mode!r} computes per-example gradients: it needs "
                              f"accumulation_steps=1 and dtype bf16 or fp32 (got {accumulation_steps}, {dtype!r})")
+        self.replicas = replicas_of(model)
+        if self.clip.per_sample and self.replicas.size > 1:
+            raise ValueError(f"clip mode {self.clip.mode!r} computes per-example gradients outside backward, so "
+                             f"{self.replicas.kind} never reduces them: run it in one process")
+        if self.replicas.kind == "fsdp2" and (self.clip.mode in UNSHARDED_ONLY or forensics is not None):
+            what = f"clip mode {self.clip.mode!r}" if self.clip.mode in UNSHARDED_ONLY else "forensics"
+            raise ValueError(f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
+                             f"or a clip mode other than {', '.join(UNSHARDED_ONLY)} without forensics")
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.scaler = scaler if scaler is not None else LossScaler(
@@ -168,6 +179,9 @@ class AmpTrainState:
 
     def _init_pipeline(self, fused: bool | None, log_every: int | None, forensics: bool) -> None:
         refusal = fused_path_refusal(self.optimizer, self.clip, forensics)
+        if refusal is None and self.replicas.size > 1:
+            refusal = (f"{self.replicas.kind} over {self.replicas.size} ranks: the default path agrees on "
+                       "skips and records")
         if fused and refusal is not None:
             raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
         self.pipeline = "fused" if fused is not False and refusal is None else "default"
@@ -247,25 +261,41 @@ class AmpTrainState:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _step(self, inputs: Any, targets: Any, lr: float, scale: float) -> StepLog:
-        loss_acc, tokens, ref, refused = self._forward_backward(inputs, targets, check_loss=True)
-        if refused:
-            self.scaler.back_off()
-            return self._skip("nonfinite_loss", lr, scale, loss_acc, tokens)
-        return self._update(loss_acc, tokens, ref, lr, scale)
+        """The default path: per micro-batch one (global) finite-loss check before backward, then
+        the canonical passes. Under DDP/FSDP2 the check, the loss and the token count are global."""
+        k, world = self.accumulation_steps, self.replicas
+        acc = GlobalBatchLoss(_batch_size(inputs), k, world)
+        for i, (x, y) in enumerate(self._micro_batches(inputs, targets)):
+            with world.micro_batch(last=i == k - 1):  # DDP no_sync / FSDP2 no reduce-scatter before the last
+                loss = acc.add(self._forward(x, y), _batch_size(y))  # sync: the finite-loss check, global
+                if loss is None:  # a non-finite loss on some rank never reaches backward on any rank
+                    self.scaler.back_off()
+                    return self._skip("nonfinite_loss", lr, scale, acc)
+                self._backward(loss, x, y)
+        return self._update(acc, lr, scale)
 
-    def _forward_backward(self, inputs: Any, targets: Any, check_loss: bool):
-        """Autocast forward and scaled backward per micro-batch → ``(loss_acc, tokens, ref, refused)``.
-
-        With ``check_loss`` a non-finite micro-batch loss stops before its backward (``refused``).
-        """
+    def _micro_batches(self, inputs: Any, targets: Any):
         k = self.accumulation_steps
-        micro = zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
+        return zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
+
+    def _forward(self, x: Any, y: Any) -> Any:
+        with self.autocast(), torch.set_grad_enabled(not self.clip.per_sample):
+            return self.loss_fn(self.model(x), y)
+
+    def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
+        if self.clip.per_sample:  # DP-SGD: gradients from clipped per-example gradients
+            self.clip.backward(self.model, self.loss_fn, x, y)
+        else:
+            self.scaler.scale(loss).backward()
+
+    def _forward_backward(self, inputs: Any, targets: Any):
+        """The fused path's forward and scaled backward per micro-batch → ``(loss_acc, tokens, ref)``
+        on the device (no sync: a non-finite loss is caught with the gradients)."""
+        k = self.accumulation_steps
         total = _batch_size(inputs)
         loss_acc = tokens = ref = None
-        per_sample = self.clip.per_sample  # DP-SGD: gradients from clipped per-example gradients
-        for x, y in micro:
-            with self.autocast(), torch.set_grad_enabled(not per_sample):
-                result = self.loss_fn(self.model(x), y)
+        for x, y in self._micro_batches(inputs, targets):
+            result = self._forward(x, y)
             if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
                 loss_sum, count = result[0].float(), result[1]
                 if ref is None:
@@ -276,28 +306,20 @@ class AmpTrainState:
             else:  # mean loss: weight each micro-batch by its share of the samples
                 loss = result.float() * (_batch_size(y) / total) if k > 1 else result.float()
                 loss_acc = loss if loss_acc is None else loss_acc + loss
-            if check_loss and not bool(torch.isfinite(loss)):  # sync: a non-finite loss never reaches backward
-                return loss_acc, tokens, ref, True
-            if per_sample:
-                self.clip.backward(self.model, self.loss_fn, x, y)
-            else:
-                self.scaler.scale(loss).backward()
-        return loss_acc, tokens, ref, False
+            self._backward(loss, x, y)
+        return loss_acc, tokens, ref
 
-    def _update(self, loss_acc: torch.Tensor, tokens: torch.Tensor | None, ref: torch.Tensor | None,
-                lr: float, scale: float) -> StepLog:
+    def _update(self, acc: GlobalBatchLoss, lr: float, scale: float) -> StepLog:
         """The canonical passes after backward: unscale → check → clip → step → schedule → scaler."""
-        k = self.accumulation_steps
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.params if p.grad is not None]
         grads = grads_of(params)
-        if tokens is not None and k > 1:
-            scale_grads_(grads, ref / tokens.float())  # exact token mean of the accumulated batch
-        pre = total_norm(grads)
-        mean_loss = loss_acc / tokens.float() if tokens is not None else loss_acc
-        if not bool(torch.isfinite(pre)):  # sync: refuse the update, state untouched
+        if acc.tokens is not None and acc.ref != acc.tokens:
+            scale_grads_(grads, acc.ref / acc.tokens)  # exact token mean of the accumulated (global) batch
+        pre = total_norm(grads)  # global: DDP gradients are all-reduced, FSDP2 shards reduced over the mesh
+        if not bool(torch.isfinite(pre)):  # sync: refuse the update, state untouched (same on every rank)
             self.scaler.update()  # fp16: the recorded inf check backs the scale off
-            return self._skip("nonfinite_grad", lr, scale, loss_acc, tokens, pre)
+            return self._skip("nonfinite_grad", lr, scale, acc, pre)
 
         post = self.clip.clip_(params, grads, pre, self.step_count)
         self.forensics.before_step(params, grads, self.optimizer)
@@ -309,20 +331,18 @@ class AmpTrainState:
             self.scheduler.step()
         self.scaler.update()
         names = list(clip_extra)
-        values = torch.stack([pre, post, mean_loss.detach(), self._tokens_or_nan(tokens).to(pre.device),
-                              *(torch.as_tensor(clip_extra[n], dtype=torch.float32).to(pre.device) for n in names)]
-                             ).tolist()  # sync: the record
-        pre_f, post_f, loss_f, tok_f = values[:4]
-        extra = {**dict(zip(names, values[4:])), **extra}
+        values = torch.stack([pre, post, *(full_tensor(torch.as_tensor(clip_extra[n], dtype=torch.float32))
+                                           .to(pre.device) for n in names)]).tolist()  # sync: the record
+        pre_f, post_f = values[:2]
+        extra = {**dict(zip(names, values[2:])), **extra}
         return StepLog(step=self.step_count, lr=lr, grad_l2_pre_clip=pre_f, grad_l2_post_clip=post_f,
-                       loss=loss_f, scaler_scale=scale, clipped=post_f < pre_f,
-                       token_count=None if math.isnan(tok_f) else int(tok_f),
+                       loss=acc.loss, scaler_scale=scale, clipped=post_f < pre_f, token_count=acc.token_count,
                        max_norm=self.clip.threshold, extra=extra)
 
     def _fused_step(self, inputs: Any, targets: Any) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
         lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr  # the LR this step uses
-        loss_acc, tokens, ref, _ = self._forward_backward(inputs, targets, check_loss=False)
+        loss_acc, tokens, ref = self._forward_backward(inputs, targets)
         scale = self.scaler.scale_tensor()
         self._fused_update(loss_acc, tokens, ref, lr, scale.clone() if scale is not None else 1.0)
 
@@ -358,26 +378,20 @@ class AmpTrainState:
     def _tokens_or_nan(tokens: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
         return tokens.float() if tokens is not None else torch.full((), float("nan"), device=device)
 
-    def _skip(self, reason: str, lr: float, scale: float, loss_acc: torch.Tensor,
-              tokens: torch.Tensor | None, pre: torch.Tensor | None = None) -> SkipLog:
-        if tokens is not None:
-            loss_acc = loss_acc / tokens.float()
-        nan = torch.tensor(float("nan"))
-        pre = nan if pre is None else pre
-        pre_f, loss_f, tok_f = torch.stack([pre.float().cpu(), loss_acc.detach().float().cpu(),
-                                            self._tokens_or_nan(tokens).cpu()]).tolist()  # sync: the record
+    def _skip(self, reason: str, lr: float, scale: float, acc: GlobalBatchLoss,
+              pre: torch.Tensor | None = None) -> SkipLog:
+        pre_f = float("nan") if pre is None else float(pre)  # sync: the record
         return SkipLog(step=self.step_count, lr=lr, grad_l2_pre_clip=pre_f, grad_l2_post_clip=float("nan"),
-                       loss=loss_f, scaler_scale=scale, clipped=False,
-                       token_count=None if math.isnan(tok_f) else int(tok_f),
+                       loss=acc.loss, scaler_scale=scale, clipped=False, token_count=acc.token_count,
                        max_norm=self.clip.threshold, skip_reason=reason)
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs besides model and optimizer (which are included)."""
+        """Everything a resumed run needs, model and optimizer included (a DDP model as its module)."""
         if len(self._pending):
             raise RuntimeError(f"{len(self._pending)} records are pending: call flush() before state_dict()")
         return {
-            "model": self.model.state_dict(),
+            "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict(),
@@ -389,8 +403,12 @@ class AmpTrainState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore ``state_dict()``; without ``model``/``optimizer`` entries those are left alone
+        (a sharded FSDP2 checkpoint restores them through ``torch.distributed.checkpoint``)."""
+        if "model" in state:
+            unwrap(self.model).load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:

@@ -221,6 +221,21 @@ def test_checkpoint_resume_is_bitwise_identical():
     assert [l.row() for l in logs_full] == [l.row() for l in logs_res]
 
 
+def test_load_without_model_and_optimizer_restores_the_rest_only():
+    """A sharded checkpoint restores model and optimizer itself: the engine leaves them alone."""
+    model, opt = _pair()
+    st = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", init_scale=64.0)
+    for i in range(3):
+        st.step(*_batch(i))
+    saved = {k: v for k, v in copy.deepcopy(st.state_dict()).items() if k not in ("model", "optimizer")}
+    fresh, fresh_opt = _pair(seed=5)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    st2 = AmpTrainState(fresh, fresh_opt, F.mse_loss, dtype="fp16", init_scale=1.0)
+    st2.load_state_dict(saved)
+    assert st2.step_count == 3 and st2.scaler.get_scale() == st.scaler.get_scale()
+    assert all(torch.equal(p, q) for p, q in zip(before, fresh.parameters())) and not fresh_opt.state
+
+
 def test_records_are_steplogs_with_contract_fields():
     model, opt = _pair()
     log = AmpTrainState(model, opt, F.mse_loss).step(*_batch(0))

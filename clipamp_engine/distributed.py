@@ -1,0 +1,171 @@
+"""Data-parallel semantics of one optimizer step: what every rank must agree on, and how.
+
+Under ``torchrun`` with DDP or FSDP2 (``fully_shard``) ``AmpTrainState`` keeps the ranks in
+lockstep, so a step is taken or skipped everywhere with the same norm and record:
+
+- **one global norm**: DDP all-reduces the gradients, so each rank's norm is the global one;
+  FSDP2 gradients are DTensor shards whose norm ``total_norm`` materialises over the mesh.
+- **one skip decision**: the per-micro-batch finite-loss check (a host sync the step already
+  has) becomes one all-reduce of ``[loss contribution, tokens, samples]``; a non-finite sum
+  means some rank saw a non-finite loss, and every rank refuses the step before backward.
+  Non-finite gradients reach every rank through the gradient reduction itself.
+- **one record**: the same all-reduce gives the global loss and token count.
+- **one gradient reduction per step**: micro-batches before the last accumulate locally
+  (DDP ``no_sync()``, FSDP2 ``set_requires_gradient_sync(False)``).
+
+Single-process runs get the no-op ``Replicas``: same syncs, no collectives.
+
+References:
+    Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
+    arXiv:2006.15704 (DDP, ``no_sync``). Zhao et al., "PyTorch FSDP", arXiv:2304.11277.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DDPReplicas", "FSDPReplicas", "GlobalBatchLoss", "Replicas", "replicas_of", "unwrap"]
+
+
+class Replicas:
+    """One process: micro-batches need no context and sums are the local values."""
+
+    size = 1
+    kind = "none"
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward and backward; ``last`` reduces gradients."""
+        return contextlib.nullcontext()
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks (here: the values themselves)."""
+        return values
+
+
+class _Collective(Replicas):
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        return values
+
+
+class DDPReplicas(_Collective):
+    """``DistributedDataParallel``: gradients are averaged over ``size`` ranks in backward."""
+
+    kind = "ddp"
+
+    def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
+        super().__init__(model.process_group)
+        self.model = model
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+
+class FSDPReplicas(_Collective):
+    """FSDP2 (``fully_shard``): gradients are reduce-scattered (averaged) over the mesh."""
+
+    kind = "fsdp2"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(None)
+        self.model = model
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+
+class GlobalBatchLoss:
+    """One step's loss over the global batch (all micro-batches, all ranks), in host floats.
+
+    A loss function returns a mean loss, or ``(loss_sum, token_count)``. Each micro-batch's
+    contribution (``mean · samples`` or ``loss_sum``), its token count and the local batch
+    size are summed over ranks in one reduction, which is also the finite-loss check. The
+    backward loss is weighted so that gradients averaged over ``W`` ranks are the mean over
+    the global batch: ``mean · b·W/B`` (samples) or ``loss_sum · W/ref`` with ``ref`` the first
+    micro-batch's global token count times ``k`` (corrected to the exact token total after
+    accumulation).
+    """
+
+    def __init__(self, local_batch: int, k: int, world: Replicas) -> None:
+        self.local_batch, self.k, self.world = local_batch, k, world
+        self.contribution = 0.0
+        self.samples = 0.0  # global batch size B
+        self.tokens: float | None = None
+        self.ref: float | None = None
+
+    def add(self, result: Any, micro_batch: int) -> torch.Tensor | None:
+        """Account one micro-batch; return its backward loss, or None if the loss is non-finite."""
+        tokenwise = isinstance(result, tuple)
+        loss = (result[0] if tokenwise else result).float()
+        wide = torch.float32 if loss.device.type == "mps" else torch.float64
+        count = torch.as_tensor(result[1] if tokenwise else 0, device=loss.device).to(wide)
+        part = loss.detach().to(wide) * (1 if tokenwise else micro_batch)
+        local_batch = torch.tensor(self.local_batch, dtype=wide, device=loss.device)
+        sums = self.world.sum(torch.stack([part, count, local_batch]))
+        part_f, count_f, self.samples = sums.tolist()  # sync: the finite-loss check and the record
+        self.contribution += part_f
+        if tokenwise:
+            self.tokens = (self.tokens or 0.0) + count_f
+            if self.ref is None:
+                self.ref = count_f * self.k
+            if not (math.isfinite(part_f) and self.ref > 0):
+                return None
+            return loss / (self.ref / self.world.size)
+        if not math.isfinite(part_f):
+            return None
+        return loss * (micro_batch * self.world.size / self.samples)
+
+    @property
+    def loss(self) -> float:
+        return self.contribution / (self.tokens if self.tokens is not None else self.samples)
+
+    @property
+    def token_count(self) -> int | None:
+        return None if self.tokens is None else int(self.tokens)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a DDP wrapper holds (its state dict is one process's, without ``module.``), else ``model``."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return None
+    return FSDPModule
+
+
+def replicas_of(model: nn.Module) -> Replicas:
+    """The data-parallel semantics ``model`` needs in the current process group.
+
+    ``Replicas()`` when ``torch.distributed`` is not initialised or has one rank; DDP or FSDP2
+    replicas when the model is wrapped accordingly.
+
+    Raises:
+        ValueError: several ranks but a model that is neither DDP nor ``fully_shard``-ed at
+            its root (its gradients would never be reduced, and replicas would drift).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Replicas()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return DDPReplicas(model)
+    fsdp = _fsdp_module_type()
+    if fsdp is not None and isinstance(model, fsdp):
+        return FSDPReplicas(model)
+    raise ValueError(
+        f"torch.distributed runs {dist.get_world_size()} ranks but the model is a plain "
+        f"{type(model).__name__}: wrap it in DistributedDataParallel or apply fully_shard to its root module, "
+        "so that gradients are reduced across ranks")
