@@ -218,7 +218,7 @@ class CalibrationSummary:
 
 
 def _label(q: float) -> str:
-    return f"p{q * 100:g}"
+    return f"p{q * 100:.4g}"
 
 
 class NormCalibrator:

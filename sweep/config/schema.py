@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 from clipamp_engine import CLIP_MODES, DTYPES
+from clipamp_engine.band import band_quantile
 from clipamp_engine.calibration import CalibrationWindows
 
 RUNS = ("calibrate", "train", "sweep", "spike")
@@ -27,7 +28,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 MODEL_NAMES = ("gpt", "lstm", "linear", "custom", "hf")
 DATA_NAMES = ("stdlib", "text", "synthetic", "hf")
-STUDY_MODES = ("pareto", "constrained")
+STUDY_MODES = ("pareto", "constrained", "entangle")
 SAMPLERS = ("tpe", "random", "nsga2")
 PRUNERS = ("median", "none")
 
@@ -172,10 +173,15 @@ class CalibrateConfig:
     ``cap``), then clip at τ = Quantile_q(norms), q = ``quantile``; ``every``: repeat windows."""
 
     window: int = 100
-    quantile: float = 0.95
+    quantile: Optional[float] = 0.95  # null: aim τ at the middle of target_clip (q = 1 − (low + high)/2)
     cap: Optional[float] = None  # clipping during a window: None = off, or a conservative cap
-    every: int = 0  # repeat a window every N steps (0: once, at the start)
+    every: int = 0  # repeat a window every N steps (0: once)
     candidates: List[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 5.0])
+    # where the first window starts: "auto" (after the LR warm-up and the norms' initial transient,
+    # clipamp_engine.placement) or N (after N steps; 0: at step 1)
+    start: Any = 0
+    validate: int = 0  # held-out steps after each window that check τ (0: every step until the next window)
+    target_clip: List[float] = field(default_factory=lambda: [0.01, 0.05])  # the clipping-ratio band τ is judged by
 
 
 @dataclass
@@ -192,7 +198,7 @@ class TrackingConfig:
 class StudyConfig:
     """The Optuna sweep of max_norm × dtype (``+experiment=sweep``; ``conf/study/``)."""
 
-    mode: str = choice("pareto", STUDY_MODES, "pass study=pareto or study=constrained")
+    mode: str = choice("pareto", STUDY_MODES, "pass study=pareto, study=constrained or study=entangle")
     n_trials: int = 8  # trials added by one invocation (a resumed study keeps its earlier ones)
     name: Optional[str] = None  # default: derived from task and mode; same name + storage = resume
     # default: sqlite:///<dir>/optuna.db beside a sqlite:///<dir>/mlflow.db tracking store (else mlruns/);
@@ -223,6 +229,10 @@ class StudyConfig:
     threads: int = 0
     # A worker killed mid-trial: its trial stops sending heartbeats; the next invocation (or any
     # worker) marks it FAIL, its child run KILLED, and re-enqueues its parameters once.
+    # entangle (the LR check): optim.lr × lr_factors by τ ∈ {none} ∪ window quantiles, `seeds` seeds per cell
+    lr_factors: List[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    entangle_quantiles: List[str] = field(default_factory=lambda: ["p90", "p50"])
+    seeds: int = 2
     heartbeat_interval: int = 10  # seconds between a running trial's heartbeats
     grace_period: int = 60  # a RUNNING trial silent this long is stale
 
@@ -302,6 +312,8 @@ def calibrated(cfg: Config) -> Config:
     calibrated arm, or a sweep's anchor window) does, so its logged params say so."""
     c = copy.deepcopy(cfg)
     k = cfg.calibrate
-    c.clip = ClipConfig(mode="calibrated", window=k.window, every=k.every, quantile=k.quantile,
-                        candidates=list(k.candidates), cap=k.cap)
+    q = k.quantile if k.quantile is not None else band_quantile(k.target_clip)  # null: aim at the band
+    c.clip = ClipConfig(mode="calibrated", window=k.window, every=k.every, quantile=q,
+                        candidates=list(k.candidates), cap=k.cap, start=k.start, validate=k.validate,
+                        target_clip=list(k.target_clip))
     return c

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from clipamp_engine import DTYPES
+from clipamp_engine.band import validate_band
 
 from sweep.config.schema import RUNS, Config, window_ranges
 from sweep.errors import UserError
@@ -65,17 +66,36 @@ def check_common(cfg: Config) -> None:
 
 def check_calibrate(cfg: Config) -> None:
     c = cfg.calibrate
-    if not 0.0 < c.quantile < 1.0:
-        raise UserError(f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95")
+    if c.quantile is not None and not 0.0 < c.quantile < 1.0:
+        raise UserError(f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95, or null (aim at "
+                        f"calibrate.target_clip)")
     if c.window < 2:
         raise UserError(f"calibrate.window={c.window} must be >= 2 steps")
-    if cfg.run == "calibrate" and c.window > cfg.steps:
-        raise UserError(f"calibrate.window={c.window} is larger than steps={cfg.steps}: "
-                        f"lower calibrate.window or raise steps")
+    c.start = calibrate_start(c.start)
+    skip = c.start if isinstance(c.start, int) else 0
+    if cfg.run == "calibrate" and skip + c.window > cfg.steps:
+        raise UserError(f"calibrate.start={skip} + calibrate.window={c.window} is larger than steps={cfg.steps}: "
+                        f"lower calibrate.window or calibrate.start, or raise steps")
+    if not isinstance(c.validate, int) or c.validate < 0:
+        raise UserError(f"calibrate.validate={c.validate} must be >= 0 steps (0: every step after the window)")
+    try:
+        validate_band(c.target_clip)
+    except ValueError as e:
+        raise UserError(f"calibrate.{e}") from None
     if c.cap is not None and not c.cap > 0:
         raise UserError(f"calibrate.cap={c.cap} must be > 0 or null (no clipping during the window)")
     if c.every < 0 or (c.every and c.every < c.window):
         raise UserError(f"calibrate.every={c.every} must be 0 (one window) or >= calibrate.window={c.window}")
+
+
+def calibrate_start(value: Any) -> int | str:
+    """``calibrate.start`` as ``"auto"`` or a step count >= 0, else ``UserError`` naming the fix."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise UserError(f"calibrate.start={value!r} must be auto (after the LR warm-up and the norms' transient) or "
+                    f"a number of steps >= 0 (0: the window starts at step 1)")
 
 
 def check_study(cfg: Config) -> None:
@@ -111,6 +131,9 @@ def check_study(cfg: Config) -> None:
 def check_spike(cfg: Config) -> None:
     """``+experiment=spike``: byte data, positive sizes, the spike after the window and before the end."""
     s = cfg.spike
+    if cfg.calibrate.start != 0:
+        raise UserError(f"calibrate.start={cfg.calibrate.start}: the spike replay times its bad batch after a "
+                        f"window from step 1; pass calibrate.start=0")
     if cfg.data.name == "synthetic":
         raise UserError("spike needs byte data (the corrupted batch is a binary blob): "
                         "pass data=stdlib or data=text, not data=synthetic")

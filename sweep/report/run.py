@@ -10,6 +10,7 @@ from rich.table import Table
 
 from clipamp_engine.diagnosis import diagnose, format_findings
 
+from sweep.report import calibration
 from sweep.report.format import fmt, markdown_table, pct, ui_command
 from sweep.report.plots import plot_run
 
@@ -32,12 +33,16 @@ def write_run_report(cfg: "Config", tracker: "RunTracker", result: "RunResult") 
 def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
     """The human report of one run: quantiles, candidate thresholds, recommendation, ratios."""
     m = result.metrics
+    clip = "calibrated (calibrate.*)" if result.calibration is not None else cfg.clip.mode
     lines = [f"# clipamp {cfg.run}: {cfg.model.name} on {cfg.data.name}, {cfg.amp.dtype}", "",
-             f"- steps: {cfg.steps}, seed {cfg.seed}, clip: {cfg.clip.mode}",
+             f"- steps: {cfg.steps}, seed {cfg.seed}, clip: {clip}",
              f"- skipped steps: {int(m.get('steps_skipped', 0))} (skip ratio {pct(m['skip_ratio'])})",
              f"- final training loss (last 10 steps): {fmt(m['final_loss'])}, "
              f"eval loss: {fmt(m.get('eval_loss', math.nan))}", ""]
-    if result.windows:
+    if result.calibration is not None:
+        lines += calibration.markdown(result.calibration)
+        lines += [f"Clipping ratio realised after the window at τ (every later step): {pct(m['clip_ratio'])}.", ""]
+    elif result.windows:
         lines += _windows_markdown(result)
     else:
         lines += ["## Norm quantiles over the run", ""]
@@ -72,7 +77,10 @@ def print_run_summary(result: "RunResult", *, uri: str, experiment_id: str, cons
     """Terminal: quantiles, candidate thresholds and their clipping ratios, the pick, the UI command."""
     console = console or Console()
     m = result.metrics
-    if result.windows:
+    if result.calibration is not None:
+        for renderable in calibration.tables(result.calibration):
+            console.print(renderable)
+    elif result.windows:
         w = result.windows[0]
         t = Table(title=f"Calibration window, steps {w.start_step}–{w.end_step} "
                         f"({w.n_finite} finite, {w.n_skipped} skipped)")

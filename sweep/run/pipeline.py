@@ -25,6 +25,7 @@ from sweep.config.convert import as_yaml, flat_params
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.run.build import build_state
+from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.summary import read_rows, summary_metrics, window_metrics
 from sweep.run.checkpoint import checkpoint_path, load_resumable, save_checkpoint
 from sweep.run.faults import FaultInjector
@@ -43,6 +44,7 @@ class RunResult:
     windows: list[CalibrationSummary] = field(default_factory=list)
     records: RunRecords = field(default_factory=RunRecords)
     status: str = "FINISHED"
+    calibration: CalibratedClip | None = None  # a calibrate run's policy: placement, checks, drift
 
 
 @dataclass
@@ -213,11 +215,14 @@ class _ActiveRun:
 
     def finish(self) -> RunResult:
         """Summary metrics (+ the final eval), data artifacts, the caller's artifacts; drop the checkpoint."""
+        cal = self.state.clip if isinstance(self.state.clip, CalibratedClip) else None
         metrics = summary_metrics(self.cfg, self.records, self.windows)
+        if cal is not None:
+            metrics.update(calibration_metrics(cal))
         metrics["eval_loss"] = evaluate(self.task, dtype=self.eval_dtype)
         self.tracker.log_metrics(metrics, step=self.cfg.steps)
         csv_path = self.tracker.artifact_path("steps.csv")
-        result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records)
+        result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records, calibration=cal)
         write_data_artifacts(self.cfg, self.tracker, result)
         if self.hooks.artifacts is not None:
             self.hooks.artifacts(self.cfg, self.tracker, result)
@@ -229,4 +234,6 @@ def write_data_artifacts(cfg: Config, tracker: RunTracker, result: RunResult) ->
     """config.yaml (passwords redacted) and quantiles.json (the summary metrics and every window)."""
     tracker.artifact_path("config.yaml").write_text(redact_text(as_yaml(cfg)))
     payload = {"metrics": result.metrics, "windows": [w.as_dict() for w in result.windows]}
+    if result.calibration is not None:
+        payload["calibration"] = calibration_payload(result.calibration)
     tracker.artifact_path("quantiles.json").write_text(json.dumps(payload, indent=2, default=float))

@@ -30,7 +30,7 @@ def resolve_anchor(cfg: Config, study, store: Store, parent_run_id: str, announc
     if stored and stored.get("spec") == spec:
         return {k: float(stored[k]) for k in QUANTILE_KEYS}
     if spec == "window":
-        q, source = _window_quantiles(cfg, study, store, parent_run_id, announce, artifacts)
+        q, source = window_quantiles(cfg, study.study_name, store, parent_run_id, announce, artifacts)
     else:
         q, source = _run_quantiles(store.client, spec), spec
     anchor = {k: float(q[k]) for k in QUANTILE_KEYS}
@@ -40,15 +40,15 @@ def resolve_anchor(cfg: Config, study, store: Store, parent_run_id: str, announc
     return anchor
 
 
-def _window_quantiles(cfg: Config, study, store: Store, parent_run_id: str, announce,
-                      artifacts) -> tuple[dict[str, float], str]:
+def window_quantiles(cfg: Config, study_name: str, store: Store, parent_run_id: str, announce,
+                     artifacts) -> tuple[dict[str, float], str]:
     """Run one calibration window (no clipping) as a child run: its quantiles and run id."""
     wcfg = child_config(cfg, steps=cfg.calibrate.window)
     wcfg.calibrate.every = 0
     wcfg = calibrated(wcfg)
     announce(f"anchor: calibration window of {wcfg.steps} steps ({cfg.amp.dtype}) …")
     spec = RunSpec(f"anchor-window-{cfg.amp.dtype}", parent_run_id=parent_run_id,
-                   tags={"sweep_role": "anchor", "study": study.study_name})
+                   tags={"sweep_role": "anchor", "study": study_name})
     result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
     if "clip_ratio" not in result.metrics or not math.isfinite(result.metrics["clip_ratio"]):
         # the whole run is the window: its clipping ratio is that of the window (0 unless calibrate.cap)

@@ -40,6 +40,10 @@ def optuna_quiet():
 def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> SweepResult:
     """Create or resume the study, run ``study.n_trials`` trials (child runs), log the parent, pick."""
     console = console or Console()
+    if cfg.study.mode == "entangle":  # the LR check: a grid, not an Optuna search
+        from sweep.experiments.study.entangle import run_entangle
+
+        return run_entangle(cfg, store, console)
     with optuna_quiet():
         result = _sweep(cfg, store, console)
     print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)

@@ -22,7 +22,12 @@ def test_every_experiment_file_is_a_known_run():
 def test_defaults_are_the_documented_ones():
     cfg = compose_cfg("+experiment=calibrate")
     assert (cfg.model.name, cfg.data.name, cfg.amp.dtype, cfg.clip.mode) == ("gpt", "stdlib", "bf16", "norm")
-    assert cfg.calibrate.quantile == 0.95 and cfg.clip.max_norm == 1.0
+    assert cfg.clip.max_norm == 1.0
+    # the calibrate experiment: window placed after warm-up and transient, τ aimed at the [1%, 5%] band
+    c = cfg.calibrate
+    assert (cfg.steps, c.start, c.window, c.quantile, c.target_clip, c.validate) == (500, "auto", 200, None,
+                                                                                      [0.01, 0.05], 0)
+    assert compose_cfg("+experiment=train").calibrate.start == 0  # elsewhere the window starts at step 1
     assert cfg.tracking.uri is None  # → $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db
 
 
@@ -38,6 +43,11 @@ def test_common_overrides_compose():
     (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
     (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
     (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
+    (["calibrate.start=later"], "calibrate.start='later' must be auto"),
+    (["calibrate.start=-3"], "calibrate.start=-3 must be auto"),
+    (["calibrate.start=400", "calibrate.window=200"], "calibrate.start=400 + calibrate.window=200 is larger than steps=500"),
+    (["calibrate.validate=-1"], "calibrate.validate=-1 must be >= 0"),
+    (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
     (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
     (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
     (["steps=0"], "steps=0 must be >= 1"),

@@ -103,7 +103,7 @@ def test_train_smoke_each_task(store, model, data):
 
 def test_repeated_windows_report_drift(store):
     cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=30", "calibrate.window=5", "calibrate.every=10",
-                      "eval_every=10", f"tracking.uri={store}")
+                      "calibrate.start=0", "eval_every=10", f"tracking.uri={store}")
     result = app.run(cfg)
     assert [(w.start_step, w.end_step) for w in result.windows] == [(1, 5), (11, 15), (21, 25)]
     client = MlflowClient(store)
@@ -115,3 +115,70 @@ def test_repeated_windows_report_drift(store):
     assert df.loc[df["step"].between(16, 20), "max_norm"].eq(taus[1]).all()  # each window's τ is adopted
     assert sorted(h.step for h in client.get_metric_history(result.run_id, "eval_loss")) == [10, 20, 30]
     assert "Drift across windows" in (Path(result.csv_path).parent / "report.md").read_text()
+
+
+def test_auto_start_validation_and_what_the_run_logs(store):
+    """start=auto waits for the warm-up and the transient; τ is judged on the held-out steps; params and
+    quantiles.json say what was done; the figures agree with the CSV."""
+    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=120", "calibrate.window=30", "calibrate.validate=40",
+                      "optim.warmup_steps=10", f"tracking.uri={store}")
+    result = app.run(cfg)
+    clip = result.calibration
+    run = MlflowClient(store).get_run(result.run_id)
+    m, params = run.data.metrics, run.data.params
+    assert (params["clip.mode"], params["clip.start"], params["clip.max_norm"]) == ("calibrated", "auto", "None")
+    assert params["clip.quantile"] == "0.97" and run.data.tags["clip"] == "calibrated"  # aimed at [1%, 5%]
+    df = pd.read_csv(result.csv_path)
+    s = clip.placement.start
+    assert clip.placement.warmup_end == 11 and s > clip.placement.warmup_end and m["window_start"] == s
+    assert (df["phase"][: s - 1] == "settle").all() and (df["phase"][s - 1: s + 29] == "calibrate").all()
+    assert (df["phase"][s + 29: s + 69] == "validate").all() and (df["phase"][s + 69:] == "train").all()
+    window = df[df["phase"] == "calibrate"]["grad_l2_pre_clip"].to_numpy()
+    assert m["recommended_max_norm"] == pytest.approx(float(np.quantile(window, 0.97)), rel=1e-9)
+    held = df[df["phase"] == "validate"]
+    assert m["validation_clip_ratio"] == pytest.approx(held["clipped"].mean())
+    assert m["predicted_clip_ratio"] == pytest.approx(float(np.mean(window > m["recommended_max_norm"])))
+    q = json.loads((Path(result.csv_path).parent / "quantiles.json").read_text())
+    assert q["calibration"]["placement"]["rule"] in ("auto", "deadline")
+    assert q["calibration"]["windows"][0]["band_check"]["steps"] == 40
+    report = (Path(result.csv_path).parent / "report.md").read_text()
+    assert "**Window placement** (`calibrate.start=auto`)" in report and "## Validation on held-out steps" in report
+
+
+def test_resume_restores_the_calibration_from_the_checkpoint_alone(store):
+    """Stopped mid-window and resumed: the same rows and windows as an uninterrupted run, even with the
+    CSV's earlier norms overwritten (the policy state comes from the checkpoint, not from CSV replay)."""
+    from sweep.config.schema import calibrated
+    from sweep.run.loop import StopRun
+    from sweep.run.pipeline import RunHooks, RunSpec, run_training
+    from sweep.run.tracking import Store
+
+    args = ["+experiment=calibrate", *TINY, "steps=60", "calibrate.window=20", "calibrate.start=auto",
+            "optim.schedule=constant", "optim.warmup_steps=5", f"tracking.uri={store}"]
+    full = app.run(compose_cfg(*args))
+
+    def stop_after_30(log):
+        if log.step == 31:
+            raise StopRun("stop")
+
+    cfg = calibrated(compose_cfg(*args, "checkpoint_every=30"))
+    st = Store.open(cfg.tracking.uri, cfg.tracking.experiment)
+    spec = RunSpec("calibrate-resumable")
+    with pytest.raises(StopRun):
+        run_training(cfg, st, spec, RunHooks(step=stop_after_30, announce=lambda s: None))
+    csv = _csv_of(st, "calibrate-resumable")
+    df = pd.read_csv(csv)
+    df.loc[df["step"] <= 30, "grad_l2_pre_clip"] = 1e6  # garbage: a CSV replay would change the window
+    df.to_csv(csv, index=False)
+    resumed = run_training(calibrated(compose_cfg(*args, "resume=true")), st, spec, RunHooks(announce=lambda s: None))
+    a, b = full.calibration, resumed.calibration
+    assert b.placement == a.placement and a.placement.start <= 30 < a.summaries[0].end_step  # killed mid-window
+    assert [s.as_dict() for s in b.summaries] == [s.as_dict() for s in a.summaries]
+    tail_a = pd.read_csv(full.csv_path).query("step > 30").drop(columns=["wall_s"], errors="ignore")
+    tail_b = pd.read_csv(resumed.csv_path).query("step > 30").drop(columns=["wall_s"], errors="ignore")
+    pd.testing.assert_frame_equal(tail_a.reset_index(drop=True), tail_b.reset_index(drop=True))
+
+
+def _csv_of(st, name):
+    run = st.client.search_runs([st.experiment_id], filter_string=f"attributes.run_name = '{name}'")[0]
+    return Path(run.info.artifact_uri.replace("file://", "")) / "steps.csv"

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
 # windows at steps 1-6 and 13-18; the checkpoint at step 15 falls inside the second one
 RUN = ["+experiment=calibrate", *TINY, "steps=24", "calibrate.window=6", "calibrate.every=12", "checkpoint_every=15",
+       "calibrate.start=0",
        "seed=2", "optim.schedule=constant", "optim.warmup_steps=3"]
 
 

@@ -1,0 +1,120 @@
+"""A calibrate run's windows for people: ``report.md`` lines and terminal renderables.
+
+From the run's ``CalibratedClip`` (the same object ``sweep.run.calibration`` turns into metrics
+and ``quantiles.json``): where the window was and why, each quantile's order-statistic 95%
+interval (and the window length a ±10% interval needs), the τ adopted, predicted vs realised
+clipping on the validation steps with the verdict and next action, and the drift between windows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from clipamp_engine.calibration import min_window, window_for_width
+
+if TYPE_CHECKING:
+    from clipamp_engine.clip import CalibratedClip
+
+#: the relative interval width whose window length the report estimates
+TARGET_REL_WIDTH = 0.2
+
+
+def _f(v: float | None) -> str:
+    return "—" if v is None or not math.isfinite(v) else f"{v:.4g}"
+
+
+def _interval(ci) -> str:
+    return f"[{_f(ci.low)}, {_f(ci.high)}]" if ci.bounded else (
+        f"[{_f(ci.low)}, no bound]" if math.isfinite(ci.low) else f"[no bound, {_f(ci.high)}]")
+
+
+def _needs(ci) -> str:
+    if not ci.bounded:
+        return f"≥ {min_window(ci.q, ci.confidence)} norms for a bound"
+    need = window_for_width(ci.n, ci.rel_width, TARGET_REL_WIDTH)
+    return f"{need} for ±{TARGET_REL_WIDTH / 2:.0%}" if need and need > ci.n else "—"
+
+
+def markdown(clip: "CalibratedClip") -> list[str]:
+    """Report lines: placement, the first window's quantiles with intervals, the check, drift."""
+    lines = []
+    if clip.placement is not None:
+        lines += [f"**Window placement** (`calibrate.start={clip.start}`): {clip.placement.reason}.", ""]
+    if not clip.summaries:
+        return lines + ["No calibration window closed in this run.", ""]
+    w = clip.summaries[0]
+    lines += [f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, "
+              f"{w.n_skipped} skipped)", "",
+              "| quantile | ‖g‖ | 95% interval | window for a ±10% interval | ‖g‖·√N_tok |",
+              "|---|---|---|---|---|"]
+    for k, v in w.quantiles.items():
+        ci = w.cis.get(k)
+        lines.append(f"| {k} | {_f(v)} | {_interval(ci) if ci else ''} | {_needs(ci) if ci else ''} "
+                     f"| {_f(w.token_quantiles.get(k, math.nan))} |")
+    lines += [""] + [f"> warning: {x}" for x in w.warnings] + ([""] if w.warnings else [])
+    lines += ["| threshold τ | clipping ratio in the window |", "|---|---|"]
+    for t, r in w.candidate_clip_ratios.items():
+        lines.append(f"| {t:.4g} | {r:.1%}{' ← recommended' if t == w.recommended_max_norm else ''} |")
+    lines += ["", f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** (τ = Quantile_{w.quantile:.4g} of "
+                  f"the window's finite pre-clip norms, 95% interval {_interval(w.tau_ci)}; target band "
+                  f"[{clip.band[0]:.0%}, {clip.band[1]:.0%}]).", ""]
+    check = clip.checks()[0]
+    if check is not None:
+        lines += ["## Validation on held-out steps", "", f"- {check.verdict}",
+                  f"- within 2× of the prediction: {'yes' if check.within_2x else 'no'}",
+                  f"- next: {check.action}", ""]
+    else:
+        lines += ["No validation step after the window: raise steps (or lower calibrate.window).", ""]
+    if len(clip.summaries) > 1:
+        lines += ["## Drift across windows", "",
+                  "| window | τ | 95% interval | τ / previous | interval separate? | validation |",
+                  "|---|---|---|---|---|---|"]
+        prev = None
+        for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
+            ratio = f"{s.recommended_max_norm / prev:.2f}" if prev else "—"
+            held = f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—"
+            lines.append(f"| {s.start_step}–{s.end_step} | {_f(s.recommended_max_norm)} | {_interval(s.tau_ci)} "
+                         f"| {ratio} | {'**drift**' if d else 'no'} | {held} |")
+            prev = s.recommended_max_norm
+        lines.append("")
+    return lines
+
+
+def tables(clip: "CalibratedClip") -> list[Any]:
+    """Terminal renderables: the window's quantiles with intervals, candidates, the verdict lines."""
+    out: list[Any] = []
+    if clip.placement is not None:
+        out.append(f"window placement (calibrate.start={clip.start}): {clip.placement.reason}")
+    if not clip.summaries:
+        return out
+    w = clip.summaries[0]
+    t = Table(title=f"Calibration window, steps {w.start_step}–{w.end_step} "
+                    f"({w.n_finite} finite, {w.n_skipped} skipped)")
+    for col in ("quantile", "‖g‖", "95% interval", "window for ±10%", "‖g‖·√N_tok"):
+        t.add_column(col, justify="right")
+    for k, v in w.quantiles.items():
+        ci = w.cis.get(k)
+        t.add_row(k, _f(v), _interval(ci) if ci else "", _needs(ci) if ci else "",
+                  _f(w.token_quantiles.get(k, math.nan)))
+    out.append(t)
+    out += [f"[yellow]warning:[/] {x}" for x in w.warnings]
+    c = Table(title="Candidate thresholds")
+    c.add_column("τ", justify="right")
+    c.add_column("clipping ratio in window", justify="right")
+    for tau, r in w.candidate_clip_ratios.items():
+        c.add_row(_f(tau) + (" ←" if tau == w.recommended_max_norm else ""), f"{r:.1%}")
+    out.append(c)
+    out.append(f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] (Quantile_{w.quantile:.4g}, "
+               f"95% interval {_interval(w.tau_ci)})")
+    check = clip.checks()[0]
+    if check is not None:
+        colour = "green" if check.inside else "yellow"
+        out += [f"[{colour}]validation:[/] {check.verdict}", f"next: {check.action}"]
+    drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
+    if len(clip.summaries) > 1:
+        out.append(f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
+                   f"from the previous one" + (f" (from step {drifted[0].start_step})" if drifted else ""))
+    return out

@@ -1,0 +1,64 @@
+"""A calibrate run's calibration in quantiles.json, MLflow and the report agrees with the policy's state."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from clipamp_engine.clip import CalibratedClip
+from clipamp_engine.records import StepLog
+from sweep.report.calibration import markdown, tables
+from sweep.run.calibration import calibration_metrics as metrics
+from sweep.run.calibration import calibration_payload as payload
+
+
+def _driven(every=0, n=400, q=None):
+    rng = np.random.default_rng(0)
+    steps = np.arange(1, n + 1)
+    lrs = np.minimum(steps / 20, 1.0) * 3e-3
+    norms = (1 + 9 * np.exp(-steps / 15)) * rng.lognormal(0, 0.3, n)
+    clip = CalibratedClip(window=100, every=every, start="auto", quantile=q, total_steps=n)
+    for s, lr, g in zip(steps, lrs, norms):
+        tau = clip.threshold
+        hit = tau is not None and g > tau
+        clip.observe(StepLog(step=int(s), lr=float(lr), grad_l2_pre_clip=float(g),
+                             grad_l2_post_clip=float(min(g, tau) if hit else g), loss=2.0, scaler_scale=1.0,
+                             clipped=bool(hit), max_norm=tau))
+    return clip
+
+
+def test_payload_is_strict_json_and_matches_the_policy():
+    clip = _driven(every=150)
+    data = json.loads(json.dumps(payload(clip), allow_nan=False))
+    assert data["placement"]["start"] == clip.placement.start and data["placement"]["rule"] == "auto"
+    assert [w["recommended_max_norm"] for w in data["windows"]] == [s.recommended_max_norm for s in clip.summaries]
+    assert [w["drift_from_previous"] for w in data["windows"]] == clip.drift()
+    assert data["windows"][0]["band_check"]["clipped"] == clip.checks()[0].clipped
+
+
+def test_metrics_carry_the_intervals_and_the_check():
+    clip = _driven()
+    m = metrics(clip)
+    w, c = clip.summaries[0], clip.checks()[0]
+    for k in ("p50", "p90", "p95"):
+        assert m[f"grad_norm_{k}_ci_low"] <= w.quantiles[k] <= m[f"grad_norm_{k}_ci_high"]
+    assert "grad_norm_p99_ci_high" not in m  # 100 norms cannot bound p99 from above
+    assert m["window_start"] == clip.placement.start and m["warmup_end"] == 21
+    assert m["predicted_clip_ratio"] == w.predicted_clip_ratio
+    assert m["validation_clip_ratio"] == pytest.approx(c.clipped / c.steps)
+    assert m["validation_within_2x"] == float(c.within_2x)
+
+
+def test_report_and_terminal_show_placement_intervals_verdict_and_drift():
+    clip = _driven(every=150)
+    text = "\n".join(markdown(clip))
+    assert clip.placement.reason in text and "95% interval" in text and "p97 from 100 norms" in text
+    assert clip.checks()[0].verdict in text and "## Drift across windows" in text
+    console = Console(record=True, width=200)
+    for r in tables(clip):
+        console.print(r)
+    out = console.export_text()
+    assert "window placement (calibrate.start=auto)" in out and "validation:" in out and "drift:" in out
