@@ -48,12 +48,15 @@ def precheck(argv: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from sweep.app import run
+    from sweep.run.launch import failure_line, rank_from_env, torchrun_world
 
     try:
         run(OmegaConf.to_object(cfg), list(HydraConfig.get().overrides.task))
     except UserError as e:
         fail(_one_line(e))
     except RunInterrupted as e:
+        if rank_from_env() != 0:
+            sys.exit(130)
         if cfg.get("run") == "sweep":
             print(f"interrupted ({e}): the trial ended KILLED; re-run the same command to resume the study",
                   file=sys.stderr)
@@ -62,10 +65,19 @@ def main(cfg: DictConfig) -> None:
                   f"completed step; continue with the same command plus resume=true", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:
+        if rank_from_env() != 0:
+            sys.exit(130)
         print("interrupted: run ended KILLED, steps.csv keeps every completed step; "
               + ("re-run the same command to resume the study" if cfg.get("run") == "sweep"
                  else "resume=true continues from the last checkpoint"), file=sys.stderr)
         sys.exit(130)
+    except Exception as e:
+        if torchrun_world() is None:
+            raise  # one process: a bug keeps its traceback
+        line = failure_line(e)  # under torchrun: one line from the rank that failed; torchrun stops the others
+        if line is not None:
+            print(f"error: {redact_text(line)}", file=sys.stderr)
+        sys.exit(1)
 
 
 def cli() -> None:

@@ -1,4 +1,4 @@
-"""Dispatch a composed config to its experiment: validate, open the tracking store, run."""
+"""Dispatch a composed config to its experiment: validate, join torchrun's ranks, open the store, run."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from sweep.config import Config, validate
 from sweep.experiments.spike.experiment import run_spike
 from sweep.experiments.study.sweep import run_sweep
 from sweep.experiments.training import run_single
+from sweep.run import launch as ranks
 from sweep.run.tracking import Store
 
 EXPERIMENTS = {"calibrate": run_single, "train": run_single, "sweep": run_sweep, "spike": run_spike}
@@ -16,5 +17,23 @@ EXPERIMENTS = {"calibrate": run_single, "train": run_single, "sweep": run_sweep,
 def run(cfg: Config, overrides: list[str] | None = None) -> object:
     """Run ``cfg.run`` (calibrate, train, sweep, spike); user mistakes raise ``UserError``."""
     validate(cfg)
-    store = Store.open(cfg.tracking.uri, cfg.tracking.experiment, overrides)
-    return EXPERIMENTS[cfg.run](cfg, store, Console(soft_wrap=True))
+    launch = ranks.start(cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device, cfg.dist.timeout_s)
+    try:
+        store = open_store(cfg, overrides, launch)
+        if launch.distributed:
+            return run_single(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
+        return EXPERIMENTS[cfg.run](cfg, store, Console(soft_wrap=True))
+    finally:
+        launch.close()
+
+
+def open_store(cfg: Config, overrides: list[str] | None, launch: ranks.Launch) -> Store:
+    """Rank 0 opens (creates, migrates) the store; the other ranks wait, learn the experiment, never touch it."""
+    opened: list[Store] = []
+
+    def on_main() -> tuple[str, str, dict[str, str]]:
+        opened.append(Store.open(cfg.tracking.uri, cfg.tracking.experiment, overrides))
+        return opened[0].experiment_id, opened[0].uri, opened[0].tags
+
+    experiment_id, uri, tags = launch.agree(on_main)
+    return opened[0] if opened else Store(None, experiment_id, uri, tags)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -10,7 +11,11 @@ class UserError(ValueError):
 
 
 def fail(message: str, status: int = 2) -> "NoReturn":  # noqa: F821
-    """Print ``error: <first line>`` to stderr and exit with ``status``."""
+    """Print ``error: <first line>`` to stderr and exit with ``status``.
+
+    Under torchrun every rank meets the same mistake: rank 0 alone prints it.
+    """
     first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
-    print(f"error: {first}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {first}", file=sys.stderr)
     sys.exit(status)

@@ -31,6 +31,7 @@ DATA_NAMES = ("stdlib", "text", "synthetic", "hf")
 STUDY_MODES = ("pareto", "constrained", "entangle")
 SAMPLERS = ("tpe", "random", "nsga2")
 PRUNERS = ("median", "none")
+STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 
 
 def choice(default: Optional[str], allowed: tuple[str, ...], fix: str = "") -> Any:
@@ -274,6 +275,14 @@ class FaultsConfig:
 
 
 @dataclass
+class DistConfig:
+    """Several processes under ``torchrun`` (``sweep.run.launch``); ``auto``: ddp there, else none."""
+
+    strategy: str = choice("auto", STRATEGIES)
+    timeout_s: float = 600.0  # a collective waiting longer than this (a rank died or hangs) ends the run
+
+
+@dataclass
 class Config:
     run: Optional[str] = choice(None, RUNS)  # set by +experiment=NAME
     steps: int = 300
@@ -295,6 +304,7 @@ class Config:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 def register() -> None:

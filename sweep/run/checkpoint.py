@@ -1,9 +1,16 @@
 """Checkpoints of a run: where they live, written atomically (never from non-finite parameters or
-optimizer state), and which run a ``resume=`` continues."""
+optimizer state), and which run a ``resume=`` continues.
+
+Under torchrun a DDP checkpoint is rank 0's ``checkpoint.pt`` (a one-process checkpoint plus every
+rank's RNG state). FSDP2 writes its model and optimizer shards with ``torch.distributed.checkpoint``
+into ``shards-STEP/`` beside a small ``checkpoint.pt`` that names them, so the file that makes a
+checkpoint resumable is always replaced last.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,6 +20,7 @@ import torch
 from clipamp_engine import AmpTrainState, total_norm
 
 from sweep.errors import UserError
+from sweep.run.launch import Launch
 from sweep.run.tracking import sqlite_path
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -34,8 +42,7 @@ def save_checkpoint(path: Path, state: AmpTrainState, **extra: Any) -> bool:
     """Write ``state`` (+ ``extra``) to ``path`` atomically; refuse (warn, keep the old file) if non-finite."""
     bad = non_finite_state(state)
     if bad is not None:
-        warnings.warn(f"checkpoint at step {state.step_count} refused: {bad} hold inf/NaN; "
-                      f"keeping the previous checkpoint {path}", RuntimeWarning, stacklevel=2)
+        _refuse(path, state, bad)
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -44,8 +51,74 @@ def save_checkpoint(path: Path, state: AmpTrainState, **extra: Any) -> bool:
     return True
 
 
+def _refuse(path: Path, state: AmpTrainState, bad: str) -> None:
+    warnings.warn(f"checkpoint at step {state.step_count} refused: {bad} hold inf/NaN; "
+                  f"keeping the previous checkpoint {path}", RuntimeWarning, stacklevel=3)
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_run_checkpoint(path: Path, state: AmpTrainState, launch: Launch, **extra: Any) -> bool:
+    """``save_checkpoint`` on every rank's behalf (call it on every rank): rank 0 writes the file;
+    FSDP2 shards go through ``torch.distributed.checkpoint`` first."""
+    if not launch.distributed:
+        return save_checkpoint(path, state, **extra)
+    bad = non_finite_state(state)  # on every rank: under FSDP2 the check is a collective
+    if bad is not None:
+        _refuse(path, state, bad)  # silent on ranks other than 0
+        return False
+    rng = launch.gather(torch.get_rng_state())
+    engine = state.state_dict()
+    if launch.strategy == "fsdp2":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        shards = f"shards-{extra.get('step', state.step_count)}"
+        model, optim = get_state_dict(state.model, state.optimizer)
+        dcp.save({"model": model, "optimizer": optim}, checkpoint_id=path.parent / shards)
+        engine = {k: v for k, v in engine.items() if k not in ("model", "optimizer")}
+        extra["shards"] = shards
+    if launch.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"engine": engine, "rng": rng, "strategy": launch.strategy, **extra}, tmp)
+        os.replace(tmp, path)
+        for old in path.parent.glob("shards-*"):
+            if old.name != extra.get("shards"):
+                shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
+def restore_run_checkpoint(path: Path, state: AmpTrainState, ckpt: dict[str, Any], launch: Launch) -> None:
+    """Engine and this rank's RNG state from ``ckpt`` (read from ``path``); FSDP2 shards from beside it."""
+    sharded = "shards" in ckpt
+    if sharded != (launch.strategy == "fsdp2"):
+        written = "FSDP2 (sharded)" if sharded else "one process or DDP"
+        raise UserError(f"resume: the checkpoint at {path} was written by {written}; resume it with "
+                        f"dist.strategy={'fsdp2' if sharded else 'ddp (or one process)'}")
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optim = get_state_dict(state.model, state.optimizer)
+        shards = {"model": model, "optimizer": optim}
+        dcp.load(shards, checkpoint_id=path.parent / ckpt["shards"])
+        set_state_dict(state.model, state.optimizer, model_state_dict=shards["model"],
+                       optim_state_dict=shards["optimizer"])
+    state.load_state_dict(ckpt["engine"])
+    rng = ckpt["rng"]
+    if isinstance(rng, list):  # one state per rank (torchrun); a different world size reuses rank 0's
+        rng = rng[launch.rank] if launch.rank < len(rng) else rng[0]
+    torch.set_rng_state(rng)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Drop a finished run's checkpoint and any shards beside it."""
+    path.unlink(missing_ok=True)
+    for shards in path.parent.glob("shards-*"):
+        shutil.rmtree(shards, ignore_errors=True)
 
 
 def checkpoint_path(uri: str, run_id: str) -> Path:

@@ -63,9 +63,16 @@ class StopRequest:
     Stopping at a step boundary means a checkpoint never holds a half-applied update.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, agree: Callable[[bool], bool] = lambda flag: flag) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._agree = agree  # under torchrun: whether any rank was asked to stop
+
+    def requested(self) -> int | None:
+        """The signal that asks to stop at this step boundary (on every rank alike), else None."""
+        if self._agree(self.signum is not None):
+            return self.signum or signal.SIGTERM  # another rank got it (torchrun forwards SIGTERM)
+        return None
 
     def _handler(self, signum, frame) -> None:
         if self.signum is not None:
@@ -139,14 +146,14 @@ def run_steps(
                 raise
             pending.append((phase_of(step), batch.data_source, state.scaler.at_floor))
             emit(logs)
-            stopping = stop is not None and stop.signum is not None
-            if checkpoint is not None and (stopping or checkpoint_every and step % checkpoint_every == 0):
+            signum = stop.requested() if stop is not None else None  # agreed by every rank under torchrun
+            if checkpoint is not None and (signum is not None or checkpoint_every and step % checkpoint_every == 0):
                 emit(state.flush())
                 checkpoint(step)
-            if stopping:
+            if signum is not None:
                 emit(state.flush())
                 tracker.flush()
-                raise RunInterrupted(stop.signum, step)
+                raise RunInterrupted(signum, step)
         emit(state.flush())
     tracker.flush()
 

@@ -9,6 +9,7 @@ so this layer never imports ``sweep.report``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from collections.abc import Callable, Iterator
@@ -27,10 +28,12 @@ from sweep.errors import UserError
 from sweep.run.build import build_state
 from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.summary import read_rows, summary_metrics, window_metrics
-from sweep.run.checkpoint import checkpoint_path, load_resumable, save_checkpoint
+from sweep.run.checkpoint import (checkpoint_path, load_checkpoint, load_resumable, remove_checkpoint,
+                                  restore_run_checkpoint, save_run_checkpoint)
 from sweep.run.faults import FaultInjector
+from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
-from sweep.run.tracking import RunTracker, Store, redact_text
+from sweep.run.tracking import RunTracker, SilentTracker, Store, redact_text
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 
 
@@ -39,7 +42,7 @@ class RunResult:
     """What a run measured (the same figures it logged to MLflow)."""
 
     run_id: str
-    csv_path: Path
+    csv_path: Path | None  # None on ranks other than 0
     metrics: dict[str, float]
     windows: list[CalibrationSummary] = field(default_factory=list)
     records: RunRecords = field(default_factory=RunRecords)
@@ -67,21 +70,26 @@ class RunHooks:
     announce: Callable[[str], None] = print
 
 
-def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | None = None) -> RunResult:
+def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | None = None,
+                 launch: Launch | None = None) -> RunResult:
     """Train ``cfg`` for ``cfg.steps`` steps inside one MLflow run and return its figures.
 
     Every ``cfg.checkpoint_every`` steps, and on SIGINT/SIGTERM at the next step boundary, a
     checkpoint is written; the run then ends KILLED. ``cfg.resume`` (``true`` or a run id)
     continues such a run from its checkpoint, appending to the same ``steps.csv`` and MLflow run.
-    The CSV keeps every completed step.
+    The CSV keeps every completed step. Under torchrun (``launch``) every rank trains its share
+    of each batch and rank 0 alone records.
     """
     hooks = hooks or RunHooks()
+    launch = launch or Launch()
     torch.manual_seed(cfg.seed)
     task = spec.task or build_task(cfg.model, cfg.data, seed=cfg.seed, device=cfg.device)
-    tracker, ckpt = open_run(cfg, store, spec, task)
+    task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device),
+                               train_batches=launch.share(task.train_batches))
+    tracker, ckpt = open_run_on_ranks(cfg, store, spec, task, launch)
     status = "FAILED"
     try:
-        run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri)
+        run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
         try:
             run.loop()
         except KeyboardInterrupt:
@@ -117,6 +125,37 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
     return tracker, None
 
 
+def open_run_on_ranks(cfg: Config, store: Store, spec: RunSpec, task: Task,
+                      launch: Launch) -> tuple[RunTracker | SilentTracker, dict | None]:
+    """``open_run`` on rank 0; the other ranks get its run id (silently) and read the same checkpoint."""
+    if not launch.distributed:
+        return open_run(cfg, store, spec, task)
+    opened: list[tuple[RunTracker, dict | None]] = []
+
+    def on_main() -> tuple[str, str, bool]:
+        opened.append(open_run(cfg, store, spec, task))
+        tracker, ckpt = opened[0]
+        return tracker.run_id, tracker.run_name, ckpt is not None
+
+    run_id, name, resumed = launch.agree(on_main)
+    if opened:
+        return opened[0]
+    return SilentTracker(run_id, name), load_checkpoint(checkpoint_path(store.uri, run_id)) if resumed else None
+
+
+class _NoCSV:
+    """Ranks other than 0 write no CSV."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def __enter__(self) -> "_NoCSV":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -139,32 +178,32 @@ class _ActiveRun:
     records: RunRecords
     start_step: int
     ckpt_file: Path
+    launch: Launch
     windows_seen: int = 0  # calibration windows already logged
 
     @classmethod
-    def start(cls, cfg: Config, tracker: RunTracker, task: Task, hooks: RunHooks, ckpt: dict | None,
-              uri: str) -> "_ActiveRun":
-        """Build the engine (restored from ``ckpt`` when resuming) and open the CSV."""
-        csv_path = tracker.artifact_path("steps.csv")
+    def start(cls, cfg: Config, tracker: RunTracker | SilentTracker, task: Task, hooks: RunHooks,
+              ckpt: dict | None, uri: str, launch: Launch) -> "_ActiveRun":
+        """Build the engine (restored from ``ckpt`` when resuming) and open the CSV (rank 0)."""
+        csv_path = tracker.artifact_path("steps.csv") if launch.is_main else None
         hooks.announce(f"steps.csv: {csv_path}")
         start = ckpt["step"] if ckpt else 0
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
         tracker.set_tags({"pipeline": state.pipeline})  # fused or default update path (clipamp_engine.fused)
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
-        writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None)
+        writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None) if csv_path else _NoCSV()
         run = cls(cfg, tracker, task, hooks, state, faults, writer, RunRecords(), start,
-                  checkpoint_path(uri, tracker.run_id))
+                  checkpoint_path(uri, tracker.run_id), launch)
         if ckpt is not None:
             run.restore(ckpt, csv_path)
         return run
 
-    def restore(self, ckpt: dict, csv_path: Path) -> None:
+    def restore(self, ckpt: dict, csv_path: Path | None) -> None:
         """Engine (calibration windows included) and RNG state from the checkpoint; the records so far
-        (for the summary and plots) from the CSV's rows."""
-        self.state.load_state_dict(ckpt["engine"])
-        torch.set_rng_state(ckpt["rng"])
-        self.records.rows = read_rows(csv_path)
+        (for the summary and plots, rank 0) from the CSV's rows."""
+        restore_run_checkpoint(self.ckpt_file, self.state, ckpt, self.launch)
+        self.records.rows = read_rows(csv_path) if csv_path is not None else []
         self.windows_seen = len(self.windows)
         self.hooks.announce(f"resumed run {self.tracker.run_id} at step {self.start_step}")
 
@@ -199,34 +238,37 @@ class _ActiveRun:
             yield self.hooks.batch(i, batch) if self.hooks.batch is not None else batch
 
     def checkpoint(self, step: int) -> None:
-        save_checkpoint(self.ckpt_file, self.state, step=step, run_id=self.tracker.run_id)
+        save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id)
 
     def loop(self) -> None:
         cfg, clip = self.cfg, self.state.clip
         phase_of = clip.phase if isinstance(clip, CalibratedClip) else (lambda step: "train")
-        with self.writer, StopRequest() as stop:
+        with self.writer, StopRequest(self.launch.any) as stop:
             try:
                 run_steps(self.state, self.batches(), range(self.start_step + 1, cfg.steps + 1), writer=self.writer,
                           tracker=self.tracker, records=self.records, phase_of=phase_of, on_record=self.record,
-                          progress=cfg.progress, label=self.tracker.run_name, stop=stop, checkpoint=self.checkpoint,
-                          checkpoint_every=cfg.checkpoint_every)
+                          progress=cfg.progress and self.launch.is_main, label=self.tracker.run_name, stop=stop,
+                          checkpoint=self.checkpoint, checkpoint_every=cfg.checkpoint_every)
             except CalibrationError as e:  # every step of a window was skipped
                 raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None
 
     def finish(self) -> RunResult:
         """Summary metrics (+ the final eval), data artifacts, the caller's artifacts; drop the checkpoint."""
         cal = self.state.clip if isinstance(self.state.clip, CalibratedClip) else None
+        eval_loss = evaluate(self.task, dtype=self.eval_dtype)  # on every rank: FSDP2 gathers in forward
+        if not self.launch.is_main:
+            return RunResult(self.tracker.run_id, None, {"eval_loss": eval_loss}, list(self.windows), self.records)
         metrics = summary_metrics(self.cfg, self.records, self.windows)
         if cal is not None:
             metrics.update(calibration_metrics(cal))
-        metrics["eval_loss"] = evaluate(self.task, dtype=self.eval_dtype)
+        metrics["eval_loss"] = eval_loss
         self.tracker.log_metrics(metrics, step=self.cfg.steps)
         csv_path = self.tracker.artifact_path("steps.csv")
         result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records, calibration=cal)
         write_data_artifacts(self.cfg, self.tracker, result)
         if self.hooks.artifacts is not None:
             self.hooks.artifacts(self.cfg, self.tracker, result)
-        self.ckpt_file.unlink(missing_ok=True)
+        remove_checkpoint(self.ckpt_file)
         return result
 
 

@@ -232,3 +232,15 @@ class RunTracker:
                 self.client.log_artifacts(self.run_id, str(self.artifact_dir))
         finally:
             self.client.set_terminated(self.run_id, status=status)
+
+
+class SilentTracker:
+    """A ``RunTracker`` stand-in for ranks other than 0 under torchrun: the run's id, nothing logged."""
+
+    def __init__(self, run_id: str, run_name: str) -> None:
+        self.run_id, self.run_name = run_id, run_name
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    log_params = set_tags = add_step = flush = log_metrics = end = _nothing

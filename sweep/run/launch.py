@@ -1,0 +1,184 @@
+"""Training under ``torchrun``: the process group, which rank records, each rank's share of a batch.
+
+``torchrun --nproc_per_node=N -m sweep +experiment=calibrate|train`` starts N ranks. They build
+the same task from the same seed, so they draw the same global batches; each trains on its own
+contiguous share of every global batch through DDP or FSDP2, and the engine makes the norm, the
+skip decisions and the record global (``clipamp_engine.distributed``). Rank 0 alone opens the
+tracking store and writes ``steps.csv``, the MLflow run and the report. Host-side agreement
+(run ids, stop requests, errors) goes over a gloo group, so it never syncs an accelerator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sweep.errors import UserError
+
+#: Experiments that can run on several ranks.
+DISTRIBUTED_RUNS = ("calibrate", "train")
+
+T = TypeVar("T")
+
+
+def torchrun_world() -> int | None:
+    """The world size when launched by torchrun (it sets ``TORCHELASTIC_RUN_ID``), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclasses.dataclass
+class Launch:
+    """This process's place in the job. ``Launch()`` is one process: every method is local."""
+
+    strategy: str = "none"
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    group: Any = None  # the gloo group for host-side agreement (None: the default group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "none"
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 only and return its result (or raise its ``UserError``) on every rank."""
+        if not self.distributed:
+            return fn()
+        outcome: list[Any] = [None]
+        if self.is_main:
+            try:
+                outcome[0] = ("ok", fn())
+            except UserError as e:
+                outcome[0] = ("error", str(e))
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise UserError(value)
+        return value
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank (the same answer on every rank)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())  # sync: a CPU tensor over gloo, no accelerator involved
+
+    def gather(self, value: T) -> list[T]:
+        """``value`` of every rank, in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def share(self, batches: Iterator[T]) -> Iterator[T]:
+        """This rank's contiguous rows of every global batch (``data_source`` stays the batch's)."""
+        if not self.distributed:
+            yield from batches
+            return
+        for b in batches:
+            yield dataclasses.replace(b, inputs=b.inputs.chunk(self.world)[self.rank],
+                                      targets=b.targets.chunk(self.world)[self.rank])
+
+    def wrap(self, model: nn.Module, device: str) -> nn.Module:
+        """The model as DDP, or sharded in place with FSDP2 (each block of ``model.blocks``, then the root)."""
+        if self.strategy == "ddp":
+            return nn.parallel.DistributedDataParallel(model, device_ids=[self.local_rank] if _cuda(device) else None)
+        if self.strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in getattr(model, "blocks", ()):
+                fully_shard(block)
+            return fully_shard(model)
+        return model
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cuda(device: str) -> bool:
+    return device.split(":")[0] == "cuda"
+
+
+def resolve_strategy(strategy: str, run: str, batch_size: int) -> tuple[str, int]:
+    """``(strategy, world)`` for this launch; a ``UserError`` names an impossible combination.
+
+    ``auto`` is ``ddp`` under torchrun with several processes, else ``none``.
+    """
+    world = torchrun_world()
+    if world is None:
+        if strategy in ("ddp", "fsdp2"):
+            raise UserError(f"dist.strategy={strategy} needs several processes: launch with "
+                            f"`torchrun --nproc_per_node=N -m sweep …`, or use dist.strategy=none")
+        return "none", 1
+    if strategy == "auto":
+        strategy = "ddp" if world > 1 else "none"
+    if strategy == "none":
+        if world > 1:
+            raise UserError(f"torchrun started {world} processes but dist.strategy=none would run {world} "
+                            "identical jobs: use dist.strategy=ddp or fsdp2, or launch without torchrun")
+        return "none", 1
+    if run not in DISTRIBUTED_RUNS:
+        raise UserError(f"+experiment={run} runs in one process: launch it without torchrun "
+                        f"(under torchrun: +experiment={' or '.join(DISTRIBUTED_RUNS)})")
+    if batch_size % world:
+        raise UserError(f"data.batch_size={batch_size} does not split over {world} ranks: "
+                        f"use a multiple of {world}")
+    return strategy, world
+
+
+def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: float) -> Launch:
+    """Join torchrun's process group as ``strategy`` needs (gloo on CPU, nccl on CUDA).
+
+    Ranks other than 0 stay silent: their warnings are the same as rank 0's.
+    """
+    strategy, _ = resolve_strategy(strategy, run, batch_size)
+    if strategy == "none":
+        return Launch()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if _cuda(device):
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if _cuda(device) else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group = dist.new_group(backend="gloo") if _cuda(device) else None
+    launch = Launch(strategy, dist.get_rank(), dist.get_world_size(), local_rank, group)
+    if not launch.is_main:
+        warnings.simplefilter("ignore")
+    return launch
+
+
+def rank_from_env() -> int:
+    """This process's rank as torchrun set it (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0")) if torchrun_world() is not None else 0
+
+
+def peer_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a collective broken by another rank's exit (that rank reports its own failure)."""
+    return isinstance(e, dist.DistError) or "Connection closed by peer" in str(e) or "Connection reset by peer" in str(e)
+
+
+def failure_line(e: BaseException) -> str | None:
+    """The one line a failed rank prints under torchrun; None when another rank failed first."""
+    if peer_failed(e):
+        return None
+    message = " ".join(str(e).split()) or "no message"
+    return f"rank {rank_from_env()} of {torchrun_world()} failed: {type(e).__name__}: {message}"
