@@ -23,6 +23,8 @@ def run_single(cfg: Config, store: Store, console: Console | None = None, launch
     spec = RunSpec(f"{cfg.run}-{cfg.model.name}-{cfg.amp.dtype}")
     cfg = calibrated(cfg) if cfg.run == "calibrate" else cfg
     hooks = RunHooks(artifacts=write_run_report, announce=console.print)
-    result = run_training(cfg, store, spec, hooks, launch or Launch())
-    print_run_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
+    launch = launch or Launch()
+    result = run_training(cfg, store, spec, hooks, launch)
+    if launch.is_main:  # the other ranks' results hold their eval loss only
+        print_run_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
     return result
