@@ -54,6 +54,7 @@ def check_common(cfg: Config) -> None:
     if cfg.clip.max_norm is not None and not cfg.clip.max_norm > 0:
         raise UserError(f"clip.max_norm={cfg.clip.max_norm} must be > 0 (use clip=none to disable clipping)")
     check_calibrate(cfg)
+    check_numbers(cfg)
     if cfg.checkpoint_every < 0:
         raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
     if cfg.device != "cpu" and not _device_available(cfg.device):
@@ -64,6 +65,45 @@ def check_common(cfg: Config) -> None:
         raise UserError(f"tracking.flush_every={cfg.tracking.flush_every} must be >= 1")
     if not cfg.dist.timeout_s > 0:
         raise UserError(f"dist.timeout_s={cfg.dist.timeout_s} must be > 0 (seconds)")
+
+
+#: (key, test, what is allowed, an example): the numeric ranges of optim, amp and model.
+_RANGES = (
+    ("optim.min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (the LR decays to min_lr_ratio·lr)", "0.1"),
+    ("optim.weight_decay", lambda v: v >= 0.0, ">= 0", "0.1"),
+    ("optim.momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)", "0.9"),
+    ("optim.warmup_steps", lambda v: v >= 0, ">= 0", "20"),
+    ("amp.init_scale", lambda v: v > 0.0, "> 0", "65536"),
+    ("amp.growth_factor", lambda v: v > 1.0, "> 1", "2.0"),
+    ("amp.backoff_factor", lambda v: 0.0 < v < 1.0, "in (0, 1)", "0.5"),
+    ("amp.growth_interval", lambda v: v >= 1, ">= 1", "2000"),
+    ("amp.hysteresis", lambda v: v >= 1, ">= 1", "1"),
+    ("amp.min_scale", lambda v: v > 0.0, "> 0", "1.0"),
+    ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)", "0.1"),
+)
+
+
+def check_numbers(cfg: Config) -> None:
+    """Optimizer, scaler and model numbers in their ranges (NaN fails every test)."""
+    for key, ok, allowed, example in _RANGES:
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if not ok(value):
+            raise UserError(f"{key}={value} must be {allowed}: pass e.g. {key}={example}")
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise UserError(f"optim.betas={list(betas)} must be two numbers in [0, 1): pass e.g. optim.betas=[0.9,0.95]")
+    a = cfg.amp
+    if not a.max_scale >= a.min_scale:
+        raise UserError(f"amp.max_scale={a.max_scale} must be >= amp.min_scale={a.min_scale}: "
+                        f"raise amp.max_scale or lower amp.min_scale")
+    if not a.min_scale <= a.init_scale <= a.max_scale:
+        raise UserError(f"amp.init_scale={a.init_scale} must be in [amp.min_scale={a.min_scale}, "
+                        f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={a.max_scale if a.init_scale > a.max_scale else a.min_scale}")
+    m = cfg.model
+    for key in ("d_model", "n_layer", "n_head", "block_size", "hidden", "in_features", "out_features"):
+        if getattr(m, key) < 1:
+            raise UserError(f"model.{key}={getattr(m, key)} must be >= 1")
 
 
 def check_calibrate(cfg: Config) -> None:
