@@ -20,7 +20,8 @@ from torch import nn
 from . import corpus as C
 from ..errors import UserError
 from ..config.schema import DATA_NAMES, MODEL_NAMES, DataConfig, ModelConfig
-from .models import GPT, LSTMLM
+from .custom import check_custom_output
+from .models import GPT, LSTMLM, VOCAB
 
 EVAL_SEED = 0x5EED  # eval batches are the same for every trial seed
 
@@ -209,8 +210,11 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         eval_batches = [_synthetic(w_star, bs, ge, device) for _ in range(data_cfg.eval_batches)]
         train = (_synthetic(w_star, bs, g, device) for _ in itertools.count())
         where = f"synthetic y = x @ W* + 0.1 noise ({ins}->{outs})"
-        return Task(model, loss_fn or mse_loss, train, eval_batches,
-                    f"{mname} {count_text(n_params)} params on {where}")
+        task = Task(model, loss_fn or mse_loss, train, eval_batches, f"{mname} {count_text(n_params)} params on {where}")
+        if mname == "custom":
+            check_custom_output(model, task.loss_fn, eval_batches[0], model_cfg,
+                                expected=f"a tensor of shape (batch, model.out_features={outs})")
+        return task
 
     full = C.stdlib_corpus(int(data_cfg.max_files)) if dname == "stdlib" else C.text_corpus(data_cfg.path)
     train_c, eval_c = C.split_corpus(full, float(data_cfg.eval_fraction))
@@ -220,7 +224,11 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
     train = (_lm_batch(train_c, bs, T, g, device) for _ in itertools.count())
     desc = (f"{mname} {count_text(n_params)} params on {dname} ({len(full)} docs, {_fmt_bytes(full.nbytes)}; "
             f"{len(eval_c)} held out)")
-    return Task(model, loss_fn or lm_loss, train, eval_batches, desc)
+    task = Task(model, loss_fn or lm_loss, train, eval_batches, desc)
+    if mname == "custom":
+        check_custom_output(model, task.loss_fn, eval_batches[0], model_cfg,
+                            expected=f"logits of shape (batch, seq_len, {VOCAB})")
+    return task
 
 
 def _lm_batch(corpus: C.Corpus, bs: int, T: int, g: torch.Generator, device: torch.device) -> Batch:
