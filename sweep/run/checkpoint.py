@@ -121,6 +121,34 @@ def remove_checkpoint(path: Path) -> None:
         shutil.rmtree(shards, ignore_errors=True)
 
 
+#: Keys a resume may change: they extend the run or change only how it is shown and tracked.
+#: Anything else (clip, amp, seed, model, optim, data, forensics, faults, calibrate, device) changes
+#: the maths of the remaining steps, so a resume that changes it is refused.
+RESUME_MAY_CHANGE = ("steps", "resume", "progress", "checkpoint_every", "eval_every", "tracking.", "study.",
+                     "spike.")
+
+
+def config_differences(logged: dict[str, str], now: dict[str, str]) -> list[str]:
+    """``key (run: a, now: b)`` for each logged param whose value changed, apart from ``RESUME_MAY_CHANGE``."""
+    return [f"{k} (run: {logged[k]}, now: {now[k]})" for k in sorted(now)
+            if k in logged and logged[k] != now[k]
+            and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in RESUME_MAY_CHANGE)]
+
+
+def _read_checkpoint(path: Path, run_id: str) -> dict[str, Any]:
+    """The checkpoint's contents, or one ``UserError`` line if it is truncated, junk or incomplete."""
+    try:
+        ckpt = load_checkpoint(path)
+        ok = isinstance(ckpt, dict) and isinstance(ckpt.get("step"), int) and "engine" in ckpt and "rng" in ckpt
+        reason = "it holds no clipamp checkpoint"
+    except Exception as e:  # truncated, empty or junk bytes: pickle/zip errors of every kind
+        ok, reason = False, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    if not ok:
+        raise UserError(f"resume={run_id}: the checkpoint {path} cannot be read ({reason}); the run cannot "
+                        f"continue from it: start a new run (drop resume=)")
+    return ckpt
+
+
 def checkpoint_path(uri: str, run_id: str) -> Path:
     """Local checkpoint of a run: beside a sqlite store, else under ./mlruns/checkpoints/."""
     db = sqlite_path(uri)
@@ -147,13 +175,20 @@ def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: 
 
 
 def load_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str,
-                   steps: int) -> tuple[str, dict[str, Any]]:
-    """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``."""
+                   steps: int, params: dict[str, str] | None = None) -> tuple[str, dict[str, Any]]:
+    """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``
+    or if ``params`` (the config as logged) differ from the run's in a key outside ``RESUME_MAY_CHANGE``."""
     run_id = find_resumable(client, experiment_id, run_name, uri, resume)
+    if params is not None:
+        changed = config_differences(client.get_run(run_id).data.params, params)
+        if changed:
+            raise UserError(f"resume={run_id}: the config differs from the run's in {'; '.join(changed)}; these "
+                            f"change the maths of the remaining steps: drop those overrides to resume, or start a "
+                            f"new run (drop resume=)")
     path = checkpoint_path(uri, run_id)
     if not path.exists():
         raise UserError(f"resume={run_id}: no checkpoint at {path}; the run cannot be resumed")
-    ckpt = load_checkpoint(path)
+    ckpt = _read_checkpoint(path, run_id)
     if ckpt["step"] >= steps:
         raise UserError(f"resume={run_id}: the checkpoint is at step {ckpt['step']} >= steps={steps}; "
                         f"raise steps= to train further")

@@ -33,7 +33,7 @@ from sweep.run.checkpoint import (checkpoint_path, load_checkpoint, load_resumab
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
-from sweep.run.tracking import RunTracker, SilentTracker, Store, redact_text
+from sweep.run.tracking import RunTracker, SilentTracker, Store, param_text, redact_text
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 
 
@@ -87,9 +87,10 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device),
                                train_batches=launch.share(task.train_batches))
     tracker, ckpt = open_run_on_ranks(cfg, store, spec, task, launch)
-    status = "FAILED"
+    status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
     try:
         run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
+        status = "FAILED"
         try:
             run.loop()
         except KeyboardInterrupt:
@@ -110,7 +111,7 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
     flush = cfg.tracking.flush_every
     if cfg.resume:
         run_id, ckpt = load_resumable(store.client, store.experiment_id, spec.name, store.uri, str(cfg.resume),
-                                      cfg.steps)
+                                      cfg.steps, logged_params(cfg))
         return RunTracker.reopen(store.client, run_id, flush_every=flush), ckpt
     tags = {"run": cfg.run or "", "dtype": cfg.amp.dtype, "device": cfg.device, "model": cfg.model.name,
             "data": cfg.data.name, "clip": cfg.clip.mode, "git_commit": git_commit(), "task": task.description,
@@ -155,6 +156,14 @@ class _NoCSV:
     def __exit__(self, *exc: object) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
+
+def logged_params(cfg: Config) -> dict[str, str]:
+    """The config's params as the run logged them (the values a resume compares against)."""
+    return {k: param_text(v) for k, v in flat_params(cfg).items()}
+
 
 def git_commit() -> str:
     try:
@@ -192,18 +201,42 @@ class _ActiveRun:
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
         tracker.set_tags({"pipeline": state.pipeline})  # fused or default update path (clipamp_engine.fused)
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
-        writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None) if csv_path else _NoCSV()
+        try:
+            writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None) if csv_path else _NoCSV()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise UserError(f"{csv_path} is not a readable steps CSV ({type(e).__name__}: {e}); move it away "
+                            f"and start a new run (drop resume=)") from None
         run = cls(cfg, tracker, task, hooks, state, faults, writer, RunRecords(), start,
                   checkpoint_path(uri, tracker.run_id), launch)
         if ckpt is not None:
-            run.restore(ckpt, csv_path)
+            try:
+                run.restore(ckpt, csv_path)
+            except BaseException:
+                writer.close()
+                raise
         return run
 
     def restore(self, ckpt: dict, csv_path: Path | None) -> None:
         """Engine (calibration windows included) and RNG state from the checkpoint; the records so far
-        (for the summary and plots, rank 0) from the CSV's rows."""
-        restore_run_checkpoint(self.ckpt_file, self.state, ckpt, self.launch)
-        self.records.rows = read_rows(csv_path) if csv_path is not None else []
+        (for the summary and plots, rank 0) from the CSV's rows, which must be steps 1..the checkpoint's."""
+        run_id, step = self.tracker.run_id, self.start_step
+        try:
+            restore_run_checkpoint(self.ckpt_file, self.state, ckpt, self.launch)
+        except UserError:
+            raise
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise UserError(f"resume={run_id}: the checkpoint does not fit this model and config "
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:160]}): start a new run (drop resume=)") from None
+        if csv_path is not None:  # rank 0 keeps the records
+            try:
+                self.records.rows = read_rows(csv_path)
+            except (ValueError, KeyError, TypeError) as e:
+                raise UserError(f"resume={run_id}: {csv_path} has an unreadable row ({type(e).__name__}: {e}); "
+                                f"restore the file or start a new run (drop resume=)") from None
+            if [r["step"] for r in self.records.rows] != list(range(1, step + 1)):
+                raise UserError(f"resume={run_id}: {csv_path} does not hold steps 1–{step} of the checkpoint "
+                                f"({len(self.records.rows)} rows): resuming would lose rows and the summary built "
+                                f"from them; restore steps.csv or start a new run (drop resume=)")
         self.windows_seen = len(self.windows)
         self.hooks.announce(f"resumed run {self.tracker.run_id} at step {self.start_step}")
 

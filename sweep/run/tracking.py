@@ -128,6 +128,11 @@ def log_metrics(client, run_id: str, metrics: dict[str, float | None], step: int
         client.log_batch(run_id, metrics=batch, tags=run_tags)
 
 
+def param_text(value: Any) -> str:
+    """A param value as MLflow keeps it: text, passwords redacted, at most 6000 characters."""
+    return redact_text(str(value))[:6000]
+
+
 @dataclass(frozen=True)
 class Store:
     """Where runs go: an MLflow client on ``uri``, the experiment, and tags every run of this invocation gets."""
@@ -192,7 +197,7 @@ class RunTracker:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, redact_text(str(v))[:6000]) for k, v in params.items()]
+        items = [Param(k, param_text(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
