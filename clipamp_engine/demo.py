@@ -4,19 +4,22 @@
 
 One line per step, beginning ``STEP`` or ``SKIP``; at least one ``SKIP`` (the inf written into a
 gradient at ``--inject-step``). ``--spike`` multiplies one batch's targets by 1e8 (the seed's
-exercise) to show what clipping does with a finite spike. Exit 0, or 1 when the skip rate over
-the run exceeds ``--max-skip-rate``.
+exercise) to show what clipping does with a finite spike. ``--csv`` replaces an earlier demo CSV
+at that path. Exit 0, 1 when the skip rate over the run exceeds ``--max-skip-rate``, or 2 with one
+``error:`` line for a bad argument.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .csvlog import StepCSVWriter
+from .csvlog import CANONICAL_COLUMNS, StepCSVWriter
 from .monitors import SkipRateExceeded, SkipRateMonitor
 from .step import AmpTrainState
 
@@ -42,8 +45,41 @@ def _line(log) -> str:
     return text + (f"  reason={log.skip_reason}" if log.skipped else ("  clipped" if log.clipped else ""))
 
 
+def _check(args: argparse.Namespace) -> str | None:
+    """The first bad argument as one line (what is allowed, the fix), else ``None``."""
+    if args.steps < 1:
+        return f"--steps {args.steps} must be >= 1, e.g. --steps 20"
+    if not (math.isfinite(args.max_norm) and args.max_norm > 0):
+        return f"--max-norm {args.max_norm} must be a finite number > 0, e.g. --max-norm 1.0"
+    if args.max_skip_rate is not None and not 0.0 <= args.max_skip_rate <= 1.0:
+        return f"--max-skip-rate {args.max_skip_rate} must be in [0, 1], e.g. --max-skip-rate 0.2"
+    return None
+
+
+def _open_csv(path: str) -> StepCSVWriter | str:
+    """A fresh steps CSV at ``path`` (a previous demo CSV there is replaced), or the one-line error."""
+    p = Path(path)
+    try:
+        if p.is_file() and p.stat().st_size:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                header = f.readline().strip().split(",")
+            if tuple(header[:len(CANONICAL_COLUMNS)]) != CANONICAL_COLUMNS:
+                return f"--csv {path} exists and is not a clipamp steps CSV: pass a new path"
+            p.unlink()
+        return StepCSVWriter(p)
+    except OSError as e:
+        return f"--csv {path}: cannot write there ({e.strerror or type(e).__name__}): pass a path in a writable folder"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = _check(args)
+    writer = _open_csv(args.csv) if args.csv and problem is None else None
+    if isinstance(writer, str):
+        problem, writer = writer, None
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     model = torch.nn.Linear(16, 1)
     true_w = torch.randn(16, 1)
@@ -54,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         skip_monitor=SkipRateMonitor(fail_window=fail_window, fail_above=args.max_skip_rate))
     pending = {}
     model.weight.register_hook(lambda g: g + pending.pop("inf") if "inf" in pending else g)
-    writer = StepCSVWriter(args.csv) if args.csv else None
     try:
         for step in range(1, args.steps + 1):
             x = torch.randn(32, 16)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also save the table as CSV (or .md for markdown)")
     args = ap.parse_args(argv)
     try:
+        if args.out:
+            check_out(args.out)
         client = open_client(resolve_uri(args.tracking_uri))
         df = runs_table(client, args.experiment)
         sweeps = sweeps_tables(client, args.experiment)
@@ -114,6 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         save(args.out, df, sweeps)
     return 0
+
+
+def check_out(out: str) -> None:
+    """Before anything is printed: ``out``'s folder exists (created if missing) and is writable."""
+    folder = Path(out).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create {folder}/ ({e.strerror}): pass a path in a writable folder") from None
+    if Path(out).is_dir() or not os.access(folder, os.W_OK):
+        raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 
 
 def save(out: str, df: pd.DataFrame, sweeps: list) -> None:
