@@ -57,7 +57,13 @@ def main(cfg: DictConfig) -> None:
     except RunInterrupted as e:
         if rank_from_env() != 0:
             sys.exit(130)
-        if cfg.get("run") == "sweep":
+        if e.finished is not None:
+            print(f"interrupted ({e}) during the end-of-run phase: " + (
+                "it completed first; the run ended FINISHED with its summary and artifacts" if e.finished else
+                "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
+                "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"),
+                file=sys.stderr)
+        elif cfg.get("run") == "sweep":
             print(f"interrupted ({e}): the trial ended KILLED; re-run the same command to resume the study",
                   file=sys.stderr)
         else:

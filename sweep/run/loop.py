@@ -50,11 +50,13 @@ class StopRun(Exception):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """The loop stopped at a step boundary on SIGINT/SIGTERM (after writing a checkpoint)."""
+    """SIGINT/SIGTERM ended a run. ``finished`` says where: ``None``, at a step boundary of the loop
+    (after writing a checkpoint); ``True``, in the end-of-run phase, which completed first (the run
+    ended FINISHED); ``False``, in the end-of-run phase, cut short by a second signal (KILLED)."""
 
-    def __init__(self, signum: int, step: int) -> None:
+    def __init__(self, signum: int, step: int, finished: bool | None = None) -> None:
         super().__init__(f"{signal.Signals(signum).name} at step {step}")
-        self.signum, self.step = signum, step
+        self.signum, self.step, self.finished = signum, step, finished
 
 
 class StopRequest:
@@ -90,6 +92,14 @@ class StopRequest:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def pass_on(self) -> bool:
+        """Hand a stop this request did not act on to an enclosing ``StopRequest`` (a sweep's); False if none."""
+        outer = getattr(self._previous.get(signal.SIGINT), "__self__", None)
+        if self.signum is None or not isinstance(outer, StopRequest):
+            return False
+        outer.signum = outer.signum or self.signum
+        return True
 
 
 def progress_bar(enabled: bool, label: str = "{task.description}", console: Any = None) -> Progress:
@@ -147,6 +157,8 @@ def run_steps(
             pending.append((phase_of(step), batch.data_source, state.scaler.at_floor))
             emit(logs)
             signum = stop.requested() if stop is not None else None  # agreed by every rank under torchrun
+            if step == steps[-1]:
+                signum = None  # a stop at the last step is left to the caller: the run has nothing left to resume
             if checkpoint is not None and (signum is not None or checkpoint_every and step % checkpoint_every == 0):
                 emit(state.flush())
                 checkpoint(step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from sweep.run.checkpoint import (checkpoint_path, load_checkpoint, load_resumab
                                   restore_run_checkpoint, save_run_checkpoint)
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
-from sweep.run.loop import APP_COLUMNS, RunRecords, StopRequest, StopRun, run_steps
+from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
 from sweep.run.tracking import RunTracker, SilentTracker, Store, param_text, redact_text
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 
@@ -78,7 +79,9 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     checkpoint is written; the run then ends KILLED. ``cfg.resume`` (``true`` or a run id)
     continues such a run from its checkpoint, appending to the same ``steps.csv`` and MLflow run.
     The CSV keeps every completed step. Under torchrun (``launch``) every rank trains its share
-    of each batch and rank 0 alone records.
+    of each batch and rank 0 alone records. A signal in the end-of-run phase (eval, artifacts, plots)
+    waits for it: the run ends FINISHED, then ``RunInterrupted(finished=True)`` (or, inside a sweep,
+    the sweep stops before its next trial); a second signal cuts it short and the run ends KILLED.
     """
     hooks = hooks or RunHooks()
     launch = launch or Launch()
@@ -86,24 +89,31 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     task = spec.task or build_task(cfg.model, cfg.data, seed=cfg.seed, device=cfg.device)
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device),
                                train_batches=launch.share(task.train_batches))
-    tracker, ckpt = open_run_on_ranks(cfg, store, spec, task, launch)
-    status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
-    try:
-        run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
-        status = "FAILED"
+    with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
+        tracker, ckpt = open_run_on_ranks(cfg, store, spec, task, launch)
+        status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
         try:
-            run.loop()
-        except KeyboardInterrupt:
-            status = "KILLED"
-            raise
-        except StopRun as e:
-            status = e.status
-            raise
-        result = run.finish()
-        status = "FINISHED"
-        return result
-    finally:
-        tracker.end(status)
+            run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
+            status = "FAILED"
+            try:
+                run.loop(stop)
+            except KeyboardInterrupt:
+                status = "KILLED"
+                raise
+            except StopRun as e:
+                status = e.status
+                raise
+            try:
+                result = run.finish()  # a first signal here waits for it; a second one cuts it short
+            except KeyboardInterrupt:
+                status = "KILLED"
+                raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
+            status = "FINISHED"
+        finally:
+            tracker.end(status)
+    if stop.signum is not None and not stop.pass_on():
+        raise RunInterrupted(stop.signum, cfg.steps, finished=True)
+    return result
 
 
 def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunTracker, dict | None]:
@@ -273,10 +283,10 @@ class _ActiveRun:
     def checkpoint(self, step: int) -> None:
         save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id)
 
-    def loop(self) -> None:
+    def loop(self, stop: StopRequest) -> None:
         cfg, clip = self.cfg, self.state.clip
         phase_of = clip.phase if isinstance(clip, CalibratedClip) else (lambda step: "train")
-        with self.writer, StopRequest(self.launch.any) as stop:
+        with self.writer:
             try:
                 run_steps(self.state, self.batches(), range(self.start_step + 1, cfg.steps + 1), writer=self.writer,
                           tracker=self.tracker, records=self.records, phase_of=phase_of, on_record=self.record,
