@@ -156,6 +156,22 @@ def checkpoint_path(uri: str, run_id: str) -> Path:
     return root / run_id / CHECKPOINT_NAME
 
 
+def lock_run(uri: str, run_id: str):
+    """Hold ``run.lock`` beside the run's checkpoint while it trains: a second process that tries to
+    resume the same run is refused at once instead of writing the same steps twice."""
+    from filelock import FileLock, Timeout
+
+    path = checkpoint_path(uri, run_id).with_name("run.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UserError(f"resume={run_id}: the run is in use by another process (it holds {path}); wait for "
+                        f"it to end, or stop it (Ctrl-C) and resume again") from None
+    return lock
+
+
 def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str) -> str:
     """The run id to resume: ``resume`` itself, or the latest run named ``run_name`` with a checkpoint."""
     if resume.lower() not in ("true", "last"):

@@ -29,8 +29,8 @@ from sweep.errors import UserError
 from sweep.run.build import build_state
 from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.summary import read_rows, summary_metrics, window_metrics
-from sweep.run.checkpoint import (checkpoint_path, load_checkpoint, load_resumable, remove_checkpoint,
-                                  restore_run_checkpoint, save_run_checkpoint)
+from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
+                                  remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
@@ -90,7 +90,7 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device),
                                train_batches=launch.share(task.train_batches))
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
-        tracker, ckpt = open_run_on_ranks(cfg, store, spec, task, launch)
+        tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
         status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
         try:
             run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
@@ -110,48 +110,68 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
                 raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
             status = "FINISHED"
         finally:
-            tracker.end(status)
+            try:
+                tracker.end(status)
+            finally:
+                lock.release()
     if stop.signum is not None and not stop.pass_on():
         raise RunInterrupted(stop.signum, cfg.steps, finished=True)
     return result
 
 
-def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunTracker, dict | None]:
-    """A new MLflow run (its tags and params logged), or the run ``cfg.resume`` names with its checkpoint."""
+def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunTracker, dict | None, Any]:
+    """A new MLflow run (its tags and params logged), or the run ``cfg.resume`` names with its checkpoint;
+    with the run's lock, held until the run ends."""
     flush = cfg.tracking.flush_every
     if cfg.resume:
-        run_id, ckpt = load_resumable(store.client, store.experiment_id, spec.name, store.uri, str(cfg.resume),
-                                      cfg.steps, logged_params(cfg))
-        return RunTracker.reopen(store.client, run_id, flush_every=flush), ckpt
+        run_id = find_resumable(store.client, store.experiment_id, spec.name, store.uri, str(cfg.resume))
+        lock = lock_run(store.uri, run_id)
+        try:
+            run_id, ckpt = load_resumable(store.client, store.experiment_id, spec.name, store.uri, run_id,
+                                          cfg.steps, logged_params(cfg))
+            return RunTracker.reopen(store.client, run_id, flush_every=flush), ckpt, lock
+        except BaseException:
+            lock.release()
+            raise
     tags = {"run": cfg.run or "", "dtype": cfg.amp.dtype, "device": cfg.device, "model": cfg.model.name,
             "data": cfg.data.name, "clip": cfg.clip.mode, "git_commit": git_commit(), "task": task.description,
             **store.tags, **spec.tags}
     tracker = RunTracker(store.client, store.experiment_id, spec.name, tags=tags, parent_run_id=spec.parent_run_id,
                          flush_every=flush)
     try:
+        lock = lock_run(store.uri, tracker.run_id)
         tracker.log_params(flat_params(cfg))
     except BaseException:
         tracker.end("FAILED")
         raise
-    return tracker, None
+    return tracker, None, lock
 
 
 def open_run_on_ranks(cfg: Config, store: Store, spec: RunSpec, task: Task,
-                      launch: Launch) -> tuple[RunTracker | SilentTracker, dict | None]:
-    """``open_run`` on rank 0; the other ranks get its run id (silently) and read the same checkpoint."""
+                      launch: Launch) -> tuple[RunTracker | SilentTracker, dict | None, Any]:
+    """``open_run`` on rank 0 (which holds the run's lock); the other ranks get its run id (silently)
+    and read the same checkpoint."""
     if not launch.distributed:
         return open_run(cfg, store, spec, task)
-    opened: list[tuple[RunTracker, dict | None]] = []
+    opened: list[tuple[RunTracker, dict | None, Any]] = []
 
     def on_main() -> tuple[str, str, bool]:
         opened.append(open_run(cfg, store, spec, task))
-        tracker, ckpt = opened[0]
+        tracker, ckpt, _ = opened[0]
         return tracker.run_id, tracker.run_name, ckpt is not None
 
     run_id, name, resumed = launch.agree(on_main)
     if opened:
         return opened[0]
-    return SilentTracker(run_id, name), load_checkpoint(checkpoint_path(store.uri, run_id)) if resumed else None
+    ckpt = load_checkpoint(checkpoint_path(store.uri, run_id)) if resumed else None
+    return SilentTracker(run_id, name), ckpt, _NoLock()
+
+
+class _NoLock:
+    """Ranks other than 0 hold no run lock (rank 0 holds it for the job)."""
+
+    def release(self) -> None:
+        pass
 
 
 class _NoCSV:

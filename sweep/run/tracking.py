@@ -171,11 +171,13 @@ class RunTracker:
 
     @classmethod
     def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> "RunTracker":
-        """Continue an existing run (resume): mark it RUNNING again, same artifacts."""
+        """Continue an existing run (resume): mark it RUNNING again, same artifacts. Steps whose
+        per-step metrics the run already holds (logged before it was killed) are not sent again."""
         self = cls.__new__(cls)
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
         self._init_common(client, run, flush_every)
+        self.logged_through = max((m.step for m in client.get_metric_history(run_id, "lr")), default=0)
         return self
 
     def _init_common(self, client, run, flush_every: int) -> None:
@@ -184,6 +186,7 @@ class RunTracker:
         self.flush_every = flush_every
         self._buffer: list = []
         self._steps_buffered = 0
+        self.logged_through = 0  # per-step metrics of steps up to this one are in the run already
         uri = run.info.artifact_uri
         if uri.startswith("file:"):
             self.artifact_dir = Path(urlsplit(uri).path)
@@ -206,6 +209,8 @@ class RunTracker:
 
     def add_step(self, step: int, metrics: dict[str, float | None]) -> None:
         """Buffer one step's metrics (non-finite and None dropped); flush every ``flush_every`` steps."""
+        if step <= self.logged_through:
+            return
         self._buffer.extend(metric_batch(metrics, step))
         self._steps_buffered += 1
         if self._steps_buffered >= self.flush_every:
