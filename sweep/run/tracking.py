@@ -177,6 +177,11 @@ class RunTracker:
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
         self._init_common(client, run, flush_every)
+        if self._upload:  # a remote store: continue the steps.csv the run uploaded when it was stopped
+            try:
+                client.download_artifacts(run_id, "steps.csv", str(self.artifact_dir))
+            except Exception:  # none uploaded: the resume's row check refuses with one line
+                pass
         self.logged_through = max((m.step for m in client.get_metric_history(run_id, "lr")), default=0)
         return self
 
