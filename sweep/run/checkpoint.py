@@ -172,6 +172,18 @@ def lock_run(uri: str, run_id: str):
     return lock
 
 
+def release_run(lock, finished: bool) -> None:
+    """Release a run's lock; a finished run (nothing left to resume) also drops the file and its empty folder."""
+    lock.release()
+    if finished:
+        path = Path(lock.lock_file)
+        path.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()
+        except OSError:  # not empty (another file kept there) or gone
+            pass
+
+
 def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str) -> str:
     """The run id to resume: ``resume`` itself, or the latest run named ``run_name`` with a checkpoint."""
     if resume.lower() not in ("true", "last"):

@@ -30,7 +30,7 @@ from sweep.run.build import build_state
 from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.summary import read_rows, summary_metrics, window_metrics
 from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
-                                  remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
+                                  release_run, remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
@@ -113,7 +113,8 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
             try:
                 tracker.end(status)
             finally:
-                lock.release()
+                if lock is not None:
+                    release_run(lock, finished=status == "FINISHED")
     if stop.signum is not None and not stop.pass_on():
         raise RunInterrupted(stop.signum, cfg.steps, finished=True)
     return result
@@ -138,17 +139,20 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
             **store.tags, **spec.tags}
     tracker = RunTracker(store.client, store.experiment_id, spec.name, tags=tags, parent_run_id=spec.parent_run_id,
                          flush_every=flush)
+    lock = None
     try:
         lock = lock_run(store.uri, tracker.run_id)
         tracker.log_params(flat_params(cfg))
     except BaseException:
         tracker.end("FAILED")
+        if lock is not None:
+            lock.release()
         raise
     return tracker, None, lock
 
 
 def open_run_on_ranks(cfg: Config, store: Store, spec: RunSpec, task: Task,
-                      launch: Launch) -> tuple[RunTracker | SilentTracker, dict | None, Any]:
+                      launch: Launch) -> tuple[RunTracker | SilentTracker, dict | None, Any | None]:
     """``open_run`` on rank 0 (which holds the run's lock); the other ranks get its run id (silently)
     and read the same checkpoint."""
     if not launch.distributed:
@@ -164,14 +168,7 @@ def open_run_on_ranks(cfg: Config, store: Store, spec: RunSpec, task: Task,
     if opened:
         return opened[0]
     ckpt = load_checkpoint(checkpoint_path(store.uri, run_id)) if resumed else None
-    return SilentTracker(run_id, name), ckpt, _NoLock()
-
-
-class _NoLock:
-    """Ranks other than 0 hold no run lock (rank 0 holds it for the job)."""
-
-    def release(self) -> None:
-        pass
+    return SilentTracker(run_id, name), ckpt, None  # rank 0 holds the run's lock for the job
 
 
 class _NoCSV:

@@ -132,3 +132,4 @@ def test_steps_may_extend_and_the_resume_finishes(killed):
     steps = [int(l.split(",", 1)[0]) for l in csv.read_text().splitlines()[1:]]
     assert steps == list(range(1, rows + 4))
     assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED" and not ckpt.exists()
+    assert not ckpt.parent.exists()  # the lock file of a finished run is removed with its folder
