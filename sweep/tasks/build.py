@@ -165,16 +165,31 @@ def freeze(model: nn.Module, m: ModelConfig) -> None:
         raise UserError("model.freeze/model.train_only leave no parameter to train: loosen the patterns")
 
 
-def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.device = "cpu") -> Task:
-    """Build the model (initialised from ``seed``), its loss and seeded train/eval batches."""
-    model_cfg, data_cfg = _as(ModelConfig, model_cfg), _as(DataConfig, data_cfg)
-    mname, dname = model_cfg.name, data_cfg.name
+def _check_names(mname: str, dname: str) -> None:
+    """The model and data choices exist and fit together (``hf`` data only for ``model=hf``)."""
     if mname not in MODEL_NAMES:
         raise UserError(f"model.name={mname!r} is not one of {', '.join(MODEL_NAMES)}: "
                         "pass model=gpt (or lstm, linear, custom, hf)")
     if dname not in DATA_NAMES:
         raise UserError(f"data.name={dname!r} is not one of {', '.join(DATA_NAMES)}: "
                         "pass data=stdlib (or text, synthetic, hf)")
+    if mname == "hf":
+        return
+    if dname == "hf":
+        raise UserError(f"data=hf is tokenized text for model=hf, got model.name={mname!r}: pass model=hf, or "
+                        "data=text data.path=FILE for a byte-level model")
+    if mname == "linear" and dname != "synthetic":
+        raise UserError(f"model=linear needs data=synthetic, got data.name={dname!r}: pass data=synthetic")
+    if mname in ("gpt", "lstm") and dname == "synthetic":
+        raise UserError(f"model={mname} needs byte data, got data.name='synthetic': "
+                        "pass data=stdlib (or data=text data.path=FILE)")
+
+
+def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.device = "cpu") -> Task:
+    """Build the model (initialised from ``seed``), its loss and seeded train/eval batches."""
+    model_cfg, data_cfg = _as(ModelConfig, model_cfg), _as(DataConfig, data_cfg)
+    mname, dname = model_cfg.name, data_cfg.name
+    _check_names(mname, dname)
     _check_data_cfg(data_cfg)
     if mname == "hf":
         from .hf import hf_task
@@ -185,14 +200,6 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         freeze(model, model_cfg)
         return Task(model, lm_loss, (Batch(*b) for b in train), [Batch(*b) for b in evals],
                     f"hf {describe(model)} {about}")
-    if dname == "hf":
-        raise UserError(f"data=hf is tokenized text for model=hf, got model.name={mname!r}: pass model=hf, or "
-                        "data=text data.path=FILE for a byte-level model")
-    if mname == "linear" and dname != "synthetic":
-        raise UserError(f"model=linear needs data=synthetic, got data.name={dname!r}: pass data=synthetic")
-    if mname in ("gpt", "lstm") and dname == "synthetic":
-        raise UserError(f"model={mname} needs byte data, got data.name='synthetic': "
-                        "pass data=stdlib (or data=text data.path=FILE)")
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
