@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from sweep.config.schema import register
 from sweep.errors import UserError, fail
 from sweep.run.loop import RunInterrupted
-from sweep.run.tracking import redact_text
+from sweep.secrets import hide_argv, redact_text
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 register()
@@ -87,6 +87,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
+    sys.argv[1:] = hide_argv(sys.argv[1:])  # before Hydra can write or echo a password
     precheck(sys.argv[1:])
     main()
 

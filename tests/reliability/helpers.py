@@ -1,0 +1,35 @@
+"""What every reliability test asserts about a failed invocation, and process plumbing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.app.helpers import REPO
+
+
+def assert_one_line_error(res, *fragments: str, status: int = 2) -> str:
+    """Exit ``status``, no traceback, one ``error:`` line on stderr naming each of ``fragments``."""
+    err = res.stderr if isinstance(res.stderr, str) else res.stderr.decode()
+    assert res.returncode == status, (res.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-2000:]
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    return lines[0]
+
+
+def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """``python -m sweep ARGS`` in ``cwd`` with this tree's code, not waited for."""
+    full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    full.update({"PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=cwd, env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
