@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from math import isfinite
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from sweep.errors import UserError
+from sweep.run.store import DEFAULT_URI, open_client, sqlite_path  # noqa: F401  (re-exported)
+from sweep.secrets import redact, redact_text  # noqa: F401  (re-exported: callers import them from here)
 
-DEFAULT_URI = "sqlite:///mlruns/mlflow.db"
-SUPPORTED_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 # Fail fast instead of MLflow's default minutes of HTTP retries against a dead server.
@@ -30,69 +28,18 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
-def redact(uri: str) -> str:
-    """``scheme://user:secret@host/db`` → ``scheme://user:***@host/db`` (anything else unchanged)."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def redact_text(text: str) -> str:
-    """Redact every ``scheme://user:secret@`` in free text (error messages, reports)."""
-    return re.sub(r"(\w[\w+.-]*://[^:/@\s]+):[^@/\s]+@", r"\1:***@", text)
-
-
 def resolve_uri(uri: str | None) -> str:
     """Explicit ``tracking.uri`` > ``$MLFLOW_TRACKING_URI`` > the embedded sqlite store."""
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
-def sqlite_path(uri: str) -> Path | None:
-    if not uri.startswith("sqlite:///"):
-        return None
-    return Path(uri[len("sqlite:///"):])
-
-
-def check_uri(uri: str) -> None:
-    """Refuse unsupported, unwritable or unreachable stores with one actionable line."""
-    scheme = urlsplit(uri).scheme.split("+")[0]
-    if scheme not in SUPPORTED_SCHEMES:
-        raise UserError(
-            f"tracking.uri={redact(uri)!r} is not supported (scheme {scheme or 'none'!r}); use "
-            f"{DEFAULT_URI}, postgresql://…, or http://127.0.0.1:5000 for an `mlflow server`")
-    db = sqlite_path(uri)
-    if db is not None:
-        try:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"tracking.uri={uri!r}: cannot create {db.parent}/ ({e.strerror}); "
-                            f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db") from None
-        if not os.access(db.parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
-            raise UserError(f"tracking.uri={uri!r}: {db.parent}/ is not writable; "
-                            f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db")
-    if scheme in ("http", "https"):
-        try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=3).read()
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise UserError(
-                f"tracking.uri={redact(uri)!r} is unreachable ({reason}); start "
-                f"`mlflow server --host 127.0.0.1 --port PORT` or drop tracking.uri to use {DEFAULT_URI}") from None
-
-
-def open_client(uri: str):
-    """An ``MlflowClient`` on ``uri``, creating a sqlite store (and its folder) once."""
-    check_uri(uri)
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
 def ensure_experiment(client, name: str, uri: str) -> str:
     """Experiment id for ``name``; a new one on sqlite keeps artifacts beside the database."""
     exp = client.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise UserError(f"tracking.experiment={name!r} was deleted (experiment id {exp.experiment_id}); restore it "
+                        f"with `MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id "
+                        f"{exp.experiment_id}` or pass tracking.experiment=ANOTHER_NAME")
     if exp is not None:
         return exp.experiment_id
     db = sqlite_path(uri)
@@ -146,6 +93,8 @@ class Store:
     def open(cls, uri: str | None, experiment: str, overrides: list[str] | None = None) -> "Store":
         """Resolve ``uri`` (see ``resolve_uri``), check it, create the experiment if needed."""
         uri = resolve_uri(uri)
+        if not experiment.strip():
+            raise UserError(f"tracking.experiment={experiment!r} is empty; pass a name, e.g. tracking.experiment=clipamp")
         client = open_client(uri)
         tags = {"overrides": redact_text(" ".join(overrides or [])), "tracking_uri": redact(uri)}
         return cls(client, ensure_experiment(client, experiment, uri), uri, tags)
@@ -186,6 +135,8 @@ class RunTracker:
         return self
 
     def _init_common(self, client, run, flush_every: int) -> None:
+        from mlflow.utils.file_utils import local_file_uri_to_path
+
         self.client = client
         self.run_id, self.run_name = run.info.run_id, run.info.run_name
         self.flush_every = flush_every
@@ -194,7 +145,7 @@ class RunTracker:
         self.logged_through = 0  # per-step metrics of steps up to this one are in the run already
         uri = run.info.artifact_uri
         if uri.startswith("file:"):
-            self.artifact_dir = Path(urlsplit(uri).path)
+            self.artifact_dir = Path(local_file_uri_to_path(uri))  # %20 → space, %C3%BC → ü
             self._upload = False
         else:
             self.artifact_dir = Path(tempfile.mkdtemp(prefix="clipamp-artifacts-"))
@@ -245,6 +196,7 @@ class RunTracker:
             self.flush()
             if self._upload:
                 self.client.log_artifacts(self.run_id, str(self.artifact_dir))
+                shutil.rmtree(self.artifact_dir, ignore_errors=True)  # uploaded: the temporary copy goes
         finally:
             self.client.set_terminated(self.run_id, status=status)
 

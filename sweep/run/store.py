@@ -1,0 +1,179 @@
+"""Opening the tracking store: the one path every run takes before MLflow touches it.
+
+A sqlite store is inspected with the standard library first (MLflow would retry a junk file for
+minutes, or add its tables to any database it is pointed at), created atomically under a file lock
+(MLflow's first migration takes seconds; two processes racing in it, or a kill during it, used to
+leave the store broken for good), and a store MLflow cannot use is refused with the command that
+repairs it. An HTTP store must answer like an MLflow server; ``user:password@`` in its URL becomes
+MLflow's basic-auth credentials.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import urllib.error
+import urllib.request
+from base64 import b64encode
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from filelock import FileLock, Timeout
+
+from sweep.errors import UserError
+from sweep.secrets import redact
+
+DEFAULT_URI = "sqlite:///mlruns/mlflow.db"
+SUPPORTED_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+LOCK_TIMEOUT_S = 300  # another process creating the store holds the lock for 5–10 s
+_FIX_URI = f"pass tracking.uri={DEFAULT_URI} (or another sqlite:///DIR/mlflow.db)"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+def check_uri(uri: str) -> str:
+    """Refuse an unsupported, unwritable, broken or unreachable store with one actionable line.
+
+    Returns the URI to hand to MLflow (an HTTP URL without its ``user:password@``).
+    """
+    scheme = urlsplit(uri).scheme.split("+")[0]
+    if scheme not in SUPPORTED_SCHEMES:
+        raise UserError(
+            f"tracking.uri={redact(uri)!r} is not supported (scheme {scheme or 'none'!r}); use "
+            f"{DEFAULT_URI}, postgresql://…, or http://127.0.0.1:5000 for an `mlflow server`")
+    db = sqlite_path(uri)
+    if db is not None:
+        prepare_sqlite(uri, db)
+    if scheme in ("http", "https"):
+        return check_server(uri)
+    return uri
+
+
+def prepare_sqlite(uri: str, db: Path) -> None:
+    """Create the store at ``db`` once (atomically, under ``db.lock``) or check the one there."""
+    if not str(db) or str(db) == ".":
+        raise UserError(f"tracking.uri={uri!r} names no database file; {_FIX_URI}")
+    if db.is_dir():
+        raise UserError(f"tracking.uri={uri!r}: {db} is a directory, not a database file; {_FIX_URI}")
+    if db.exists() and not os.access(db, os.W_OK):
+        raise UserError(f"tracking.uri={uri!r}: {db} is read-only; make it writable (`chmod u+w {db}`) or {_FIX_URI}")
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        open(f"{db}.lock", "a").close()  # FileLock would retry an unwritable folder until its timeout
+        with FileLock(f"{db}.lock", timeout=LOCK_TIMEOUT_S):
+            if not db.exists() or db.stat().st_size == 0:
+                create_store(db)
+            else:
+                verify_store(uri, db)
+    except Timeout:
+        raise UserError(f"tracking.uri={uri!r}: another process has held {db}.lock for {LOCK_TIMEOUT_S} s; "
+                        f"if none is running, delete {db}.lock") from None
+    except OSError as e:
+        raise UserError(f"tracking.uri={uri!r}: cannot write in {db.parent}/ ({e.strerror}); "
+                        f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db") from None
+
+
+def create_store(db: Path) -> None:
+    """Run MLflow's migrations on a temporary file, then rename it into place (a kill leaves no half store)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    for stale in db.parent.glob(f".{db.name}.creating-*"):  # left by a process killed while creating
+        stale.unlink()
+    tmp = db.with_name(f".{db.name}.creating-{os.getpid()}")
+    try:
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", (db.parent.resolve() / "artifacts").as_uri())
+        store.engine.dispose()
+        SqlAlchemyStore._engine_map.pop(f"sqlite:///{tmp}", None)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, db)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _tables(db: Path) -> tuple[set[str], str | None, int | None]:
+    """Table names, alembic revision and run count of the sqlite file ``db`` (read-only)."""
+    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        rev = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None
+        runs = con.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else None
+        return tables, rev[0] if rev else None, runs
+    finally:
+        con.close()
+
+
+def verify_store(uri: str, db: Path) -> None:
+    """Refuse a file that is not a current MLflow store, naming the command that repairs it."""
+    try:
+        tables, rev, runs = _tables(db)
+    except sqlite3.DatabaseError as e:
+        raise UserError(f"tracking.uri={uri!r}: {db} is not an SQLite database ({e}); move it aside "
+                        f"(`mv {db} {db}.bad`) and re-run, or {_FIX_URI}") from None
+    if "experiments" not in tables:
+        what = "an Optuna study database" if "studies" in tables else "not an MLflow store"
+        raise UserError(f"tracking.uri={uri!r}: {db} is {what} (MLflow would add its tables to it); {_FIX_URI}")
+    from mlflow.store.db.utils import _get_latest_schema_revision  # the schema this MLflow expects
+
+    head = _get_latest_schema_revision()
+    if rev == head and not any(t.startswith("_alembic_tmp") for t in tables):
+        return
+    upgrade = f"mlflow db upgrade sqlite:///{db.resolve()}"
+    if not runs:
+        raise UserError(f"tracking store {db} was left half-created (schema {rev}, expected {head}; no runs in "
+                        f"it), e.g. by a process killed while creating it: `mv {db} {db}.broken` and re-run")
+    if not _known_revision(rev):
+        import mlflow
+
+        raise UserError(f"tracking store {db} was written by a newer MLflow (schema {rev} is unknown to MLflow "
+                        f"{mlflow.__version__}): run with that MLflow version, or {_FIX_URI}")
+    raise UserError(f"tracking store {db} has an older MLflow schema ({rev}, expected {head}; {runs} runs): "
+                    f"back it up (`cp {db} {db}.bak`), then run `{upgrade}`")
+
+
+def _known_revision(rev: str | None) -> bool:
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+
+    try:
+        return rev is not None and ScriptDirectory.from_config(_get_alembic_config("")).get_revision(rev) is not None
+    except Exception:  # alembic raises its own errors for unknown ids
+        return False
+
+
+def check_server(uri: str) -> str:
+    """The URL without userinfo (moved into MLflow's basic-auth variables) once it answers like MLflow."""
+    parts = urlsplit(uri)
+    headers = {}
+    if parts.username is not None:
+        user, password = unquote(parts.username), unquote(parts.password or "")
+        os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = user, password
+        headers["Authorization"] = "Basic " + b64encode(f"{user}:{password}".encode()).decode()
+        uri = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    probe = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    shown = redact(urlunsplit(parts))
+    try:
+        body = urllib.request.urlopen(urllib.request.Request(probe, headers=headers), timeout=5).read()
+    except urllib.error.HTTPError as e:
+        raise UserError(f"tracking.uri={shown!r} is not an MLflow tracking server (GET {urlsplit(probe).path} "
+                        f"answered {e.code} {e.reason}); start `mlflow server --host 127.0.0.1 --port PORT` "
+                        f"or drop tracking.uri to use {DEFAULT_URI}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(
+            f"tracking.uri={shown!r} is unreachable ({getattr(e, 'reason', e)}); start "
+            f"`mlflow server --host 127.0.0.1 --port PORT` or drop tracking.uri to use {DEFAULT_URI}") from None
+    if not body.lstrip().startswith(b"{"):
+        raise UserError(f"tracking.uri={shown!r} is not an MLflow tracking server (its API answered with no JSON); "
+                        f"check the port, or drop tracking.uri to use {DEFAULT_URI}")
+    return uri
+
+
+def open_client(uri: str):
+    """An ``MlflowClient`` on ``uri`` once ``check_uri`` accepts it."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=check_uri(uri))

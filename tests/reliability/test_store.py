@@ -1,0 +1,174 @@
+"""Items 2 and 11: one store-opening path. A fresh store survives N processes racing to create it and
+a kill during its creation; a store MLflow cannot use is refused with one line naming the repair."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from sweep.errors import UserError
+from sweep.run.tracking import Store
+
+from tests.app.conftest import store, store_template  # noqa: F401  (fixtures)
+from tests.app.helpers import REPO, TINY
+from tests.reliability.helpers import assert_one_line_error, finish, start_cli
+
+N_PROCESSES, REPETITIONS = 3, 20
+
+
+def _open_and_log(barrier, jobs, results) -> None:
+    """Worker: for each fresh folder, wait for the others, then open the store there and log one run."""
+    for folder in iter(jobs.get, None):
+        barrier.wait()
+        try:
+            s = Store.open(f"sqlite:///{folder}/mlruns/mlflow.db", "clipamp")
+            run = s.client.create_run(s.experiment_id, run_name=f"p{os.getpid()}")
+            s.client.set_terminated(run.info.run_id)
+            results.put("ok")
+        except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
+            results.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.slow
+def test_processes_racing_to_create_a_fresh_store_never_fail(tmp_path):
+    ctx = mp.get_context("spawn")  # fresh interpreters, as separate `python -m sweep` processes are
+    barrier, jobs, results = ctx.Barrier(N_PROCESSES), ctx.Queue(), ctx.Queue()
+    workers = [ctx.Process(target=_open_and_log, args=(barrier, jobs, results)) for _ in range(N_PROCESSES)]
+    for w in workers:
+        w.start()
+    folders = [tmp_path / f"rep{i}" for i in range(REPETITIONS)]
+    for folder in folders:
+        for _ in range(N_PROCESSES):
+            jobs.put(folder)
+    outcomes = [results.get(timeout=300) for _ in range(N_PROCESSES * REPETITIONS)]
+    for _ in workers:
+        jobs.put(None)
+    for w in workers:
+        w.join(timeout=60)
+    assert outcomes == ["ok"] * len(outcomes), [o for o in outcomes if o != "ok"]
+    for folder in folders:  # one store each, holding every process's run
+        client = MlflowClient(f"sqlite:///{folder}/mlruns/mlflow.db")
+        runs = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
+        assert len(runs) == N_PROCESSES and {r.info.status for r in runs} == {"FINISHED"}
+
+
+@pytest.mark.slow
+def test_a_kill_while_creating_the_store_leaves_nothing_half_made(tmp_path):
+    db = tmp_path / "mlruns" / "mlflow.db"
+    code = f"from sweep.run.store import open_client; open_client('sqlite:///{db}')"
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 120
+    while not list(db.parent.glob(".mlflow.db.creating-*")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(db.parent.glob(".mlflow.db.creating-*")), "the migration was not caught in progress"
+    assert not db.exists()
+    s = Store.open(f"sqlite:///{db}", "clipamp")  # the next run creates it and clears the leftover
+    assert s.client.get_experiment(s.experiment_id).name == "clipamp"
+    assert not list(db.parent.glob(".mlflow.db.creating-*"))
+
+
+def _set_revision(db: Path, revision: str, keep_runs: bool) -> None:
+    con = sqlite3.connect(db)
+    con.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+    if not keep_runs:
+        con.execute("DELETE FROM runs")
+    con.commit()
+    con.close()
+
+
+def _with_one_run(uri: str) -> None:
+    client = MlflowClient(uri)
+    client.set_terminated(client.create_run(client.create_experiment("e")).info.run_id)
+
+
+@pytest.mark.parametrize("revision,keep_runs,expected", [
+    ("ffffffffffff", True, "written by a newer MLflow"),
+    ("0a8213491aaa", True, "`mlflow db upgrade sqlite:///"),  # an older revision, with runs: upgrade it
+    ("0a8213491aaa", False, "left half-created"),  # nothing in it: move it aside
+])
+def test_an_unusable_schema_names_the_repair(store, revision, keep_runs, expected):
+    _with_one_run(store)
+    _set_revision(Path(store[len("sqlite:///"):]), revision, keep_runs)
+    with pytest.raises(UserError) as e:
+        Store.open(store, "clipamp")
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def _http_server(root: Path) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return proc, port
+
+
+def _deleted_experiment(store_uri: str) -> None:
+    client = MlflowClient(store_uri)
+    client.delete_experiment(client.create_experiment("clipamp"))
+
+
+@pytest.mark.slow
+def test_store_problems_are_one_line_errors(tmp_path, store_template):
+    """Each broken store at once, through the CLI: exit 2, one line with the fix, no traceback, store untouched."""
+    import optuna
+
+    cases = {  # name → (args, expected fragments)
+        "junk": ([], ["is not an SQLite database", "mv "]),
+        "text": ([], ["is not an SQLite database", "mv "]),
+        "dir": ([], ["is a directory"]),
+        "newer": ([], ["newer MLflow"]),
+        "optuna": (["tracking.uri=sqlite:///mlruns/optuna.db"], ["Optuna study database"]),
+        "empty_path": (["tracking.uri=sqlite:///"], ["names no database file"]),
+        "proc": (["tracking.uri=sqlite:////proc/nope.db"], ["cannot write in /proc/"]),
+        "no_name": (["tracking.experiment=''"], ["tracking.experiment='' is empty"]),
+        "deleted": ([], ["was deleted", "mlflow experiments restore --experiment-id"]),
+        "web": ([], ["is not an MLflow tracking server"]),
+    }
+    dirs = {name: tmp_path / name for name in cases}
+    for d in dirs.values():
+        (d / "mlruns").mkdir(parents=True)
+    db = {name: d / "mlruns" / "mlflow.db" for name, d in dirs.items()}
+    db["junk"].write_bytes(os.urandom(8192))
+    db["text"].write_text("not a database\n")
+    db["dir"].mkdir()
+    for name in ("newer", "deleted"):
+        shutil.copyfile(store_template, db[name])
+    _with_one_run(f"sqlite:///{db['newer']}")
+    _set_revision(db["newer"], "ffffffffffff", keep_runs=True)
+    _deleted_experiment(f"sqlite:///{db['deleted']}")
+    optuna.create_study(storage=f"sqlite:///{dirs['optuna']}/mlruns/optuna.db", study_name="s")
+    web, port = _http_server(dirs["web"])
+    cases["web"][0].append(f"tracking.uri=http://127.0.0.1:{port}")
+    try:
+        procs = {name: start_cli("+experiment=train", *TINY, "steps=2", *args, cwd=dirs[name])
+                 for name, (args, _) in cases.items()}
+        results = {name: finish(p) for name, p in procs.items()}
+    finally:
+        web.terminate()
+        web.wait()
+    for name, (_, fragments) in cases.items():
+        assert_one_line_error(results[name], *fragments)
+    con = sqlite3.connect(dirs["optuna"] / "mlruns" / "optuna.db")  # MLflow added no table to it
+    assert "experiments" not in {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+    client = MlflowClient(f"sqlite:///{db['deleted']}")
+    assert client.search_runs([client.get_experiment_by_name("clipamp").experiment_id], run_view_type=3) == []
