@@ -116,7 +116,12 @@ class RunTracker:
         if parent_run_id:
             tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
         run = client.create_run(experiment_id, run_name=run_name, tags=tags)
-        self._init_common(client, run, flush_every)
+        try:
+            self._init_common(client, run, flush_every)
+        except OSError as e:  # an unwritable artifact folder: the new run must not stay RUNNING
+            client.set_terminated(run.info.run_id, status="FAILED")
+            raise UserError(f"cannot write the run's artifacts in {e.filename} ({e.strerror}); make it writable "
+                            f"or pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db") from None
 
     @classmethod
     def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> "RunTracker":
