@@ -142,3 +142,15 @@ class StepForensics:
             out["zero_grad_count"] = int(values["zero_grad_count"][0])
         self._pending = {}
         return out
+
+
+class NoForensics:
+    """Forensics off: no snapshots, no extra columns."""
+
+    columns: tuple[str, ...] = ()
+
+    def before_step(self, params, grads, optimizer) -> None:
+        pass
+
+    def after_step(self, params, optimizer) -> dict[str, Any]:
+        return {}

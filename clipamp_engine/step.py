@@ -25,8 +25,10 @@ from torch import nn
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
+from .forensics import NoForensics
 from .fused import (DeviceLambdaLR, RecordBuffer, fused_optimizer_step, fused_path_refusal, global_coefficient,
                     is_fusable)
+from .micro_batches import batch_size as _batch_size, split as _split
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
 from .records import SkipLog, StepLog
@@ -53,38 +55,6 @@ def _model_device_type(model: nn.Module) -> str:
     if len(types) != 1:
         raise ValueError(f"model parameters live on {sorted(types) or 'no device'}: expected exactly one device type")
     return types.pop()
-
-
-def _split(batch: Any, k: int) -> list[Any]:
-    if isinstance(batch, torch.Tensor):
-        return list(torch.tensor_split(batch, k))
-    if isinstance(batch, (tuple, list)):
-        parts = [_split(b, k) for b in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(k)]
-    if isinstance(batch, dict):
-        parts = {key: _split(v, k) for key, v in batch.items()}
-        return [{key: v[i] for key, v in parts.items()} for i in range(k)]
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, (tuple, list)):
-        return _batch_size(batch[0])
-    return _batch_size(next(iter(batch.values())))
-
-
-class _NoForensics:
-    """Forensics off: no snapshots, no extra columns."""
-
-    columns: tuple[str, ...] = ()
-
-    def before_step(self, params, grads, optimizer) -> None:
-        pass
-
-    def after_step(self, params, optimizer) -> dict[str, Any]:
-        return {}
 
 
 class AmpTrainState:
@@ -172,7 +142,7 @@ class AmpTrainState:
             backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=dtype == "fp16")
         self.skip_monitor = skip_monitor if skip_monitor is not None else SkipRateMonitor()
         self.clip_monitor = ClipRatioMonitor(clip_window)
-        self.forensics = forensics if forensics is not None else _NoForensics()
+        self.forensics = forensics if forensics is not None else NoForensics()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.step_count = 0  # optimizer steps attempted (taken + skipped)
         self._init_pipeline(fused, log_every, forensics is not None)
