@@ -85,7 +85,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available on this machine"),
     (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
     (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
-    (["+experiment=calibrate", "tracking.uri=sqlite:///BLOCKED/mlruns/mlflow.db"], "cannot create"),
+    (["+experiment=calibrate", "tracking.uri=sqlite:///BLOCKED/mlruns/mlflow.db"], "cannot write in"),
 ]
 
 
