@@ -4,6 +4,7 @@ alone (``CalibratedClip.state_dict``; no CSV replay) and ends exactly where an u
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -37,7 +38,8 @@ def test_resumed_calibrate_run_equals_an_uninterrupted_one(store):
     with pytest.raises(KeyboardInterrupt):
         run_training(calibrated(cfg), s, RunSpec(name), RunHooks(step=_kill_after(17), announce=lambda m: None))
     resumed = run_single(dataclasses.replace(cfg, resume="true"), s)
-    fresh = run_single(cfg, dataclasses.replace(s, experiment_id=s.client.create_experiment("fresh")))
+    local = (Path(store.removeprefix("sqlite:///")).parent / "fresh").as_uri()  # a local artifact folder, like the store's
+    fresh = run_single(cfg, dataclasses.replace(s, experiment_id=s.client.create_experiment("fresh", local)))
     a, b = pd.read_csv(resumed.csv_path), pd.read_csv(fresh.csv_path)
     assert a["step"].tolist() == list(range(1, 25))
     for col in ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "max_norm", "phase"):
