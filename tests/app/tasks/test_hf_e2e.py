@@ -27,7 +27,7 @@ HF_TINY = ["data.vocab_size=300", "data.seq_len=32", "data.batch_size=8", "data.
 def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     r = run_cli("+experiment=calibrate", "model=hf_llama", "data=hf", f"data.files={corpus}",
-                "data.source_field=source", "steps=24", "calibrate.window=12", *HF_TINY, cwd=tmp_path)
+                "data.source_field=source", "steps=24", "calibrate.window=12", "calibrate.start=0", "calibrate.quantile=0.95", *HF_TINY, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
@@ -66,7 +66,7 @@ def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
     frozen_rx = ["embed_tokens", r"layers\.0\."]
     cfg = compose_cfg("+experiment=calibrate", "model=hf", f"model.pretrained={tmp_path / 'model'}",
                       f"model.freeze=[{','.join(frozen_rx)}]", "data=hf", f"data.files={corpus}",
-                      "data.packing=false", "amp.dtype=fp32", "steps=12", "calibrate.window=6",
+                      "data.packing=false", "amp.dtype=fp32", "steps=12", "calibrate.window=6", "calibrate.start=0", "calibrate.quantile=0.95",
                       "forensics.top_k=100", "forensics.zero_grads=true", "forensics.param_norm=true",
                       f"tracking.uri={store}", *HF_TINY)
     task = build_task(cfg.model, cfg.data, seed=cfg.seed)
