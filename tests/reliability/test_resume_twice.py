@@ -36,16 +36,18 @@ def _rows(csv: Path) -> list[int]:
     return [int(l.split(",", 1)[0]) for l in text[: text.rfind("\n") + 1].splitlines()[1:]]
 
 
-def _wait(csv: Path, n: int) -> None:
+def _wait(csv: Path, n: int, *, between_checkpoints: int = 0) -> None:
+    """Until `csv` has `n` rows; with `between_checkpoints=k`, also until its last step is 2 or 3
+    past a multiple of k, so a kill that follows lands after a checkpoint, not on one."""
     deadline = time.time() + 240
-    while len(_rows(csv)) < n:
+    while len(rows := _rows(csv)) < n or (between_checkpoints and rows[-1] % between_checkpoints not in (2, 3)):
         assert time.time() < deadline, f"{csv} did not reach {n} rows"
-        time.sleep(0.05)
+        time.sleep(0.005)
 
 
 def test_second_resume_is_refused_and_history_has_no_duplicates(tmp_path, store):
     first, csv = _start(tmp_path, "steps=100000", "checkpoint_every=5")
-    _wait(csv, 13)
+    _wait(csv, 13, between_checkpoints=5)
     first.kill()  # SIGKILL: rows and metrics past the checkpoint at step 10 or more were already sent
     first.wait(timeout=60)
     killed_at = _rows(csv)[-1]
