@@ -52,6 +52,7 @@ def test_a_fitting_custom_model_trains_unchanged():
     assert torch.equal(next(a.train_batches).inputs, next(b.train_batches).inputs)
 
 
+@pytest.mark.slow  # a `python -m sweep` subprocess: seconds of imports
 def test_cli_wrong_output_exit_2_and_no_run(tmp_path, store):
     p = run_cli("+experiment=train", "model=custom", "data=synthetic", "model._target_=torch.nn.GRU",
                 "+model.kwargs.input_size=16", "+model.kwargs.hidden_size=1", "steps=2", *TINY, cwd=tmp_path)

@@ -48,6 +48,7 @@ def test_csv_that_is_not_a_steps_csv_is_kept(tmp_path, capsys):
     assert path.read_text() == "a,b\n1,2\n"
 
 
+@pytest.mark.slow  # a `python -m sweep` subprocess: seconds of imports
 def test_report_out_into_a_missing_folder(tmp_path, store):
     """The folder is created; an impossible one fails before anything is printed."""
     from mlflow import MlflowClient

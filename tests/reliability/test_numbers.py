@@ -39,6 +39,7 @@ def test_shipped_defaults_pass(experiment):
     validate(compose_cfg(f"+experiment={experiment}"))
 
 
+@pytest.mark.slow  # a `python -m sweep` subprocess: seconds of imports
 def test_cli_refuses_negative_min_lr_ratio_before_any_run(tmp_path):
     """Exit 2, one line, and no store or run created: a negative LR would have trained by gradient ascent."""
     p = run_cli("+experiment=train", "optim.min_lr_ratio=-1", "steps=2", cwd=tmp_path)
