@@ -5,13 +5,20 @@ from __future__ import annotations
 from rich.console import Console
 
 from sweep.config import Config, validate
-from sweep.experiments.spike.experiment import run_spike
-from sweep.experiments.study.sweep import run_sweep
 from sweep.experiments.training import run_single
 from sweep.run import launch as ranks
 from sweep.run.tracking import Store
 
-EXPERIMENTS = {"calibrate": run_single, "train": run_single, "sweep": run_sweep, "spike": run_spike}
+
+def experiment(name: str):
+    """The entry point of ``+experiment=name``; the sweep (Optuna) and the spike are imported only when run."""
+    if name == "sweep":
+        from sweep.experiments.study.sweep import run_sweep
+        return run_sweep
+    if name == "spike":
+        from sweep.experiments.spike.experiment import run_spike
+        return run_spike
+    return run_single
 
 
 def run(cfg: Config, overrides: list[str] | None = None) -> object:
@@ -22,7 +29,7 @@ def run(cfg: Config, overrides: list[str] | None = None) -> object:
         store = open_store(cfg, overrides, launch)
         if launch.distributed:
             return run_single(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
-        return EXPERIMENTS[cfg.run](cfg, store, Console(soft_wrap=True))
+        return experiment(cfg.run)(cfg, store, Console(soft_wrap=True))
     finally:
         launch.close()
 

@@ -291,6 +291,7 @@ class Config:
     accumulation_steps: int = 1
     eval_every: int = 0  # 0: evaluate at the end only
     progress: bool = True
+    progress_every: int = 50  # outside a terminal (nohup, CI, Slurm): one plain progress line every N steps
     checkpoint_every: int = 100  # also written at the step boundary after SIGINT/SIGTERM
     resume: Optional[str] = None  # true: the latest run of this name with a checkpoint; or a run id
     model: ModelConfig = field(default_factory=ModelConfig)

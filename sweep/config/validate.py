@@ -100,6 +100,8 @@ def check_numbers(cfg: Config) -> None:
     if not a.min_scale <= a.init_scale <= a.max_scale:
         raise UserError(f"amp.init_scale={a.init_scale} must be in [amp.min_scale={a.min_scale}, "
                         f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={a.max_scale if a.init_scale > a.max_scale else a.min_scale}")
+    if cfg.progress_every < 1:
+        raise UserError(f"progress_every={cfg.progress_every} must be >= 1 (steps between plain progress lines)")
     m = cfg.model
     for key in ("d_model", "n_layer", "n_head", "block_size", "hidden", "in_features", "out_features"):
         if getattr(m, key) < 1:

@@ -124,7 +124,7 @@ def remove_checkpoint(path: Path) -> None:
 #: Keys a resume may change: they extend the run or change only how it is shown and tracked.
 #: Anything else (clip, amp, seed, model, optim, data, forensics, faults, calibrate, device) changes
 #: the maths of the remaining steps, so a resume that changes it is refused.
-RESUME_MAY_CHANGE = ("steps", "resume", "progress", "checkpoint_every", "eval_every", "tracking.", "study.",
+RESUME_MAY_CHANGE = ("steps", "resume", "progress", "progress_every", "checkpoint_every", "eval_every", "tracking.", "study.",
                      "spike.")
 
 

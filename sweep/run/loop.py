@@ -102,10 +102,41 @@ class StopRequest:
         return True
 
 
-def progress_bar(enabled: bool, label: str = "{task.description}", console: Any = None) -> Progress:
-    """The app's one progress display: label, bar, n/total, elapsed, and an ``info`` field per task."""
-    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.fields[info]}"), console=console, disable=not enabled, transient=False)
+def progress_bar(enabled: bool, label: str = "{task.description}", console: Any = None, every: int = 50) -> Progress:
+    """The app's one progress display: label, bar, n/total, elapsed, and an ``info`` field per task.
+
+    Outside a terminal (nohup, CI, Slurm) rich's live bar shows nothing until it stops, so there the
+    display is ``ProgressLines``: one plain line every ``every`` steps instead.
+    """
+    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[info]}"), console=console, disable=not enabled, transient=False)
+    return ProgressLines(bar.console, every) if enabled and not bar.console.is_terminal else bar
+
+
+class ProgressLines(Progress):
+    """Progress as plain lines: ``label  n/total  elapsed  info`` each time a task passes a multiple of
+    ``every``, completes, or is updated with ``line=True`` (e.g. a calibration window's end)."""
+
+    def __init__(self, console: Any, every: int) -> None:
+        super().__init__(console=console, disable=True)
+        self.every = max(1, every)
+        self._shown: dict[Any, int] = {}
+
+    def update(self, task_id: Any, *, line: bool = False, **fields: Any) -> None:
+        super().update(task_id, **fields)
+        task = self._tasks[task_id]
+        done, shown = int(task.completed), self._shown.get(task_id, 0)
+        finished = task.total is not None and done >= task.total > shown
+        if done > shown and (line or finished or done // self.every > shown // self.every):
+            self._shown[task_id] = done
+            total = f"/{task.total:.0f}" if task.total is not None else ""
+            info = task.fields.get("info", "")
+            self.console.print(f"{task.description}  {done}{total}  {task.elapsed or 0:.0f}s  {info}".rstrip(),
+                               markup=False, highlight=False, soft_wrap=True)
+
+    def reset(self, task_id: Any, **fields: Any) -> None:
+        super().reset(task_id, **fields)
+        self._shown[task_id] = 0
 
 
 def run_steps(
@@ -119,6 +150,7 @@ def run_steps(
     phase_of: Callable[[int], str] = lambda step: "train",
     on_record: Callable[[StepLog], None] | None = None,
     progress: bool = True,
+    progress_every: int = 50,
     label: str = "train",
     stop: StopRequest | None = None,
     checkpoint: Callable[[int], None] | None = None,
@@ -132,7 +164,8 @@ def run_steps(
     flushed and ``checkpoint(step)`` runs at the step boundary; a stop then raises ``RunInterrupted``.
     """
     pending: deque[tuple[str, Any, bool]] = deque()  # host facts of steps whose record is not out yet
-    with progress_bar(progress, label) as bar:
+    phases: list[str] = []
+    with progress_bar(progress, label, every=progress_every) as bar:
         task = bar.add_task(label, total=len(steps), info="")
 
         def emit(logs: list[StepLog]) -> None:
@@ -141,10 +174,8 @@ def run_steps(
                 _record_step(log, phase, source, at_floor, writer, tracker, records)
                 if on_record is not None:
                     on_record(log)
-                if bar.tasks and (log.step % 10 == 0 or log.step == steps[-1]):
-                    bar.update(task, completed=log.step - steps[0] + 1,
-                               info=f"loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  "
-                                    f"τ {log.max_norm or float('nan'):.3g}")
+                if bar.tasks:
+                    _show(bar, task, log, phase, phases, log.step - steps[0] + 1, len(steps), progress_every)
 
         for step in steps:
             batch = next(batches)
@@ -168,6 +199,19 @@ def run_steps(
                 raise RunInterrupted(signum, step)
         emit(state.flush())
     tracker.flush()
+
+
+def _show(bar: Progress, task: Any, log: StepLog, phase: str, phases: list[str], done: int, total: int,
+          every: int) -> None:
+    """Update the display every 10 steps (each step if ``every`` < 10), at the end, and when the phase
+    changes (e.g. a calibration window's end: τ is set from there), which outside a terminal gets its own line."""
+    new_phase = phases[-1:] != [phase]
+    phases[-1:] = [phase]
+    if not (new_phase or done % 10 == 0 or done == total or every < 10):
+        return
+    mark = {"line": new_phase} if isinstance(bar, ProgressLines) else {}
+    bar.update(task, completed=done, **mark, info=f"{phase}  loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  "
+                                                  f"τ {log.max_norm or float('nan'):.3g}")
 
 
 def _record_step(log: StepLog, phase: str, source: Any, at_floor: bool, writer: StepCSVWriter, tracker: Any,

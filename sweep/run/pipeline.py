@@ -307,7 +307,7 @@ class _ActiveRun:
             try:
                 run_steps(self.state, self.batches(), range(self.start_step + 1, cfg.steps + 1), writer=self.writer,
                           tracker=self.tracker, records=self.records, phase_of=phase_of, on_record=self.record,
-                          progress=cfg.progress and self.launch.is_main, label=self.tracker.run_name, stop=stop,
+                          progress=cfg.progress and self.launch.is_main, progress_every=cfg.progress_every, label=self.tracker.run_name, stop=stop,
                           checkpoint=self.checkpoint, checkpoint_every=cfg.checkpoint_every)
             except CalibrationError as e:  # every step of a window was skipped
                 raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None

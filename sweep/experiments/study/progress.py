@@ -10,9 +10,9 @@ from sweep.run.loop import progress_bar
 class TrialProgress:
     """Two rows of the app's progress bar: the trials of this invocation, and the steps of the current one."""
 
-    def __init__(self, console, enabled: bool, total: int, best: Callable[[], str]) -> None:
+    def __init__(self, console, enabled: bool, total: int, best: Callable[[], str], every: int = 50) -> None:
         self.best = best
-        self.progress = progress_bar(enabled, console=console)
+        self.progress = progress_bar(enabled, console=console, every=every)
         self.trials = self.progress.add_task("trials", total=total, info="")
         self.steps = None
         self.done = self.pruned = self.failed = 0

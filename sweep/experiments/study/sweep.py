@@ -111,7 +111,7 @@ def _run_trials(cfg: Config, study, storage, store: Store, parent: RunTracker,
         lo, hi = max_norm_range(cfg, anchor)
         study.set_user_attr("task", task_key(cfg))
         enqueue_dtypes(study, list(s.dtypes), anchor)
-        with TrialProgress(console, cfg.progress, s.n_trials, best) as ui:
+        with TrialProgress(console, cfg.progress, s.n_trials, best, every=cfg.progress_every) as ui:
             ctx = TrialContext(cfg, study, storage, store, parent.run_id, lo, hi, ui, artifacts=write_run_report)
             for _ in range(s.n_trials):
                 if stop.signum is not None:
