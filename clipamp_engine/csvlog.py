@@ -2,7 +2,9 @@
 
 A process killed at any moment (Ctrl-C, SIGTERM, SIGKILL) keeps every completed row: each row
 is handed to the OS before ``write`` returns. Reopening an existing file drops a torn last line,
-keeps the file's own header, and refuses to repeat a step already written.
+keeps the file's own header, and refuses to repeat a step already written. A row with columns the
+header lacks (a clip mode's or forensics' extras, e.g. ``update_l2_pre_clip``) widens the header:
+the file is rewritten once, atomically, with the earlier rows' new fields empty.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class StepCSVWriter:
     Args:
         path: the CSV file; parent folders are created.
         extra_columns: columns after the canonical eight (ignored when appending to an
-            existing file, whose header wins).
+            existing file, whose header wins); columns first seen in a row are appended after them.
         truncate_after: when reopening, drop rows whose step is greater than this (resume
             from a checkpoint taken at that step); ``None`` keeps every complete row.
     """
@@ -58,25 +60,35 @@ class StepCSVWriter:
             self._write_line(self.columns)
 
     def _recover(self, truncate_after: int | None) -> list[str] | None:
-        """Read the header and last step; cut a torn tail and rows past ``truncate_after``."""
+        """Read the header and last step; cut a torn tail and rows past ``truncate_after``.
+
+        Parsed as CSV (a quoted field may hold a newline); a last row cut short by a kill has no
+        final newline or too few fields, and is dropped.
+        """
         data = self.path.read_bytes()
         if not data.strip():
             return None
-        keep = data[: data.rfind(b"\n") + 1]  # a line without its newline was torn by a kill
-        lines = keep.decode("utf-8").splitlines(keepends=True)
-        header = next(csv.reader([lines[0]]))
+        rows = list(csv.reader(io.StringIO(data.decode("utf-8"), newline="")))
+        header = rows[0]
         if tuple(header[: len(CANONICAL_COLUMNS)]) != CANONICAL_COLUMNS:
             raise ValueError(f"{self.path} is not a clipamp steps CSV (header {header[:8]}); pass a new path")
-        kept = [lines[0]]
-        for line in lines[1:]:
-            step = int(line.split(",", 1)[0])
+        body = [row for row in rows[1:] if row]  # blank lines carry no step
+        if body and (not data.endswith(b"\n") or len(body[-1]) != len(header)):
+            body.pop()  # the last row was torn by a kill (no newline yet, or cut inside a quoted field)
+        kept = []
+        for n, row in enumerate(body, 1):
+            if len(row) != len(header):
+                raise ValueError(f"{self.path}: data row {n} has {len(row)} fields, the header {len(header)}; "
+                                 f"fix or remove that row")
+            step = int(row[0])
             if truncate_after is not None and step > truncate_after:
                 break
-            kept.append(line)
+            kept.append(row)
             self.last_step = step
-        text = "".join(kept)
-        if text.encode("utf-8") != data:
-            self.path.write_text(text, encoding="utf-8")
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows([header, *kept])
+        if buf.getvalue().encode("utf-8") != data:
+            self.path.write_text(buf.getvalue(), encoding="utf-8", newline="")
         return header
 
     def _write_line(self, fields: Sequence[str]) -> None:
@@ -88,14 +100,30 @@ class StepCSVWriter:
     def write(self, record: StepLog | Mapping[str, Any]) -> None:
         """Append one row (a ``StepLog``/``SkipLog`` or a mapping) and flush it."""
         row = record.row() if isinstance(record, StepLog) else dict(record)
-        unknown = set(row) - set(self.columns)
+        unknown = [c for c in row if c not in self.columns]
         if unknown:
-            raise ValueError(f"columns {sorted(unknown)} are not in this CSV's header {self.columns}")
+            self._widen(unknown)
         step = int(row["step"])
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"step {step} is already in {self.path} (last step {self.last_step})")
         self._write_line([_format(row.get(c)) for c in self.columns])
         self.last_step = step
+
+    def _widen(self, columns: list[str]) -> None:
+        """Append ``columns`` to the header: rewrite the file (a temporary file, then an atomic rename)."""
+        self._file.close()
+        with open(self.path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+        self.columns = self.columns + columns
+        tmp = self.path.with_name(self.path.name + ".widen")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            out = csv.writer(f, lineterminator="\n")
+            out.writerow(self.columns)
+            out.writerows(r + [""] * len(columns) for r in rows[1:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
 
     def close(self) -> None:
         self._file.close()

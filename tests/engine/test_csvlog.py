@@ -96,3 +96,79 @@ def test_sigkill_keeps_every_completed_row(tmp_path):
         assert float(l.split(",")[2]) == float(l.split(",")[0])  # every complete row is whole
     with StepCSVWriter(path) as w:  # and the run can go on where it stopped
         w.write(_log(len(steps) + 1))
+
+
+def test_a_row_with_new_columns_widens_the_header_and_keeps_earlier_rows(tmp_path):
+    """A skipped first step has no update columns; the next row brings them: the header grows once,
+    the earlier row's new fields are empty, a quoted newline survives the rewrite, and a reopened
+    file keeps the widened header."""
+    path = tmp_path / "steps.csv"
+    with StepCSVWriter(path, extra_columns=("clipped", "data_source")) as w:
+        w.write(SkipLog(step=1, lr=1e-3, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=float("nan"),
+                        loss=0.7, scaler_scale=65536.0, clipped=False, skip_reason="nonfinite_grad")
+                .with_extra(data_source="file\nwith newline"))
+        w.write(_log(2).with_extra(data_source="b", update_l2_pre_clip=0.25, update_l2_post_clip=0.125))
+        w.write(_log(3).with_extra(data_source="c", update_l2_pre_clip=0.5, update_l2_post_clip=0.25))
+    assert not list(tmp_path.glob("*.widen"))
+    df = pd.read_csv(path)
+    assert list(df.columns) == [*CANONICAL_COLUMNS, "clipped", "data_source", "token_count", "max_norm",
+                                "update_l2_pre_clip", "update_l2_post_clip"]
+    assert df["step"].tolist() == [1, 2, 3] and df["data_source"].tolist() == ["file\nwith newline", "b", "c"]
+    assert df["update_l2_pre_clip"].isna().tolist() == [True, False, False]
+    assert df["update_l2_post_clip"].tolist()[1:] == [0.125, 0.25]
+    with StepCSVWriter(path) as w:
+        assert w.columns == list(df.columns)
+        w.write(_log(4).with_extra(update_l2_pre_clip=1.0, update_l2_post_clip=0.5))
+    assert pd.read_csv(path)["update_l2_pre_clip"].tolist()[1:] == [0.25, 0.5, 1.0]
+
+
+#: Options for each clip mode that adds record columns (the test below checks this is all of them).
+_MODES_WITH_COLUMNS = {"update": {"max_update_norm": 1e-3}, "dpsgd": {"max_norm": 0.5, "noise_multiplier": 0.0}}
+
+
+def test_the_modes_with_columns_are_all_tested():
+    from clipamp_engine.clip.registry import CLIP_MODES
+
+    assert {m for m, cls in CLIP_MODES.items() if cls.columns} == set(_MODES_WITH_COLUMNS)
+
+
+@pytest.mark.parametrize("mode", sorted(_MODES_WITH_COLUMNS))
+def test_every_clip_modes_columns_reach_the_default_writer(tmp_path, mode):
+    """The README's loop (``StepCSVWriter("steps.csv")``, no columns listed) with a mode that adds
+    its own record columns: every step written, the mode's columns equal the engine's records."""
+    import torch
+
+    from clipamp_engine import AmpTrainState
+    from clipamp_engine.clip import make_clip_policy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32",
+                          clip=make_clip_policy(mode, **_MODES_WITH_COLUMNS[mode]))
+    logs = []
+    with StepCSVWriter(tmp_path / "steps.csv") as w:
+        for _ in range(3):
+            logs.append(state.step(torch.randn(16, 8), torch.randn(16, 4)))
+            w.write(logs[-1])
+    df = pd.read_csv(tmp_path / "steps.csv")
+    mode_columns = state.clip.columns
+    assert mode_columns and set(mode_columns) <= set(df.columns)
+    for c in mode_columns:
+        assert df[c].tolist() == pytest.approx([log.row()[c] for log in logs])
+
+
+def test_a_tail_torn_inside_a_quoted_field_is_dropped_and_a_bad_middle_row_is_refused(tmp_path):
+    path = tmp_path / "steps.csv"
+    with StepCSVWriter(path, extra_columns=("data_source",)) as w:
+        for step in (1, 2):
+            w.write(_log(step).with_extra(data_source=f"a\nb{step}"))
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'3,0.001,2.0,1.0,0.5,False,,1.0,"torn\n')  # killed inside step 3's quoted field
+    with StepCSVWriter(path) as w:
+        assert w.last_step == 2
+    assert path.read_bytes() == whole
+    lines = whole.decode().split("\n")
+    path.write_text("\n".join([lines[0], "1,0.001", *lines[3:]]))  # a hand-cut row before step 2
+    with pytest.raises(ValueError, match="data row 1 has 2 fields, the header 12; fix or remove that row"):
+        StepCSVWriter(path)
