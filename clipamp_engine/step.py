@@ -188,7 +188,8 @@ class AmpTrainState:
         each flush; on the default path, this step's record. Call ``flush()`` after the last step.
         """
         self._run(inputs, targets)
-        return self.flush() if len(self._pending) + len(self._ready) >= self.log_every or self._ready else []
+        due = len(self._pending) + len(self._ready) >= self.log_every or self.clip.needs_records(self.step_count)
+        return self.flush() if due or self._ready else []
 
     def flush(self) -> list[StepLog]:
         """Materialise the pending records (one transfer) and feed them to the monitors.

@@ -65,6 +65,12 @@ class ClipPolicy:
         record attached as ``.record`` (the step itself already happened).
         """
 
+    def needs_records(self, step: int) -> bool:
+        """Whether ``observe`` must see the records up to ``step`` before the next step runs (e.g. a
+        calibration window closes at ``step``): the fused path then flushes early, so what the policy
+        learns applies from the same step as on the default path."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -163,6 +163,11 @@ class CalibratedClip(ClipPolicy):
             self._calibrator = None
             self._adopt(summary)
 
+    def needs_records(self, step: int) -> bool:
+        """At a window's last step: τ must be adopted before the next step clips."""
+        window = self.windows.window_at(step) if self.windows is not None else None
+        return window is not None and step == window[-1]
+
     def _adopt(self, summary: CalibrationSummary) -> None:
         tau = summary.recommended_max_norm
         if not tau > 0:

@@ -107,6 +107,32 @@ def test_calibrated_clip_fused_equals_default():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_calibrated_tau_applies_from_the_same_step_with_deferred_records():
+    """Records flushed every 8 steps, a window closing at step 9 (not a flush step): the policy asks
+    for a flush there, so τ clips step 10 as on the default path — same records, same parameters."""
+    runs = []
+    for fused, log_every in ((True, 8), (False, None)):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        clip = make_clip_policy("calibrated", window=5, start=4, quantile=0.5, total_steps=20)
+        state = AmpTrainState(model, opt, F.mse_loss, dtype="fp32", clip=clip, fused=fused, log_every=log_every)
+        flushed_at, recs = [], []
+        for i in range(20):
+            out = state.step_deferred(*_script(i, model))
+            flushed_at += [i + 1] if out else []
+            recs += out
+        recs += state.flush()
+        runs.append((flushed_at, recs, model))
+    (at_f, rec_f, m_f), (_, rec_d, m_d) = runs
+    assert at_f == [8, 9, 17]  # every 8 steps, and at the window's last step
+    assert [r.max_norm is not None for r in rec_d].index(True) == 9 and rec_d[9].clipped  # step 10 clips at τ
+    for a, b in zip(rec_f, rec_d, strict=True):
+        _same_record(a, b, rel=1e-5)
+    for p, q in zip(m_f.parameters(), m_d.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_deferred_records_equal_per_step_records():
     """``step_deferred`` + ``flush`` every 4 steps: the same records, bit for bit, just later."""
     *_, rec_now, _ = _run("fp16", None)
