@@ -18,7 +18,7 @@ from sweep.errors import UserError, fail
 from sweep.run.loop import RunInterrupted
 from sweep.secrets import hide_argv, redact_text
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data: in the wheel too
 register()
 
 
@@ -45,7 +45,7 @@ def precheck(argv: list[str]) -> None:
         fail(_one_line(e))
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")  # a path: no pkg:// lookup
 def main(cfg: DictConfig) -> None:
     from sweep.app import run
     from sweep.run.launch import failure_line, rank_from_env, torchrun_world

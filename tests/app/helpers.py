@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "conf"
+CONF = REPO / "sweep" / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 #: Small enough that any experiment runs in seconds on 2 CPU cores.
