@@ -13,6 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from sweep.config.convert import to_config
 from sweep.config.schema import register
 from sweep.errors import UserError, fail
 from sweep.run.loop import RunInterrupted
@@ -20,6 +21,15 @@ from sweep.secrets import hide_argv, redact_text
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data: in the wheel too
 register()
+
+
+def hydra_subdir(output_dir: str, cwd: str) -> str | None:
+    """``hydra.output_subdir``: Hydra's files (.hydra/) go to the job's folder only when it is not the
+    folder the command ran in (``hydra.run.dir=X``, ``-m``): a plain run leaves no files behind."""
+    return None if Path(output_dir).absolute() == Path(cwd).absolute() else ".hydra"
+
+
+OmegaConf.register_new_resolver("clipamp.hydra_subdir", hydra_subdir, replace=True)
 
 
 def _one_line(e: BaseException) -> str:
@@ -39,8 +49,7 @@ def precheck(argv: list[str]) -> None:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-            OmegaConf.to_object(cfg)
+            to_config(compose(config_name="config", overrides=overrides))
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_one_line(e))
 
@@ -51,7 +60,8 @@ def main(cfg: DictConfig) -> None:
     from sweep.run.launch import failure_line, rank_from_env, torchrun_world
 
     try:
-        run(OmegaConf.to_object(cfg), list(HydraConfig.get().overrides.task))
+        hydra_cfg = HydraConfig.get()
+        run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))
     except UserError as e:
         fail(_one_line(e))
     except RunInterrupted as e:

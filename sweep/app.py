@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 
 from sweep.config import Config, validate
 from sweep.experiments.training import run_single
 from sweep.run import launch as ranks
-from sweep.run.tracking import Store
+from sweep.run.store import anchored
+from sweep.run.tracking import Store, resolve_uri
 
 
 def experiment(name: str):
@@ -21,12 +24,16 @@ def experiment(name: str):
     return run_single
 
 
-def run(cfg: Config, overrides: list[str] | None = None) -> object:
-    """Run ``cfg.run`` (calibrate, train, sweep, spike); user mistakes raise ``UserError``."""
+def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None = None) -> object:
+    """Run ``cfg.run`` (calibrate, train, sweep, spike); user mistakes raise ``UserError``.
+
+    ``base_dir``: where the user ran the command (default: the cwd); a relative sqlite store is
+    anchored there, whatever folder Hydra runs the job in.
+    """
     validate(cfg)
     launch = ranks.start(cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device, cfg.dist.timeout_s)
     try:
-        store = open_store(cfg, overrides, launch)
+        store = open_store(cfg, overrides, launch, base_dir or Path.cwd())
         if launch.distributed:
             return run_single(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
         return experiment(cfg.run)(cfg, store, Console(soft_wrap=True))
@@ -34,12 +41,13 @@ def run(cfg: Config, overrides: list[str] | None = None) -> object:
         launch.close()
 
 
-def open_store(cfg: Config, overrides: list[str] | None, launch: ranks.Launch) -> Store:
+def open_store(cfg: Config, overrides: list[str] | None, launch: ranks.Launch, base_dir: Path) -> Store:
     """Rank 0 opens (creates, migrates) the store; the other ranks wait, learn the experiment, never touch it."""
     opened: list[Store] = []
 
     def on_main() -> tuple[str, str, dict[str, str]]:
-        opened.append(Store.open(cfg.tracking.uri, cfg.tracking.experiment, overrides))
+        uri = anchored(resolve_uri(cfg.tracking.uri), base_dir)
+        opened.append(Store.open(uri, cfg.tracking.experiment, overrides))
         return opened[0].experiment_id, opened[0].uri, opened[0].tags
 
     experiment_id, uri, tags = launch.agree(on_main)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from sweep.config.schema import Config
+from sweep.config.schema import Config, ModelConfig
 from sweep.errors import UserError
 
 
@@ -16,6 +17,30 @@ def as_dict(cfg: Any) -> dict[str, Any]:
     """A config dataclass (or DictConfig) as nested plain dicts, interpolations resolved."""
     node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
     return OmegaConf.to_container(node, resolve=True)
+
+
+def to_config(node: Any) -> Config:
+    """The typed ``Config`` of a composed tree (what ``python -m sweep`` runs with).
+
+    Keys added to ``model`` beyond the schema (``+model.d=64``, ``+model._args_=[…]``) are a custom
+    model's constructor arguments: they move into ``model.kwargs`` (logged, checked on resume), and
+    are refused for the built-in models instead of being silently ignored.
+    """
+    model = node.get("model") if OmegaConf.is_dict(node) else None
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    extra = [k for k in (model.keys() if model is not None else ()) if k not in known]
+    if extra and model.get("name") != "custom":
+        raise UserError(f"model.{extra[0]} is not a key of model={model.get('name')} (see its keys with --cfg job): "
+                        f"drop it, or pass model=custom model._target_=… whose constructor takes {extra[0]}")
+    if extra:
+        plain = OmegaConf.to_container(model, resolve=False)  # interpolations stay for to_object
+        kwargs = plain["kwargs"]
+        for key in extra:
+            if key in kwargs:
+                raise UserError(f"model.{key} and model.kwargs.{key} are both set: keep one")
+            kwargs[key] = plain.pop(key)
+        node.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), plain)
+    return OmegaConf.to_object(node)
 
 
 def as_yaml(cfg: Config) -> str:

@@ -35,6 +35,18 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):])
 
 
+def anchored(uri: str, base: Path) -> str:
+    """``uri`` with a relative ``sqlite:///`` path made absolute against ``base``.
+
+    ``base`` is where the user ran the command (Hydra's original cwd): with ``hydra.job.chdir=true``
+    or ``-m`` the default ``sqlite:///mlruns/mlflow.db`` stays there, and the printed store is absolute.
+    """
+    db = sqlite_path(uri)
+    if db is None or db.is_absolute() or str(db) in ("", "."):
+        return uri
+    return f"sqlite:///{os.path.normpath(Path(base).absolute() / db)}"
+
+
 def check_uri(uri: str) -> str:
     """Refuse an unsupported, unwritable, broken or unreachable store with one actionable line.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -20,7 +19,7 @@ from torch import nn
 from . import corpus as C
 from ..errors import UserError
 from ..config.schema import DATA_NAMES, MODEL_NAMES, DataConfig, ModelConfig
-from .custom import check_custom_output
+from .custom import build_custom, check_custom_output
 from .models import GPT, LSTMLM, VOCAB
 
 EVAL_SEED = 0x5EED  # eval batches are the same for every trial seed
@@ -68,32 +67,6 @@ def _as(schema: type, cfg: Any) -> Any:
     return out
 
 
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + " ".join(str(e).split())
-
-
-def locate(path: str, key: str) -> Any:
-    """Import ``pkg.mod.Attr`` (attribute chains allowed) or raise a one-line UserError."""
-    parts = str(path).split(".")
-    err: BaseException | None = None
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError as e:
-            err = err or e
-            continue
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError as e:
-            err = e
-            break
-    err = err or ImportError("not a dotted path")
-    raise UserError(f"{key}={path!r} could not be imported: {_one_line(err)}: "
-                    f"pass {key}=package.module.Name of an importable object") from None
-
-
 def _check_data_cfg(d: DataConfig) -> None:
     for key in ("batch_size", "seq_len", "eval_batches") + (("max_files",) if d.name == "stdlib" else ()):
         v = getattr(d, key)
@@ -119,21 +92,7 @@ def _build_model(m: ModelConfig, seq_len: int) -> tuple[nn.Module, Callable | No
         return LSTMLM(m.d_model, m.hidden, m.n_layer, m.dropout), lm_loss
     if name == "linear":
         return nn.Linear(m.in_features, m.out_features), mse_loss
-    target = m._target_
-    if not target:
-        raise UserError("model._target_ is not set for model.name=custom: pass "
-                        "model._target_=package.module.Class (e.g. sweep.tasks.models.TinyMLPLM)")
-    factory, kwargs = locate(target, "model._target_"), dict(m.kwargs or {})
-    try:
-        model = factory(**kwargs)
-    except Exception as e:
-        raise UserError(f"model._target_={target!r} failed with model.kwargs={kwargs}: {_one_line(e)}: "
-                        "fix model.kwargs to match its signature") from None
-    if not isinstance(model, nn.Module):
-        raise UserError(f"model._target_={target!r} returned {type(model).__name__}, not an nn.Module: "
-                        "point model._target_ at an nn.Module class or factory")
-    loss_fn = locate(m.loss_target, "model.loss_target") if m.loss_target else None
-    return model, loss_fn
+    return build_custom(m)
 
 
 def freeze(model: nn.Module, m: ModelConfig) -> None:

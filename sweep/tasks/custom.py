@@ -1,7 +1,17 @@
-"""``model=custom``: check a user's model once, before training, against what its loss needs."""
+"""``model=custom``: build a user's model with Hydra's ``instantiate`` and check it once, before
+training, against what its loss needs.
+
+The node handed to ``hydra.utils.instantiate`` is ``{_target_: model._target_, **model.kwargs}``
+(keys added with ``+model.KEY=…`` are folded into ``model.kwargs`` when the config is built),
+plus ``config: model.config`` when that is set: nested ``_target_`` nodes are built first (e.g.
+a ``transformers.GPT2Config`` for a ``GPT2LMHeadModel``), ``_args_``/``_partial_``/``_recursive_``
+work as in Hydra, and containers arrive as plain dicts and lists (``_convert_: all`` unless set).
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any, Callable
 
 import torch
@@ -9,6 +19,87 @@ from torch import nn
 
 from ..errors import UserError
 from .models import VOCAB
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + " ".join(str(e).split())
+
+
+def locate(path: str, key: str) -> Any:
+    """Import ``pkg.mod.Attr`` (attribute chains allowed) or raise a one-line UserError."""
+    parts = str(path).split(".")
+    err: BaseException | None = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError as e:
+            err = err or e
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError as e:
+            err = e
+            break
+    err = err or ImportError("not a dotted path")
+    raise UserError(f"{key}={path!r} could not be imported: {_one_line(err)}: "
+                    f"pass {key}=package.module.Name of an importable object") from None
+
+
+def _hydra_error(e: BaseException) -> str:
+    """Hydra's InstantiationException on one line, its cause named, without the HYDRA_FULL_ERROR hint."""
+    text = " ".join(str(e).replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "").split())
+    cause = e.__cause__
+    if cause is not None and " ".join(str(cause).split()) not in text:
+        text += f" ({' '.join(str(cause).split())})"
+    return text
+
+
+def build_custom(m: Any) -> tuple[nn.Module, Callable | None]:
+    """``model=custom`` -> (model, loss_fn or None for the data's default loss); one-line errors."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    target = m._target_
+    if not target:
+        raise UserError("model._target_ is not set for model.name=custom: pass "
+                        "model._target_=package.module.Class (e.g. sweep.tasks.models.TinyMLPLM)")
+    if m.pretrained:
+        raise UserError(f"model.pretrained={m.pretrained!r} is for model=hf: for model=custom pass the "
+                        "constructor's arguments (+model.KEY=VALUE or model.kwargs)")
+    locate(target, "model._target_")
+    kwargs = dict(m.kwargs or {})
+    if kwargs.get("_partial_"):
+        raise UserError("model._partial_=true would make the model a factory, not an nn.Module: drop it "
+                        "(_partial_ belongs in nested nodes, e.g. +model.activation={_target_: …, _partial_: true})")
+    if m.config:
+        if "config" in kwargs:
+            raise UserError("model.config and model.kwargs.config are both set: keep one")
+        kwargs["config"] = m.config
+    node = {"_convert_": "all", **kwargs, "_target_": target}
+    try:
+        model = instantiate(node)
+    except InstantiationException as e:
+        raise UserError(f"model._target_={target!r} failed with model.kwargs={kwargs}: {_hydra_error(e)}: "
+                        "fix model.kwargs (nested _target_ nodes included) to match the signatures") from None
+    except Exception as e:  # a constructor's own error that Hydra passed through
+        raise UserError(f"model._target_={target!r} failed with model.kwargs={kwargs}: {_one_line(e)}: "
+                        "fix model.kwargs to match its signature") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model._target_={target!r} returned {type(model).__name__}, not an nn.Module: "
+                        "point model._target_ at an nn.Module class or factory")
+    _logits_of_transformers(model)
+    loss_fn = locate(m.loss_target, "model.loss_target") if m.loss_target else None
+    return model, loss_fn
+
+
+def _logits_of_transformers(model: nn.Module) -> None:
+    """A ``transformers`` causal LM returns a ModelOutput: hand the runner its ``logits`` (as ``model=hf``)."""
+    transformers = sys.modules.get("transformers")  # imported by the model's own module, if at all
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        model.config.use_cache = False
+        model.register_forward_hook(lambda module, args, output: getattr(output, "logits", output))
 
 
 @torch.no_grad()

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "sweep" / "conf"
@@ -23,11 +22,12 @@ TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.block_si
 def compose_cfg(*overrides: str):
     """The typed Config object that ``python -m sweep`` would run with these overrides."""
     from sweep.config import register
+    from sweep.config.convert import to_config
 
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_object(cfg)
+    return to_config(cfg)
 
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
