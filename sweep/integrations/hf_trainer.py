@@ -49,7 +49,7 @@ from transformers import TrainerCallback
 from clipamp_engine import NormCalibrator, SkipLog, StepCSVWriter, StepLog, clip_global_l2_norm, total_norm
 from clipamp_engine.norms import grads_of
 
-from ..run.loop import STEP_METRICS, RunRecords
+from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
 
 COLUMNS = ("clipped", "token_count", "max_norm", "phase", "grad_l2_token_normalised")
@@ -195,7 +195,7 @@ class ClipampCallback(TrainerCallback):
             self.writer.write(row)
             self.records.rows.append(row)
             if self.tracker is not None:
-                self.tracker.add_step(step, {k: row[k] for k in STEP_METRICS} | {"clipped": float(log.clipped)})
+                self.tracker.add_step(step, self.records.step_metrics())
         if step == self.window:
             self._close_window()
 

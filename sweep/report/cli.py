@@ -1,7 +1,8 @@
-"""``python -m sweep.report [--tracking-uri URI] [--experiment NAME] [--out report.csv|report.md]``.
+"""``python -m sweep.report [--tracking-uri URI] [--experiment NAME] [--last N] [--wide] [--out FILE]``.
 
-Reads every run of the experiment into pandas and prints, per run: task, dtype, clip mode,
-quantiles, recommended τ, clipping and skip ratios, losses (the table to pick a threshold from);
+Reads the runs of the experiment with ``mlflow.search_runs`` and prints, newest first, per run: clip
+mode, dtype, the τ it trained at (per phase), the recommended τ, p95, clipping and skip ratios, losses
+(the table to pick a threshold from, in 100 columns; ``--wide``: ids, model, data, every quantile);
 then, per sweep study (``+experiment=sweep``), its trials and the configuration the pick rule chooses.
 """
 
@@ -19,17 +20,11 @@ from rich.console import Console
 from sweep.errors import UserError, fail
 from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
+from sweep.report.runs import WIDTH, search, table, text
 from sweep.report.sweep import sweep_markdown, sweep_table
 from sweep.run.tracking import open_client, resolve_uri
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
-SUMMARY_COLUMNS = {
-    "tags.mlflow.runName": "run", "tags.run": "experiment", "tags.model": "model", "tags.data": "data",
-    "tags.dtype": "dtype", "tags.clip": "clip", "metrics.grad_norm_p50": "p50", "metrics.grad_norm_p90": "p90",
-    "metrics.grad_norm_p95": "p95", "metrics.grad_norm_p99": "p99",
-    "metrics.recommended_max_norm": "recommended_max_norm", "metrics.clip_ratio": "clip_ratio",
-    "metrics.skip_ratio": "skip_ratio", "metrics.final_loss": "final_loss", "metrics.eval_loss": "eval_loss",
-}
 _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
 
 
@@ -43,23 +38,6 @@ def search_all(client, experiment_id: str, filter_string: str = "") -> list:
         token = page.token
         if not token:
             return runs
-
-
-def runs_table(client, experiment_name: str) -> pd.DataFrame:
-    """Every run of ``experiment_name`` as a pandas DataFrame with the summary columns."""
-    exp = client.get_experiment_by_name(experiment_name)
-    if exp is None:
-        raise UserError(f"experiment {experiment_name!r} not found in the tracking store; run "
-                        f"`python -m sweep +experiment=calibrate` first or pass --experiment NAME")
-    rows = []
-    for run in search_all(client, exp.experiment_id):
-        row = {"run_id": run.info.run_id[:8], "status": run.info.status}
-        for key, name in SUMMARY_COLUMNS.items():
-            kind, _, field = key.partition(".")
-            source = run.data.tags if kind == "tags" else run.data.metrics
-            row[name] = source.get(field, math.nan if kind == "metrics" else "")
-        rows.append(row)
-    return pd.DataFrame(rows, columns=["run_id", *SUMMARY_COLUMNS.values(), "status"])
 
 
 def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tuple[float, float], str]]:
@@ -96,19 +74,23 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweep.report", description=DESCRIPTION)
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
-    ap.add_argument("--experiment", default="clipamp")
+    ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment (tracking.experiment)")
+    ap.add_argument("--last", type=int, default=None, metavar="N", help="only the N newest runs")
+    ap.add_argument("--wide", action="store_true", help="every column (ids, model, data, p50/p90/p99, status)")
     ap.add_argument("--out", default=None, help="also save the table as CSV (or .md for markdown)")
     args = ap.parse_args(argv)
     try:
+        if args.last is not None and args.last < 1:
+            raise UserError(f"--last {args.last} must be >= 1, e.g. --last 10")
         if args.out:
             check_out(args.out)
         client = open_client(resolve_uri(args.tracking_uri))
-        df = runs_table(client, args.experiment)
+        found = search(client.tracking_uri, args.experiment, args.last)
         sweeps = sweeps_tables(client, args.experiment)
     except UserError as e:
         fail(str(e))
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4g}".format):
-        print(df.to_string(index=False) if not df.empty else "no runs yet")
+    df = table(found, wide=args.wide)
+    print(text(df, width=None if args.wide else WIDTH))
     console = Console(soft_wrap=True)
     for name, sdf, pick, band, mode in sweeps:
         console.print(sweep_table(sdf, pick, f"Study {name}" + (f" ({mode})" if mode else "")))
@@ -116,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             f"[bold green]pick: trial {pick.trial}: {pick.override()}[/] ({pick.rule}: {pick.reason})"
             if pick else "no completed trial: no pick"))
     if args.out:
-        save(args.out, df, sweeps)
+        save(args.out, table(found, wide=True), sweeps)
     return 0
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
+from sweep.run.ui import runs_page
+
 
 def fmt(v: Any) -> str:
     """Floats to 4 significant digits (NaN as —), anything else as ``str``."""
@@ -36,8 +38,9 @@ def frame_markdown(df) -> str:
 
 
 def ui_command(uri: str, experiment_id: str | None = None) -> str:
-    """How to see the runs in the MLflow UI: a loopback-only ``mlflow ui``, or the server's page."""
-    page = f"#/experiments/{experiment_id}/runs" if experiment_id else "#/experiments"
+    """How to see the runs in the MLflow UI: a loopback-only ``mlflow ui``, or the server's page; the link
+    opens the experiment's training runs with the answer's columns (``sweep.run.ui``)."""
+    page = runs_page(experiment_id)
     if uri.startswith(("http://", "https://")):
         return f"open {uri.rstrip('/')}/{page}"
     return (f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"

@@ -12,6 +12,7 @@ from clipamp_engine.diagnosis import diagnose, format_findings
 
 from sweep.report import calibration
 from sweep.report.format import fmt, markdown_table, pct, ui_command
+from sweep.report.notes import write_notes
 from sweep.report.plots import plot_run
 
 if TYPE_CHECKING:
@@ -22,12 +23,15 @@ if TYPE_CHECKING:
 
 def write_run_report(cfg: "Config", tracker: "RunTracker", result: "RunResult") -> None:
     """``report.md`` and (``tracking.plots``) the run's plots into its artifacts: the run pipeline's
-    ``hooks.artifacts`` for every experiment."""
-    tracker.artifact_path("report.md").write_text(run_report_markdown(cfg, result))
+    ``hooks.artifacts`` for every experiment. The run's and the experiment's descriptions in the MLflow UI
+    follow (``sweep.report.notes``)."""
+    report = run_report_markdown(cfg, result)
+    tracker.artifact_path("report.md").write_text(report)
     if cfg.tracking.plots and result.records.rows:
         q = {k[len("grad_norm_"):]: v for k, v in result.metrics.items() if k.startswith("grad_norm_")}
         plot_run(result.records.rows, tracker.artifact_path("plots/x").parent, quantiles=q,
                  tau=result.metrics.get("recommended_max_norm"), title=f"({cfg.model.name}, {cfg.amp.dtype})")
+    write_notes(tracker, result, report)
 
 
 def run_report_markdown(cfg: "Config", result: "RunResult") -> str:

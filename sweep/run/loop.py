@@ -17,8 +17,10 @@ from clipamp_engine import AmpTrainState, SkipRateExceeded, StepCSVWriter, StepL
 APP_COLUMNS = ("clipped", "token_count", "max_norm", "phase", "data_source", "grad_l2_token_normalised",
                "scaler_at_floor")
 
-#: Per-step metrics sent to MLflow (batched).
-STEP_METRICS = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_scale", "max_norm")
+#: Per-step metrics sent to MLflow (batched): the series a user charts; every other column stays in steps.csv.
+STEP_METRICS = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_scale")
+#: Steps behind the per-step ``clip_ratio_rolling`` metric.
+ROLLING = 50
 
 
 @dataclass
@@ -33,6 +35,14 @@ class RunRecords:
     def clip_ratio(self, phase: str | None = None) -> float:
         taken = self.taken(phase)
         return sum(bool(r["clipped"]) for r in taken) / len(taken) if taken else math.nan
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """The latest row's per-step MLflow metrics: ``STEP_METRICS`` and ``clip_ratio_rolling``, the share of
+        the last ``ROLLING`` taken steps that were clipped (NaN, hence not sent, when all were skipped)."""
+        row = self.rows[-1]
+        recent = [bool(r["clipped"]) for r in self.rows[-ROLLING:] if not r["skipped"]]
+        return {k: row[k] for k in STEP_METRICS} | {
+            "clip_ratio_rolling": sum(recent) / len(recent) if recent else math.nan}
 
     def skip_ratio(self) -> float:
         return sum(bool(r["skipped"]) for r in self.rows) / len(self.rows) if self.rows else math.nan
@@ -223,4 +233,4 @@ def _record_step(log: StepLog, phase: str, source: Any, at_floor: bool, writer: 
                          scaler_at_floor=at_floor).row()
     writer.write(row)
     records.rows.append(row)
-    tracker.add_step(log.step, {k: row[k] for k in STEP_METRICS} | {"clipped": float(log.clipped)})
+    tracker.add_step(log.step, records.step_metrics())

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,13 @@ from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.run.build import build_state
 from sweep.run.calibration import calibration_metrics, calibration_payload
-from sweep.run.summary import read_rows, summary_metrics, window_metrics
+from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
 from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
                                   release_run, remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
-from sweep.run.tracking import RunTracker, SilentTracker, Store, param_text, redact_text
+from sweep.run.tracking import RunTracker, SilentTracker, Store, param_text, redact_text, source_tags
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 
 
@@ -134,8 +133,8 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
         except BaseException:
             lock.release()
             raise
-    tags = {"run": cfg.run or "", "dtype": cfg.amp.dtype, "device": cfg.device, "model": cfg.model.name,
-            "data": cfg.data.name, "clip": cfg.clip.mode, "git_commit": git_commit(), "task": task.description,
+    tags = {**source_tags(), "run": cfg.run or "", "dtype": cfg.amp.dtype, "device": cfg.device,
+            "model": cfg.model.name, "data": cfg.data.name, "clip": cfg.clip.mode, "task": task.description,
             **store.tags, **spec.tags}
     tracker = RunTracker(store.client, store.experiment_id, spec.name, tags=tags, parent_run_id=spec.parent_run_id,
                          flush_every=flush)
@@ -190,14 +189,6 @@ class _NoCSV:
 def logged_params(cfg: Config) -> dict[str, str]:
     """The config's params as the run logged them (the values a resume compares against)."""
     return {k: param_text(v) for k, v in flat_params(cfg).items()}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 @dataclass
@@ -323,6 +314,7 @@ class _ActiveRun:
             metrics.update(calibration_metrics(cal))
         metrics["eval_loss"] = eval_loss
         self.tracker.log_metrics(metrics, step=self.cfg.steps)
+        self.tracker.set_tags(tau_tags(self.records.rows))
         csv_path = self.tracker.artifact_path("steps.csv")
         result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records, calibration=cal)
         write_data_artifacts(self.cfg, self.tracker, result)

@@ -48,6 +48,26 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
     return metrics
 
 
+def _taus(values: list[float | None]) -> str:
+    """``none``, one τ, or the range ``lo–hi`` (``none/lo–hi`` when part of the steps were not clipped)."""
+    finite = sorted({v for v in values if v is not None and math.isfinite(v)})
+    text = "" if not finite else f"{finite[0]:.4g}" if len(finite) == 1 else f"{finite[0]:.4g}–{finite[-1]:.4g}"
+    return "/".join(filter(None, ["none" if None in values else "", text]))
+
+
+def tau_tags(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The τ a run clipped at, per phase (``tau.<phase>``: from the steps' ``max_norm``, skipped steps
+    included) and condensed (``tau_used``: the phases' values in order, repeats merged, e.g. ``none → 2.46``)."""
+    phases: dict[str, list[float | None]] = {}
+    for r in rows:
+        v = r["max_norm"]
+        phases.setdefault(r["phase"], []).append(None if v is None or not math.isfinite(v) else float(v))
+    per_phase = {p: _taus(v) for p, v in phases.items()}
+    texts = list(per_phase.values())
+    condensed = [t for i, t in enumerate(texts) if i == 0 or t != texts[i - 1]]
+    return {f"tau.{p}": t for p, t in per_phase.items()} | {"tau_used": " → ".join(condensed)}
+
+
 def read_rows(csv_path: Path) -> list[dict[str, Any]]:
     """The rows of a steps CSV with their types back (None for empty cells): a resumed run's records
     for its summary and plots (the engine's state, calibration included, comes from the checkpoint)."""

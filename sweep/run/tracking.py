@@ -15,10 +15,12 @@ import time
 from math import isfinite
 from pathlib import Path
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from sweep.errors import UserError
 from sweep.run.store import DEFAULT_URI, open_client, sqlite_path  # noqa: F401  (re-exported)
+from sweep.run.ui import experiment_ui_tags
 from sweep.secrets import redact, redact_text  # noqa: F401  (re-exported: callers import them from here)
 
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -34,13 +36,16 @@ def resolve_uri(uri: str | None) -> str:
 
 
 def ensure_experiment(client, name: str, uri: str) -> str:
-    """Experiment id for ``name``; a new one on sqlite keeps artifacts beside the database."""
+    """Experiment id for ``name``; a new one on sqlite keeps artifacts beside the database. Either way it
+    carries the tags that open the MLflow UI on its training runs (``sweep.run.ui``)."""
     exp = client.get_experiment_by_name(name)
     if exp is not None and exp.lifecycle_stage == "deleted":
         raise UserError(f"tracking.experiment={name!r} was deleted (experiment id {exp.experiment_id}); restore it "
                         f"with `MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id "
                         f"{exp.experiment_id}` or pass tracking.experiment=ANOTHER_NAME")
     if exp is not None:
+        for key, value in experiment_ui_tags(exp.tags).items():
+            client.set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     db = sqlite_path(uri)
     location = None
@@ -48,12 +53,28 @@ def ensure_experiment(client, name: str, uri: str) -> str:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
         location = (db.parent.resolve() / "artifacts" / slug).as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=experiment_ui_tags({}))
     except Exception:  # created meanwhile by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:
             raise
         return exp.experiment_id
+
+
+@lru_cache(maxsize=1)
+def source_tags() -> dict[str, str]:
+    """MLflow's standard run tags: ``mlflow.user``, ``mlflow.source.name``/``.type`` (MLflow's own context
+    providers) and, when the app's code is a git checkout, ``mlflow.source.git.commit``/``.branch``/``.repoURL``
+    of that checkout (credentials stripped by MLflow)."""
+    from mlflow.tracking.context.registry import resolve_tags
+    from mlflow.utils import git_utils
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT, MLFLOW_GIT_REPO_URL
+
+    tags = {k: v for k, v in resolve_tags().items() if not k.startswith("mlflow.source.git.")}
+    code = str(Path(__file__).resolve().parent)
+    git = {MLFLOW_GIT_COMMIT: git_utils.get_git_commit(code), MLFLOW_GIT_BRANCH: git_utils.get_git_branch(code),
+           MLFLOW_GIT_REPO_URL: git_utils.get_git_repo_url(code)}
+    return tags | {k: v for k, v in git.items() if v}
 
 
 def metric_batch(metrics: dict[str, float | None], step: int) -> list:
@@ -144,6 +165,7 @@ class RunTracker:
 
         self.client = client
         self.run_id, self.run_name = run.info.run_id, run.info.run_name
+        self.experiment_id = run.info.experiment_id
         self.flush_every = flush_every
         self._buffer: list = []
         self._steps_buffered = 0

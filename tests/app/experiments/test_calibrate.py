@@ -53,6 +53,38 @@ def test_run_holds_params_metrics_and_artifacts(calibrated):
     assert {"plots/grad_norm.png", "plots/grad_norm_hist.png", "plots/scaler_scale.png", "plots/loss.png"} <= plots
     history = client.get_metric_history(result.run_id, "grad_l2_pre_clip")
     assert sorted(h.step for h in history) == list(range(1, 41))  # per-step metrics, batched
+    per_step = {k for k in m if len(client.get_metric_history(result.run_id, k)) > 1}
+    assert per_step == {"loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_scale", "clip_ratio_rolling"}
+
+
+def test_run_carries_standard_tags_tau_per_phase_and_descriptions(calibrated):
+    """MLflow's source/user/git tags; the τ each phase trained at, as steps.csv has it; the run's and the
+    experiment's descriptions hold the answer."""
+    import subprocess
+
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER
+
+    cfg, uri, result = calibrated
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    t, m = run.data.tags, run.data.metrics
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert t[MLFLOW_GIT_COMMIT] == head.stdout.strip() and t[MLFLOW_SOURCE_TYPE] == "LOCAL"
+    assert t[MLFLOW_USER] and t[MLFLOW_SOURCE_NAME]
+    df = pd.read_csv(result.csv_path)
+    for phase, rows in df.groupby("phase", sort=False):
+        taus = rows["max_norm"].dropna().unique()
+        assert t[f"tau.{phase}"] == ("none" if len(taus) == 0 else f"{taus[0]:.4g}"), phase
+    assert t["tau.calibrate"] == "none" and t["tau.validate"] == f"{m['recommended_max_norm']:.4g}"
+    assert t["tau_used"] == f"none → {m['recommended_max_norm']:.4g}"
+    note = t["mlflow.note.content"]
+    assert note.startswith(f"**Recommended τ (`clip.max_norm`) = {m['recommended_max_norm']:.4g}** · p95 = "
+                           f"{m['grad_norm_p95']:.4g}")
+    assert "**Verdict:**" in note and "| p95 |" in note  # the verdict and the quantile table
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.note.content"].startswith(
+        f"Latest: **{run.info.run_name}**: recommended τ (`clip.max_norm`) **{m['recommended_max_norm']:.4g}**")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_logged_quantiles_equal_numpy_over_the_csv(calibrated):

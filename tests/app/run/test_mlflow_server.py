@@ -62,4 +62,5 @@ def test_run_tracked_on_a_server_uploads_its_artifacts(server):
     assert {"steps.csv", "report.md", "quantiles.json"} <= names
     stored = list((root / "artifacts").rglob("steps.csv"))
     assert len(stored) == 1 and stored[0].read_text().count("\n") == 9  # header + 8 steps
-    assert ui_command(uri, run.info.experiment_id) == f"open {uri}/#/experiments/{run.info.experiment_id}/runs"
+    assert ui_command(uri, run.info.experiment_id) == (f"open {uri}/#/experiments/{run.info.experiment_id}/runs"
+                                                       "?workflowType=machine_learning&viewStateShareKey=clipamp")

@@ -1,0 +1,68 @@
+"""Descriptions the MLflow UI shows: each run's (its answer, then ``report.md``) and the experiment's
+(the latest answer on the first line, then the threshold table across runs), both markdown in the
+``mlflow.note.content`` tag. The experiment's is refreshed after each run."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from sweep.report.format import fmt, frame_markdown, pct
+from sweep.report.runs import frame, table
+from sweep.run.summary import tau_tags
+from sweep.run.ui import NOTE_TAG
+
+if TYPE_CHECKING:
+    from sweep.run.pipeline import RunResult
+    from sweep.run.tracking import RunTracker
+
+RUN_NOTE_MAX = 8000  # MLflow's longest run tag value
+EXPERIMENT_NOTE_MAX = 20000  # and experiment tag value
+TABLE_ROWS = 40  # newest runs in the experiment's table
+
+
+def _fit(text: str, limit: int, tail: str) -> str:
+    """``text`` cut at a line boundary (with ``tail`` appended) to at most ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    return text[:text.rfind("\n", 0, limit - len(tail) - 1)] + "\n" + tail
+
+
+def run_note(result: "RunResult", report: str) -> str:
+    """The answer (recommended τ, p95, τ used per phase, ratios, the validation verdict), then ``report``."""
+    m = result.metrics
+    taus = tau_tags(result.records.rows)
+    per_phase = ", ".join(f"{k[len('tau.'):]} {v}" for k, v in taus.items() if k.startswith("tau."))
+    lines = [f"**Recommended τ (`clip.max_norm`) = {fmt(m['recommended_max_norm'])}** · p95 = "
+             f"{fmt(m['grad_norm_p95'])} · τ used: {per_phase} · clipped {pct(m['clip_ratio'])} · "
+             f"skipped {pct(m['skip_ratio'])}", ""]
+    check = result.calibration.checks()[0] if result.calibration is not None and result.calibration.summaries else None
+    if check is not None:
+        lines += [f"**Verdict:** {check.verdict}. Next: {check.action}.", ""]
+    return _fit("\n".join(lines) + "\n" + report, RUN_NOTE_MAX, "… (the whole report: artifact `report.md`)")
+
+
+def experiment_note(runs) -> str:
+    """The newest answer (the newest run with a recommended τ) on one line, then the table of the newest runs."""
+    answered = runs[runs["metrics.recommended_max_norm"].notna()] if "metrics.recommended_max_norm" in runs else runs[:0]
+    lines = []
+    if len(answered):
+        r = answered.iloc[0]
+        tau_used = r.get("tags.tau_used") or "—"
+        lines.append(f"Latest: **{r['tags.mlflow.runName']}**: recommended τ (`clip.max_norm`) "
+                     f"**{fmt(r['metrics.recommended_max_norm'])}**, p95 {fmt(r.get('metrics.grad_norm_p95', math.nan))}, "
+                     f"τ used {tau_used}, clipped {pct(r.get('metrics.clip_ratio', math.nan))}")
+    else:
+        lines.append("No run with a recommended τ yet.")
+    lines += ["", f"## Threshold report: the {min(len(runs), TABLE_ROWS)} newest of {len(runs)} runs", "",
+              "τ used: the clipping threshold each phase trained at; τ rec.: the recommended `clip.max_norm`; "
+              "clipped/skipped: share of steps. `python -m sweep.report` prints the whole table.", "",
+              frame_markdown(table(runs.head(TABLE_ROWS)))]
+    return _fit("\n".join(lines), EXPERIMENT_NOTE_MAX, "… (`python -m sweep.report` prints every run)")
+
+
+def write_notes(tracker: "RunTracker", result: "RunResult", report: str) -> None:
+    """Set the run's description, then refresh the experiment's from every run in the store."""
+    tracker.set_tags({NOTE_TAG: run_note(result, report)})
+    runs = frame(tracker.client.tracking_uri, tracker.experiment_id)
+    tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(runs))

@@ -1,0 +1,110 @@
+"""Acceptance (issue 16): after a calibrate run, the link the run prints opens the MLflow UI on the
+experiment's training runs with the recommended τ and p95 in view, without a click.
+
+A real ``mlflow server`` on 127.0.0.1 and headless Chromium (Debian package ``chromium``; ``.ci/run``
+installs it). Without Chromium the test fails: it is the issue's acceptance test, not optional.
+``CLIPAMP_UI_SCREENS=DIR`` keeps the screenshots there.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from sweep import app
+
+from tests.app.helpers import TINY, compose_cfg
+
+pytestmark = pytest.mark.slow  # a calibrate run, an MLflow server and a browser
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.fail("headless Chromium not found: `apt-get install chromium` (.ci/run installs it)")
+
+
+def _browser(chromium: str, url: str, *args: str) -> str:
+    """Chromium loads ``url`` headless (1600×1000, 20 s of virtual time for the page's requests)."""
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1600,1000",
+           "--virtual-time-budget=20000", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180).stdout
+
+
+def _visible_text(dom: str) -> str:
+    text = re.sub(r"<(style|script)\b.*?</\1>", " ", dom, flags=re.S)
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", text)))
+
+
+@pytest.fixture
+def server(tmp_path):
+    """``mlflow server`` on the test's store (one worker, no job runner), stopped with its children."""
+    port = _free_port()
+    store = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", store,
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield store, port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def _wait(port: int) -> None:
+    for _ in range(480):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail("mlflow server did not answer within 240 s")
+
+
+def test_printed_link_shows_the_recommended_tau_and_p95(tmp_path, store, server, capsys):
+    chromium = _chromium()
+    uri, port = server
+    assert uri == store
+    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=40", "calibrate.window=20", f"tracking.uri={uri}")
+    result = app.run(cfg, ["+experiment=calibrate"])
+    printed = capsys.readouterr().out
+    link = re.search(r"→ (http://127\.0\.0\.1:5000/\S+)", printed).group(1).replace(":5000/", f":{port}/")
+    run = MlflowClient(uri).get_run(result.run_id)
+    tau, p95 = run.data.metrics["recommended_max_norm"], run.data.metrics["grad_norm_p95"]
+    _wait(port)
+
+    text = _visible_text(_browser(chromium, link, "--dump-dom"))
+    screens = Path(os.environ.get("CLIPAMP_UI_SCREENS") or tmp_path)
+    screens.mkdir(parents=True, exist_ok=True)
+    _browser(chromium, link, f"--screenshot={screens / 'mlflow-runs.png'}")
+    assert (screens / "mlflow-runs.png").stat().st_size > 10_000
+
+    # the experiment's description, first line: the latest answer
+    name = run.info.run_name
+    assert re.search(rf"Latest: {name} : recommended τ \( clip\.max_norm \) {tau:.4g} , p95 {p95:.4g}", text), text
+    # the training-runs table (not the GenAI pages) with the shared view's columns: τ and p95 first
+    row = re.search(rf"{name} (?:\d+|a few|an?) \w+ ago (\S+) (\S+) (none → \S+)", text)
+    assert row, text
+    assert float(row.group(1)) == pytest.approx(tau, rel=1e-12)
+    assert float(row.group(2)) == pytest.approx(p95, rel=1e-12)
+    assert row.group(3) == run.data.tags["tau_used"] == f"none → {tau:.4g}"

@@ -1,0 +1,95 @@
+"""``python -m sweep.report``: the runs as the store holds them (``mlflow.search_runs``), newest first,
+τ used, percentages, ≤ 100 columns (``--wide``: every column), ``--experiment`` and ``--last N``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from mlflow import MlflowClient
+
+from sweep.report import cli
+
+RUNS = [  # name, clip, τ used, recommended τ, p95, clip ratio, skip ratio, final loss
+    ("calibrate-gpt-bf16", "calibrated", "none → 2.458", 2.4581372833, 2.4095283508, 0.05, 0.0, 3.5494772911),
+    ("train-gpt-bf16", "fixed", "1", 3.125, 2.75, 0.8125, 0.015625, 3.25),
+    ("trial-12-fp16-0.5-with-a-rather-long-name", "fixed", "0.5", 1.5, 1.25, 1.0, 0.125, 4.0),
+]
+
+
+@pytest.fixture
+def runs(store):
+    """Three finished runs in experiment ``clipamp`` (oldest first) and one in ``other``."""
+    client = MlflowClient(store)
+    exp = client.create_experiment("clipamp")
+    ids = []
+    for i, (name, clip, used, tau, p95, clipped, skipped, loss) in enumerate(RUNS):
+        run = client.create_run(exp, run_name=name, start_time=1_700_000_000_000 + i * 1000,
+                                tags={"clip": clip, "dtype": "bf16", "tau_used": used, "model": "gpt"})
+        for key, value in {"recommended_max_norm": tau, "grad_norm_p95": p95, "grad_norm_p50": p95 / 2,
+                           "grad_norm_p99": p95 * 1.5, "clip_ratio": clipped, "skip_ratio": skipped,
+                           "final_loss": loss}.items():
+            client.log_metric(run.info.run_id, key, value)
+        client.set_terminated(run.info.run_id)
+        ids.append(run.info.run_id)
+    other = client.create_run(client.create_experiment("other"), run_name="elsewhere")
+    client.set_terminated(other.info.run_id)
+    return store, ids
+
+
+def _report(capsys, *argv) -> list[str]:
+    assert cli.main(list(argv)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _cells(line: str) -> list[str]:
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_table_holds_the_stores_values_newest_first_in_100_columns(runs, capsys):
+    store, ids = runs
+    lines = _report(capsys, "--tracking-uri", store)
+    assert _cells(lines[0]) == ["run", "clip", "dtype", "τ used", "τ rec.", "p95", "clipped", "skipped", "loss", "eval"]
+    assert max(map(len, lines)) <= 100
+    client = MlflowClient(store)
+    body = lines[1:]
+    assert len(body) == 3
+    for line, run_id in zip(body, reversed(ids)):  # newest first
+        run = client.get_run(run_id)
+        m, t = run.data.metrics, run.data.tags
+        cells = _cells(line)
+        name = run.info.run_name
+        assert name == cells[0] or (cells[0].endswith("…") and name.startswith(cells[0][:-1]))
+        assert cells[1:4] == [t["clip"], t["dtype"], t["tau_used"]]
+        assert [float(c) for c in cells[4:6]] == pytest.approx([m["recommended_max_norm"], m["grad_norm_p95"]], rel=1e-3)
+        assert [float(c.rstrip("%")) / 100 for c in cells[6:8]] == pytest.approx(
+            [m["clip_ratio"], m["skip_ratio"]], abs=5e-4)
+        assert float(cells[8]) == pytest.approx(m["final_loss"], rel=1e-3) and cells[9] == "—"  # no eval_loss
+
+
+def test_wide_last_and_experiment(runs, capsys):
+    store, ids = runs
+    wide = _report(capsys, "--tracking-uri", store, "--wide", "--last", "2")
+    assert len(wide) == 3 and "elsewhere" not in "\n".join(wide)
+    header = _cells(wide[0])
+    assert header[:3] == ["run", "run_id", "experiment"] and {"p50", "p90", "p99", "status", "model"} <= set(header)
+    newest = MlflowClient(store).get_run(ids[-1])
+    cells = dict(zip(header, _cells(wide[1])))
+    assert cells["run"] == newest.info.run_name and cells["run_id"] == ids[-1][:8]  # not shortened in --wide
+    assert float(cells["p99"]) == pytest.approx(newest.data.metrics["grad_norm_p99"], rel=1e-3)
+    assert cells["status"] == "FINISHED"
+    other = _report(capsys, "--tracking-uri", store, "--experiment", "other")
+    assert len(other) == 2 and other[1].startswith("elsewhere") and "—" in other[1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--last", "0"], "error: --last 0 must be >= 1, e.g. --last 10"),
+    (["--experiment", "nope"], "error: experiment 'nope' not found in the tracking store"),
+])
+def test_bad_filter_is_one_line_exit_2(runs, capsys, argv, message):
+    store, _ = runs
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--tracking-uri", store, *argv])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and err.out == "" and len(err.err.splitlines()) == 1 and err.err.startswith(message)
+
