@@ -136,5 +136,5 @@ def test_a_wheel_without_the_config_tree_fails_from_an_empty_folder(tmp_path):
     work.mkdir()
     run = subprocess.run([str(venv / "bin" / "clipamp"), "+experiment=calibrate", "steps=20", "calibrate.window=10"],
                          cwd=work, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0
-    assert "config" in (run.stdout + run.stderr).lower()
+    assert run.returncode == 2 and not list(work.iterdir())
+    assert run.stderr.strip().startswith("error: Primary config directory not found"), run.stderr
