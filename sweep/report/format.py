@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ def ui_command(uri: str, experiment_id: str | None = None) -> str:
     page = runs_page(experiment_id)
     if uri.startswith(("http://", "https://")):
         return f"open {uri.rstrip('/')}/{page}"
-    return (f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    return (f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000"
             f"  → http://127.0.0.1:5000/{page}")
 
 

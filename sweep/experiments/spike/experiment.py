@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,6 @@ def report(cfg: Config, store: Store, parent: RunTracker, pairs: Pairs, fp16: Pa
         shutil.copyfile(figure, dest)
         console.print(f"figure copied to {dest}")
     console.print(f"figure: {figure}\ntable: {parent.artifact_path('spike_table.md')}\n"
-                  f"runs: mlflow ui --backend-store-uri {redact(store.uri)} → experiment {store.experiment_id}, "
+                  f"runs: mlflow ui --backend-store-uri {shlex.quote(redact(store.uri))} → experiment {store.experiment_id}, "
                   f"parent run {parent.run_id}")
     return SpikeResult(parent.run_id, pairs, fp16, rows, figure, ok, outcome)

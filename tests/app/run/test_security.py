@@ -19,6 +19,14 @@ def test_redaction():
     assert "--host 127.0.0.1" in ui_command("sqlite:///mlruns/mlflow.db")
 
 
+def test_the_ui_command_can_be_pasted_with_a_space_in_the_store_path():
+    import shlex
+
+    uri = "sqlite:////tmp/my runs/ü/mlruns/mlflow.db"
+    argv = shlex.split(ui_command(uri).split("  → ")[0])
+    assert argv[:3] == ["mlflow", "ui", "--backend-store-uri"] and argv[3] == uri
+
+
 @pytest.mark.slow
 def test_password_never_reaches_run_or_terminal(tmp_path, store):
     res = run_cli("+experiment=train", *TINY, "steps=3", f"study.storage=postgresql://bob:{SECRET}@127.0.0.1:1/x",
