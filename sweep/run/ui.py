@@ -4,8 +4,9 @@ MLflow 3's UI opens an experiment on its GenAI pages; ``?workflowType=machine_le
 experiment tag ``mlflow.experimentKind=custom_model_development`` put it on training runs. The runs
 table shows no metric until the user picks columns, so each experiment carries a shared view
 (experiment tag ``mlflow.sharedViewState.<key>``, the UI's own "Share" format: the table state as
-JSON) that shows the recommended τ, the norm quantiles, the τ used and the ratios; the printed
-link names it with ``viewStateShareKey``.
+JSON) that shows the recommended τ, the norm quantiles, the τ used and the ratios, and whose chart
+view opens on one section of the charts that matter (the other metrics' charts in a collapsed
+section); the printed link names it with ``viewStateShareKey``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,32 @@ COLUMNS = [("metrics", "recommended_max_norm"), ("metrics", "grad_norm_p95"), ("
            ("tags", "clip"), ("tags", "dtype"), ("tags", "model"), ("attributes", "Source")]
 
 
+#: The chart view's first section: bars of the answer, then the per-step series (pre/post norm together).
+CHARTS = [("BAR", ["recommended_max_norm"]), ("BAR", ["grad_norm_p95"]),
+          ("LINE", ["grad_l2_pre_clip", "grad_l2_post_clip"]), ("LINE", ["clip_ratio_rolling"]),
+          ("LINE", ["loss"]), ("LINE", ["lr"]), ("LINE", ["scaler_scale"])]
+SECTION = "Gradient clipping"
+OTHERS = "Model metrics"  # the UI's section for every other metric: collapsed
+
+
+def _chart(kind: str, keys: list[str]) -> dict:
+    """One chart card as the UI stores it (its ``RunsChartsBarCardConfig``/``RunsChartsLineCardConfig`` fields)."""
+    card = {"type": kind, "uuid": f"clipamp-{keys[0]}", "metricSectionId": "clipamp", "isGenerated": False,
+            "deleted": False, "metricKey": keys[0], "displayName": keys[0]}
+    if kind == "LINE":
+        card.update(selectedMetricKeys=keys, lineSmoothness=0, xAxisScaleType="linear", scaleType="linear", range={},
+                    xAxisKey="step", selectedXAxisMetricKey="", yAxisKey="metric", yAxisExpressions=[],
+                    ignoreOutliers=False, useGlobalXaxisKey=True, useGlobalLineSmoothing=True)
+    return card
+
+
 def view_state() -> str:
-    """The shared view's JSON: which columns the runs table shows, in which order."""
+    """The shared view's JSON: the runs table's columns in order, the chart view's cards and sections."""
     ids = [f"{kind}.`{name}`" for kind, name in COLUMNS]
-    return json.dumps({"selectedColumns": ids, "columnOrder": ids}, separators=(",", ":"))
+    sections = [{"uuid": "clipamp", "name": SECTION, "display": True, "isReordered": False},
+                {"uuid": "clipamp-others", "name": OTHERS, "display": False, "isReordered": False}]
+    return json.dumps({"selectedColumns": ids, "columnOrder": ids, "compareRunSections": sections,
+                       "compareRunCharts": [_chart(kind, keys) for kind, keys in CHARTS]}, separators=(",", ":"))
 
 
 def experiment_ui_tags(existing: dict[str, str]) -> dict[str, str]:

@@ -108,3 +108,11 @@ def test_printed_link_shows_the_recommended_tau_and_p95(tmp_path, store, server,
     assert float(row.group(1)) == pytest.approx(tau, rel=1e-12)
     assert float(row.group(2)) == pytest.approx(p95, rel=1e-12)
     assert row.group(3) == run.data.tags["tau_used"] == f"none → {tau:.4g}"
+
+    # the chart view (one click away) opens on the answer's section; the other metrics' section is collapsed
+    charts = link + "&compareRunsMode=CHART"
+    text = _visible_text(_browser(chromium, charts, "--dump-dom"))
+    first, others = text.find("Gradient clipping (7)"), text.find("Model metrics (")
+    assert 0 < first < others, text
+    _browser(chromium, charts, "--window-size=1600,1400", "--virtual-time-budget=60000",
+             f"--screenshot={screens / 'mlflow-charts.png'}")

@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from sweep.run.loop import ROLLING, RunRecords
+from sweep.run.loop import ROLLING, STEP_METRICS, RunRecords
 from sweep.run.summary import tau_tags
 from sweep.run.tracking import ensure_experiment
-from sweep.run.ui import COLUMNS, KIND, KIND_TAG, VIEW_TAG
+from sweep.run.ui import CHARTS, COLUMNS, KIND, KIND_TAG, OTHERS, SECTION, VIEW_TAG
 
 
 def _rows(phases, taus):
@@ -64,3 +64,18 @@ def test_experiment_opens_on_training_runs_with_the_answer_columns(store):
     assert ensure_experiment(client, "mine", store) == mine
     tags = client.get_experiment(mine).tags
     assert tags[KIND_TAG] == "genai_development" and tags[VIEW_TAG] == json.dumps(view, separators=(",", ":"))
+
+
+def test_chart_view_opens_on_the_answer_and_every_per_step_series():
+    """The first chart section: τ and p95 bars, then a line chart of every per-step metric the run sends;
+    the UI's own section for the rest is collapsed."""
+    from sweep.run.ui import view_state
+
+    view = json.loads(view_state())
+    assert [(s["name"], s["display"]) for s in view["compareRunSections"]] == [(SECTION, True), (OTHERS, False)]
+    cards = view["compareRunCharts"]
+    assert [c["metricKey"] for c in cards if c["type"] == "BAR"] == ["recommended_max_norm", "grad_norm_p95"]
+    lines = [k for c in cards if c["type"] == "LINE" for k in c["selectedMetricKeys"]]
+    assert sorted(lines) == sorted([*STEP_METRICS, "clip_ratio_rolling"])
+    assert len({c["uuid"] for c in cards}) == len(cards) == len(CHARTS)
+    assert {c["metricSectionId"] for c in cards} == {view["compareRunSections"][0]["uuid"]}
