@@ -20,7 +20,7 @@ from rich.console import Console
 from sweep.errors import UserError, fail
 from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
-from sweep.report.runs import WIDTH, search, table, text
+from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
 from sweep.run.tracking import open_client, resolve_uri
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             f"[bold green]pick: trial {pick.trial}: {pick.override()}[/] ({pick.rule}: {pick.reason})"
             if pick else "no completed trial: no pick"))
     if args.out:
-        save(args.out, table(found, wide=True), sweeps)
+        save(args.out, found, sweeps)
     return 0
 
 
@@ -113,15 +113,16 @@ def check_out(out: str) -> None:
         raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 
 
-def save(out: str, df: pd.DataFrame, sweeps: list) -> None:
-    """``out`` as markdown (``.md``: runs and studies) or CSV (runs; studies beside it as ``.sweeps.csv``)."""
+def save(out: str, runs: pd.DataFrame, sweeps: list) -> None:
+    """``out`` as markdown (``.md``: the wide table as printed, and the studies) or CSV (the wide table's
+    columns with the store's values; studies beside it as ``.sweeps.csv``)."""
     if out.endswith(".md"):
         with open(out, "w") as f:
-            f.write(frame_markdown(df))
+            f.write(frame_markdown(table(runs, wide=True)))
             for name, sdf, pick, band, mode in sweeps:
                 f.write("\n" + sweep_markdown(name, sdf, pick, band=band, mode=mode))
     else:
-        df.to_csv(out, index=False)
+        values(runs).to_csv(out, index=False)
         if sweeps:
             stem = out[:-4] if out.endswith(".csv") else out
             pd.concat([sdf.assign(study=name) for name, sdf, *_ in sweeps]).to_csv(f"{stem}.sweeps.csv", index=False)

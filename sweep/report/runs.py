@@ -64,6 +64,12 @@ def table(runs: pd.DataFrame, wide: bool = False) -> pd.DataFrame:
     return pd.DataFrame(cols, columns=[title for title, _, _ in spec])
 
 
+def values(runs: pd.DataFrame) -> pd.DataFrame:
+    """The wide table's columns with the store's own values (numbers unrounded, ratios as fractions): for CSV."""
+    spec = NARROW[:1] + WIDE_FIRST + NARROW[1:] + WIDE_LAST
+    return pd.DataFrame({title: runs[key] if key in runs else None for title, key, _ in spec})
+
+
 def text(cells: pd.DataFrame, width: int | None = WIDTH) -> str:
     """``cells`` as aligned text lines of at most ``width`` characters (the run names are shortened with …
     to fit; ``None``: no limit)."""

@@ -93,3 +93,19 @@ def test_bad_filter_is_one_line_exit_2(runs, capsys, argv, message):
     err = capsys.readouterr()
     assert e.value.code == 2 and err.out == "" and len(err.err.splitlines()) == 1 and err.err.startswith(message)
 
+
+
+def test_out_csv_holds_the_stores_values_and_md_the_table(runs, capsys, tmp_path):
+    import pandas as pd
+
+    store, ids = runs
+    _report(capsys, "--tracking-uri", store, "--out", str(tmp_path / "runs.csv"))
+    saved = pd.read_csv(tmp_path / "runs.csv")
+    client = MlflowClient(store)
+    for (_, row), run_id in zip(saved.iterrows(), reversed(ids)):
+        m = client.get_run(run_id).data.metrics
+        assert row["run_id"] == run_id and row["τ rec."] == m["recommended_max_norm"]  # unrounded
+        assert (row["p95"], row["clipped"], row["skipped"]) == (m["grad_norm_p95"], m["clip_ratio"], m["skip_ratio"])
+    _report(capsys, "--tracking-uri", store, "--out", str(tmp_path / "runs.md"))
+    md = (tmp_path / "runs.md").read_text().splitlines()
+    assert md[0].startswith("| run | run_id | experiment |") and "| 81.2% |" in md[3]  # train-gpt-bf16, newest-but-one
