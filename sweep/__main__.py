@@ -57,7 +57,8 @@ def precheck(argv: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")  # a path: no pkg:// lookup
 def main(cfg: DictConfig) -> None:
     from sweep.app import run
-    from sweep.run.launch import failure_line, rank_from_env, torchrun_world
+    from sweep.run.launch import rank_from_env, torchrun_world
+    from sweep.run.rank_failure import RankFailed, one_line
 
     try:
         hydra_cfg = HydraConfig.get()
@@ -87,12 +88,17 @@ def main(cfg: DictConfig) -> None:
               + ("re-run the same command to resume the study" if cfg.get("run") == "sweep"
                  else "resume=true continues from the last checkpoint"), file=sys.stderr)
         sys.exit(130)
+    except RankFailed as e:  # under torchrun: rank 0 reports the failure of whichever rank failed
+        line = e.report(rank_from_env())
+        if line is not None:
+            print(f"error: {redact_text(line)}", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:
         if torchrun_world() is None:
             raise  # one process: a bug keeps its traceback
-        line = failure_line(e)  # under torchrun: one line from the rank that failed; torchrun stops the others
-        if line is not None:
-            print(f"error: {redact_text(line)}", file=sys.stderr)
+        # under torchrun before the ranks could agree (joining the process group): each failing rank says so
+        print(f"error: {redact_text(f'rank {rank_from_env()} of {torchrun_world()} failed: {one_line(e)}')}",
+              file=sys.stderr)
         sys.exit(1)
 
 

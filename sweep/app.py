@@ -8,6 +8,7 @@ from rich.console import Console
 
 from sweep.config import Config, validate
 from sweep.experiments.training import run_single
+from sweep.errors import UserError
 from sweep.run import launch as ranks
 from sweep.run.store import anchored
 from sweep.run.tracking import Store, resolve_uri
@@ -37,6 +38,12 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
         if launch.distributed:
             return run_single(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
         return experiment(cfg.run)(cfg, store, Console(soft_wrap=True))
+    except (UserError, ranks.RankFailed):
+        raise
+    except Exception as e:
+        if not launch.distributed:
+            raise
+        raise launch.diagnose(e) from None  # outside the loop: this rank's failure or another's
     finally:
         launch.close()
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sweep.errors import UserError
+from sweep.run.rank_failure import RankFailed, diagnose, register
 
 #: Experiments that can run on several ranks.
 DISTRIBUTED_RUNS = ("calibrate", "train")
@@ -45,6 +46,7 @@ class Launch:
     world: int = 1
     local_rank: int = 0
     group: Any = None  # the gloo group for host-side agreement (None: the default group)
+    store: Any = None  # torchrun's key-value store (clipamp/ keys): failure records outlive the group
 
     @property
     def is_main(self) -> bool:
@@ -111,6 +113,10 @@ class Launch:
             return fully_shard(model)
         return model
 
+    def diagnose(self, e: BaseException) -> RankFailed:
+        """The failure ``e`` means for the job: this rank's own (recorded for rank 0) or another rank's."""
+        return diagnose(e, self.store, self.rank, self.world)
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -158,9 +164,14 @@ def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: floa
     local_rank = int(os.environ["LOCAL_RANK"])
     if _cuda(device):
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if _cuda(device) else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # what init_process_group does, kept
+    store.set_timeout(timeout)
+    dist.init_process_group("nccl" if _cuda(device) else "gloo", store=dist.PrefixStore("default_pg", store),
+                            rank=rank, world_size=world, timeout=timeout)
     group = dist.new_group(backend="gloo") if _cuda(device) else None
-    launch = Launch(strategy, dist.get_rank(), dist.get_world_size(), local_rank, group)
+    launch = Launch(strategy, rank, world, local_rank, group, dist.PrefixStore("clipamp", store))
+    register(launch.store, rank)
     if not launch.is_main:
         warnings.simplefilter("ignore")
     return launch
@@ -169,16 +180,3 @@ def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: floa
 def rank_from_env() -> int:
     """This process's rank as torchrun set it (0 outside torchrun)."""
     return int(os.environ.get("RANK", "0")) if torchrun_world() is not None else 0
-
-
-def peer_failed(e: BaseException) -> bool:
-    """Whether ``e`` is a collective broken by another rank's exit (that rank reports its own failure)."""
-    return isinstance(e, dist.DistError) or "Connection closed by peer" in str(e) or "Connection reset by peer" in str(e)
-
-
-def failure_line(e: BaseException) -> str | None:
-    """The one line a failed rank prints under torchrun; None when another rank failed first."""
-    if peer_failed(e):
-        return None
-    message = " ".join(str(e).split()) or "no message"
-    return f"rank {rank_from_env()} of {torchrun_world()} failed: {type(e).__name__}: {message}"

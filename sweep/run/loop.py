@@ -29,6 +29,10 @@ class RunRecords:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def last_step(self) -> int | None:
+        return self.rows[-1]["step"] if self.rows else None
+
     def taken(self, phase: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.rows if not r["skipped"] and (phase is None or r["phase"] == phase)]
 
@@ -101,7 +105,8 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) == self._handler:  # a handler set meanwhile (a rank failing under torchrun) stays
+                signal.signal(sig, handler)
 
     def pass_on(self) -> bool:
         """Hand a stop this request did not act on to an enclosing ``StopRequest`` (a sweep's); False if none."""

@@ -102,6 +102,12 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
             except StopRun as e:
                 status = e.status
                 raise
+            except Exception as e:  # under torchrun: this rank's bug (FAILED), another rank's failure or death (KILLED)
+                if isinstance(e, UserError) or not launch.distributed:
+                    raise
+                failure = launch.diagnose(e).kept(run.records.last_step, run.checkpointed)
+                status = failure.status
+                raise failure from None
             try:
                 result = run.finish()  # a first signal here waits for it; a second one cuts it short
             except KeyboardInterrupt:
@@ -207,6 +213,7 @@ class _ActiveRun:
     ckpt_file: Path
     launch: Launch
     windows_seen: int = 0  # calibration windows already logged
+    checkpointed: int | None = None  # the step of the run's latest checkpoint
 
     @classmethod
     def start(cls, cfg: Config, tracker: RunTracker | SilentTracker, task: Task, hooks: RunHooks,
@@ -256,6 +263,7 @@ class _ActiveRun:
                                 f"({len(self.records.rows)} rows): resuming would lose rows and the summary built "
                                 f"from them; restore steps.csv or start a new run (drop resume=)")
         self.windows_seen = len(self.windows)
+        self.checkpointed = step
         self.hooks.announce(f"resumed run {self.tracker.run_id} at step {self.start_step}")
 
     @property
@@ -289,7 +297,8 @@ class _ActiveRun:
             yield self.hooks.batch(i, batch) if self.hooks.batch is not None else batch
 
     def checkpoint(self, step: int) -> None:
-        save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id)
+        if save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id):
+            self.checkpointed = step
 
     def loop(self, stop: StopRequest) -> None:
         cfg, clip = self.cfg, self.state.clip
