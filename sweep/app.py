@@ -8,7 +8,6 @@ from rich.console import Console
 
 from sweep.config import Config, validate
 from sweep.experiments.training import run_single
-from sweep.errors import UserError
 from sweep.run import launch as ranks
 from sweep.run.store import anchored
 from sweep.run.tracking import Store, resolve_uri
@@ -32,20 +31,17 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
     anchored there, whatever folder Hydra runs the job in.
     """
     validate(cfg)
-    launch = ranks.start(cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device, cfg.dist.timeout_s)
-    try:
+    trials_own = cfg.run == "sweep" and cfg.study.nproc_per_trial > 1  # dist.strategy is for the trials' jobs
+    launch = ranks.start("auto" if trials_own else cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device,
+                         cfg.dist.timeout_s)
+
+    def go() -> object:
         store = open_store(cfg, overrides, launch, base_dir or Path.cwd())
         if launch.distributed:
             return run_single(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
         return experiment(cfg.run)(cfg, store, Console(soft_wrap=True))
-    except (UserError, ranks.RankFailed):
-        raise
-    except Exception as e:
-        if not launch.distributed:
-            raise
-        raise launch.diagnose(e) from None  # outside the loop: this rank's failure or another's
-    finally:
-        launch.close()
+
+    return launch.run(go)
 
 
 def open_store(cfg: Config, overrides: list[str] | None, launch: ranks.Launch, base_dir: Path) -> Store:

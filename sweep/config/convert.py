@@ -47,6 +47,11 @@ def as_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def from_yaml(text: str) -> Config:
+    """The ``Config`` that ``as_yaml`` wrote (checked against the schema)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text)))
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (empty dicts stay leaves): the MLflow params of a config."""
     out: dict[str, Any] = {}

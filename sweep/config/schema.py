@@ -228,6 +228,9 @@ class StudyConfig:
     # shared machine or several sweep workers per host: idle-spinning threads of an oversubscribed
     # CPU made the default sweep up to 6x slower here; 2 threads were only ~20% faster when idle.
     threads: int = 0
+    # >1: each trial is a torchrun job of this many processes (dist.strategy: auto = ddp, or fsdp2) that this
+    # sweep process launches and waits for; its objective comes from the job's MLflow run. No pruning.
+    nproc_per_trial: int = 1
     # A worker killed mid-trial: its trial stops sending heartbeats; the next invocation (or any
     # worker) marks it FAIL, its child run KILLED, and re-enqueues its parameters once.
     # entangle (the LR check): optim.lr × lr_factors by τ ∈ {none} ∪ window quantiles, `seeds` seeds per cell

@@ -167,9 +167,31 @@ def check_study(cfg: Config) -> None:
         if getattr(s, key) < low:
             raise UserError(f"study.{key}={getattr(s, key)} must be >= {low}"
                             + (" (0: torch's default)" if key == "threads" else ""))
+    check_nproc_per_trial(cfg)
     if cfg.clip.mode != "norm":
         raise UserError(f"clip={cfg.clip.mode}: the sweep tunes the global-norm threshold clip.max_norm; "
                         f"pass clip=norm")
+
+
+def check_nproc_per_trial(cfg: Config) -> None:
+    """``study.nproc_per_trial=N``: trials as torchrun jobs, which the sweep process cannot prune."""
+    s, n = cfg.study, cfg.study.nproc_per_trial
+    if n < 1:
+        raise UserError(f"study.nproc_per_trial={n} must be >= 1 (1: each trial in the sweep process)")
+    if n == 1:
+        return
+    if s.mode == "entangle":
+        raise UserError(f"study.nproc_per_trial={n}: study=entangle runs its grid in the sweep process; "
+                        "drop study.nproc_per_trial")
+    if s.mode == "constrained" and s.pruner != "none":
+        raise UserError(f"study.nproc_per_trial={n}: a trial runs as a torchrun job whose steps the sweep process "
+                        f"does not see, so study.pruner={s.pruner} cannot stop it; pass study.pruner=none "
+                        "(or study.nproc_per_trial=1)")
+    if cfg.data.batch_size % n:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} does not split over study.nproc_per_trial={n} "
+                        f"ranks: use a multiple of {n}")
+    if cfg.dist.strategy == "none":
+        raise UserError(f"study.nproc_per_trial={n} needs dist.strategy=auto, ddp or fsdp2 for its trials")
 
 
 def check_spike(cfg: Config) -> None:

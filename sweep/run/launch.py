@@ -113,6 +113,20 @@ class Launch:
             return fully_shard(model)
         return model
 
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()``, then leave the group. Under torchrun a failure other than a user mistake becomes a
+        ``RankFailed``: this rank's own (recorded for rank 0), or another rank's."""
+        try:
+            return fn()
+        except (UserError, RankFailed):
+            raise
+        except Exception as e:
+            if not self.distributed:
+                raise
+            raise self.diagnose(e) from None
+        finally:
+            self.close()
+
     def diagnose(self, e: BaseException) -> RankFailed:
         """The failure ``e`` means for the job: this rank's own (recorded for rank 0) or another rank's."""
         return diagnose(e, self.store, self.rank, self.world)

@@ -224,7 +224,7 @@ class _ActiveRun:
         start = ckpt["step"] if ckpt else 0
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
-        tracker.set_tags({"pipeline": state.pipeline})  # fused or default update path (clipamp_engine.fused)
+        tracker.set_tags({"pipeline": state.pipeline, "ranks": str(launch.world)})  # update path (clipamp_engine.fused); ranks
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         try:
             writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None) if csv_path else _NoCSV()

@@ -20,6 +20,7 @@ from sweep.config.convert import child_config
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.experiments.study.progress import TrialProgress
+from sweep.experiments.study.trial_launch import run_job
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
 from sweep.run.tracking import RunTracker, Store, log_metrics, redact_text
@@ -125,7 +126,7 @@ def run_trial(ctx: TrialContext, trial) -> None:
                          "max_norm": f"{max_norm:.6g}", "sweep_parent": ctx.parent_run_id})
     hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=lambda line: None)
     try:
-        result = run_training(trial_config(cfg, dtype, max_norm), ctx.store, spec, hooks)
+        result = _train(ctx, trial, trial_config(cfg, dtype, max_norm), spec, hooks, watch)
     except optuna.TrialPruned:
         _tell_pruned(ctx, trial, watch, time.perf_counter() - t0)
     except (KeyboardInterrupt, UserError):
@@ -135,6 +136,19 @@ def run_trial(ctx: TrialContext, trial) -> None:
         _tell_failed(ctx, trial, watch, spec, time.perf_counter() - t0, e)
     else:
         _tell_complete(ctx, trial, watch, result, time.perf_counter() - t0)
+
+
+def _train(ctx: TrialContext, trial, cfg: Config, spec: RunSpec, hooks: RunHooks, watch: _Watch) -> RunResult:
+    """The trial's child run: in this process, or as a torchrun job (``study.nproc_per_trial`` > 1) whose
+    logged metrics and steps.csv rows are the trial's."""
+    s = ctx.cfg.study
+    if s.nproc_per_trial == 1:
+        return run_training(cfg, ctx.store, spec, hooks)
+    result = run_job(cfg, spec, ctx.store, s.nproc_per_trial, lambda: ctx.storage.record_heartbeat(trial._trial_id),
+                     s.heartbeat_interval)
+    watch.records.rows = result.records.rows
+    ctx.counters.steps_run += len(result.records.rows)
+    return result
 
 
 def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:

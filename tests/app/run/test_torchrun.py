@@ -125,13 +125,20 @@ def one_process(tmp_path_factory) -> pd.DataFrame:
     return pd.read_csv(_csv_of(_run([sys.executable, "-m", "sweep", *RUN, f"steps={STEPS}"], tmp).stdout))
 
 
+#: 2 ranks sum each gradient in another order than one process: every step agrees to rtol 1e-5 over the
+#: first 16 steps, after which training amplifies those ~1e-7 roundings (measured: 1.5e-5 on the pre-clip
+#: norm at step 41 of 48, loss still 2e-7), so later steps are held to rtol 1e-4.
+EXACT_STEPS = 16
+
+
 def _assert_same_run(rows: pd.DataFrame, ref: pd.DataFrame) -> None:
     assert rows["step"].tolist() == list(range(1, STEPS + 1)) == ref["step"].tolist()
     assert rows["skipped"].tolist() == ref["skipped"].tolist()
     assert rows["token_count"].tolist() == ref["token_count"].tolist()  # global, not one rank's share
     for col in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "max_norm"):
-        torch.testing.assert_close(torch.tensor(rows[col].fillna(0).to_numpy()),
-                                   torch.tensor(ref[col].fillna(0).to_numpy()), rtol=1e-5, atol=1e-6, msg=col)
+        got, want = torch.tensor(rows[col].fillna(0).to_numpy()), torch.tensor(ref[col].fillna(0).to_numpy())
+        torch.testing.assert_close(got[:EXACT_STEPS], want[:EXACT_STEPS], rtol=1e-5, atol=1e-6, msg=col)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=col)
 
 
 @pytest.mark.slow

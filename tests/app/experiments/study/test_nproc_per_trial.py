@@ -1,0 +1,76 @@
+"""``study.nproc_per_trial=2``: each trial of a sweep is a 2-rank torchrun job (gloo, CPU).
+
+The same 2-trial study run with one-process trials is the reference: in fp32 every trial must get the
+same parameters, its child run the same steps (rtol 1e-5), and Optuna the values the child run logged
+to MLflow (read back, not recomputed), equal to the one-process trial's. What cannot work (pruning
+a job whose steps the sweep process does not see) is refused in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from sweep import app
+from sweep.config import validate
+from sweep.errors import UserError
+
+from tests.app.experiments.study.test_sweep import children, optuna_study, sweep_cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["study.nproc_per_trial=0"], "study.nproc_per_trial=0 must be >= 1"),
+    (["study.nproc_per_trial=2", "study=constrained"],
+     "study.nproc_per_trial=2: a trial runs as a torchrun job whose steps the sweep process does not see, so "
+     "study.pruner=median cannot stop it; pass study.pruner=none (or study.nproc_per_trial=1)"),
+    (["study.nproc_per_trial=3"], "data.batch_size=4 does not split over study.nproc_per_trial=3 ranks"),
+    (["study.nproc_per_trial=2", "study=entangle"], "study.nproc_per_trial=2: study=entangle runs its grid"),
+    (["study.nproc_per_trial=2", "dist.strategy=none"], "study.nproc_per_trial=2 needs dist.strategy=auto"),
+])
+def test_what_torchrun_trials_cannot_do_is_one_line(overrides, message):
+    with pytest.raises(UserError) as e:
+        validate(sweep_cfg("sqlite:///unused.db", *overrides))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_constrained_torchrun_trials_without_pruner_are_accepted():
+    validate(sweep_cfg("sqlite:///unused.db", "study.nproc_per_trial=2", "study=constrained", "study.pruner=none"))
+
+
+def _sweep(root: Path, nproc: int):
+    uri = f"sqlite:///{root}/mlruns/mlflow.db"
+    cfg = sweep_cfg(uri, "study.anchor=null", "study.n_trials=2", "study.dtypes=[fp32]",
+                    f"study.nproc_per_trial={nproc}")
+    result = app.run(cfg, ["+experiment=sweep"])
+    client = MlflowClient(uri)
+    runs = {int(r.data.tags["trial"]): r for r in children(client, result.parent_run_id)}
+    rows = {n: pd.read_csv(client.download_artifacts(r.info.run_id, "steps.csv", str(root))) for n, r in runs.items()}
+    return optuna_study(result, root).trials, runs, rows
+
+
+@pytest.mark.slow
+def test_torchrun_trials_are_the_one_process_trials(tmp_path):
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    ref_trials, ref_runs, ref_rows = _sweep(tmp_path / "one", 1)
+    trials, runs, rows = _sweep(tmp_path / "two", 2)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    assert sorted(runs) == [0, 1]
+    for t, ref in zip(trials, ref_trials):
+        run = runs[t.number]
+        assert t.params == ref.params  # same seeded sampler, same history
+        assert run.info.status == "FINISHED" and t.user_attrs["run_id"] == run.info.run_id
+        assert (run.data.tags["ranks"], ref_runs[t.number].data.tags["ranks"]) == ("2", "1")  # a 2-rank torchrun job
+        # Optuna's values are the child run's logged metrics (pareto: eval loss, clipping ratio)
+        assert t.values == [run.data.metrics["eval_loss"], run.data.metrics["clip_ratio"]]
+        assert t.user_attrs["steps_run"] == len(rows[t.number]) == 8
+        torch.testing.assert_close(torch.tensor(t.values), torch.tensor(ref.values), rtol=1e-5, atol=1e-7)
+        got, want = rows[t.number], ref_rows[t.number]
+        assert got["step"].tolist() == want["step"].tolist() and got["clipped"].tolist() == want["clipped"].tolist()
+        for col in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "lr"):
+            torch.testing.assert_close(torch.tensor(got[col].to_numpy()), torch.tensor(want[col].to_numpy()),
+                                       rtol=1e-5, atol=1e-7, msg=col)
