@@ -30,7 +30,7 @@ def run(job: dict[str, Any]) -> RunResult:
     launch = ranks.start(cfg.dist.strategy, "train", cfg.data.batch_size, cfg.device, cfg.dist.timeout_s)
 
     def go() -> RunResult:
-        store = dataclasses.replace(open_store(cfg, None, launch), tags=job["store_tags"])
+        store = dataclasses.replace(open_store(cfg, None, launch, Path.cwd()), tags=job["store_tags"])
         spec = RunSpec(job["name"], job["parent_run_id"], job["tags"])
         return run_training(cfg, store, spec, RunHooks(artifacts=write_run_report, announce=lambda line: None), launch)
 
