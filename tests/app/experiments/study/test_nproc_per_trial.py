@@ -74,3 +74,22 @@ def test_torchrun_trials_are_the_one_process_trials(tmp_path):
         for col in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "lr"):
             torch.testing.assert_close(torch.tensor(got[col].to_numpy()), torch.tensor(want[col].to_numpy()),
                                        rtol=1e-5, atol=1e-7, msg=col)
+
+
+@pytest.mark.slow
+def test_a_failed_trial_job_is_a_failed_trial_with_its_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLIPAMP_TEST_RANK_FAULT", "raise:1:3")  # the jobs' rank 1 raises at its 3rd step
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    cfg = sweep_cfg(uri, "study.anchor=null", "study.n_trials=2", "study.dtypes=[fp32]", "study.nproc_per_trial=2",
+                    "model=custom", "model._target_=tests.app.run.rank_faults.RankFault")
+    result = app.run(cfg, ["+experiment=sweep"])  # the sweep goes on past failed trials, as in one process
+    trials = optuna_study(result, tmp_path).trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
+    client = MlflowClient(uri)
+    for t in trials:
+        assert t.user_attrs["error"] == ("RuntimeError: rank 1 of 2 failed: RuntimeError: injected fault in forward "
+                                         "at step 3; the run ended FAILED, steps.csv keeps steps 1–2; no checkpoint "
+                                         "was written yet (checkpoint_every=): start a new run")
+        run = client.get_run(t.user_attrs["run_id"])
+        assert run.info.status == "FAILED" and run.data.tags["ranks"] == "2"
+        assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
