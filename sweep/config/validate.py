@@ -216,6 +216,31 @@ def check_spike(cfg: Config) -> None:
         raise UserError(f"spike.at_step={s.at_step} must be in [2, steps - {last}] with steps={cfg.steps} "
                         f"(the last horizon is +{last}): raise steps to >= {s.at_step + last} or lower spike.at_step")
     _check_spike_windows(cfg)
+    _check_fp16_overrides(cfg)
+
+
+#: The ``model.*`` keys that act on a ``model=hf`` model; the others (d_model, n_layer, ...) size the built-in ones.
+HF_MODEL_KEYS = ("config", "pretrained", "freeze", "train_only")
+HF_FP16_EXAMPLE = ("'spike.fp16_overrides=[\"model.config.hidden_size=32\",\"model.config.intermediate_size=64\","
+                   "\"model.config.num_hidden_layers=2\",\"data.seq_len=64\",\"amp.growth_interval=20\"]'")
+
+
+def _check_fp16_overrides(cfg: Config) -> None:
+    """Under ``model=hf``, refuse fp16 overrides that would silently leave the model at full size
+    (the default ones shrink the built-in GPT: ``model.d_model``...; a pretrained model has a fixed size)."""
+    if not cfg.spike.fp16 or cfg.model.name != "hf":
+        return
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in cfg.spike.fp16_overrides]
+    models = [k for k in keys if k.startswith("model.")]
+    inert = [k for k in models if k.split(".")[1] not in HF_MODEL_KEYS]
+    if cfg.model.pretrained:
+        inert += [k for k in models if k.startswith("model.config.")]
+    if inert:
+        fix = ("'spike.fp16_overrides=[\"amp.growth_interval=20\"]' (a pretrained model keeps its size)"
+               if cfg.model.pretrained else f"shrink the model with model.config keys, e.g. {HF_FP16_EXAMPLE}")
+        raise UserError(f"spike.fp16_overrides sets {', '.join(inert)}, which do nothing for model=hf"
+                        f"{' model.pretrained=DIR' if cfg.model.pretrained else ''} (the fp16 pair would run the "
+                        f"full-size model): pass spike.fp16=false, or {fix}")
 
 
 def _check_spike_windows(cfg: Config) -> None:

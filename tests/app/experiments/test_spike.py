@@ -189,3 +189,33 @@ def test_cli_refuses_a_spike_inside_the_window_in_one_line(tmp_path):
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: spike.at_step=10 must land after")
     assert "Traceback" not in res.stderr
+
+
+def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
+    """The default fp16 overrides size the built-in GPT (model.d_model...): under model=hf they would leave
+    the fp16 pair at full size, so they are refused in one line; the fix the line names shrinks the model."""
+    from sweep.config.validate import HF_FP16_EXAMPLE
+    from sweep.experiments.spike.experiment import fp16_config
+    from sweep.tasks import hf_model as M
+
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=spike", "model=hf", "data=hf"))
+    msg = str(e.value)
+    assert msg.startswith("spike.fp16_overrides sets model.d_model, model.n_layer, model.n_head, model.block_size, "
+                          "which do nothing for model=hf") and "spike.fp16=false" in msg and "\n" not in msg
+    validate(compose_cfg("+experiment=spike", "model=hf", "data=hf", "spike.fp16=false"))  # no fp16 pair: runs
+
+    cfg = compose_cfg("+experiment=spike", "model=hf", "data=hf", HF_FP16_EXAMPLE.strip("'"))
+    validate(cfg)
+    cfg16 = fp16_config(cfg)
+    full, small = M.from_config(cfg.model, 300), M.from_config(cfg16.model, 300)
+    assert (full.config.hidden_size, full.config.num_hidden_layers) == (128, 4)  # the preset, untouched
+    assert (small.config.hidden_size, small.config.intermediate_size, small.config.num_hidden_layers) == (32, 64, 2)
+    assert (cfg16.data.seq_len, cfg16.amp.dtype, cfg16.amp.growth_interval) == (64, "fp16", 20)
+    n_params = lambda m: sum(p.numel() for p in m.parameters())
+    assert n_params(small) < n_params(full) / 10
+
+    with pytest.raises(UserError) as e:  # a pretrained model keeps its size: model.config does nothing
+        validate(compose_cfg("+experiment=spike", "model=hf", "data=hf", "model.pretrained=/any/dir",
+                             HF_FP16_EXAMPLE.strip("'")))
+    assert "model.config.hidden_size" in str(e.value) and "model=hf model.pretrained=DIR" in str(e.value)
