@@ -148,6 +148,8 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
     try:
         lock = lock_run(store.uri, tracker.run_id)
         tracker.log_params(flat_params(cfg))
+        if task.tokenizer is not None:  # model=hf: the run's data can be re-encoded exactly as it was
+            task.tokenizer.save_pretrained(str(tracker.artifact_path("tokenizer")))
     except BaseException:
         tracker.end("FAILED")
         if lock is not None:

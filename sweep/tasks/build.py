@@ -39,6 +39,7 @@ class Task:
     train_batches: Iterator[Batch]  # infinite; same seed => same sequence
     eval_batches: list[Batch]  # fixed held-out batches
     description: str
+    tokenizer: Any = None  # model=hf: the tokenizer the batches were encoded with (logged with the run)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +155,11 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         from .hf import hf_task
         from .hf_model import describe
 
-        model, train, evals, about = hf_task(model_cfg, data_cfg, seed=seed, eval_seed=EVAL_SEED,
+        model, train, evals, about, tok = hf_task(model_cfg, data_cfg, seed=seed, eval_seed=EVAL_SEED,
                                              device=torch.device(device))
         freeze(model, model_cfg)
         return Task(model, lm_loss, (Batch(*b) for b in train), [Batch(*b) for b in evals],
-                    f"hf {describe(model)} {about}")
+                    f"hf {describe(model)} {about}", tokenizer=tok)
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -71,7 +71,7 @@ def _batches(corpus: C.Corpus, d: DataConfig, g: torch.Generator, device: torch.
 
 
 def hf_task(m: ModelConfig, d: DataConfig, *, seed: int, eval_seed: int, device: torch.device):
-    """-> (model initialised from ``seed``, train triples, eval triples, what it trains on).
+    """-> (model initialised from ``seed``, train triples, eval triples, what it trains on, the tokenizer).
 
     ``build_task`` wraps the triples into batches, freezes parameters and adds the token-mean loss.
     """
@@ -92,4 +92,4 @@ def hf_task(m: ModelConfig, d: DataConfig, *, seed: int, eval_seed: int, device:
     origin = f"model.pretrained={m.pretrained}" if m.pretrained else f"model_type={model.config.model_type}"
     about = (f"({origin}) on {d.name} ({n_docs} docs, {train.nbytes + held_out.nbytes} tokens, {len(held_out)} "
              f"docs held out; {'packed' if d.packing else 'padded'}; tokenizer: {where})")
-    return model, _batches(train, d, torch.Generator().manual_seed(seed), device), evals, about
+    return model, _batches(train, d, torch.Generator().manual_seed(seed), device), evals, about, tok

@@ -3,6 +3,7 @@ modules, a sweep over both dtypes, one-line errors."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -42,7 +43,17 @@ def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
     assert set(df["data_source"]) <= {"prose", "code"} and len(set(df["data_source"])) == 2
     assert (df["token_count"] == 8 * 32).all()  # packed: every target is a real token
     assert m["recommended_max_norm"] == pytest.approx(df["grad_l2_pre_clip"][:12].quantile(0.95), rel=1e-6)
-    assert list((tmp_path / ".clipamp").glob("tokenizer-bpe300-*/tokenizer.json"))  # cached beside the data
+    (cached,) = (tmp_path / ".clipamp").glob("tokenizer-bpe300-*")  # trained once, cached beside the data
+    assert f"cached in {cached}" in run.data.tags["task"]  # the tokenizer the run encoded its data with
+
+    from transformers import PreTrainedTokenizerFast
+
+    logged = PreTrainedTokenizerFast.from_pretrained(client.download_artifacts(run.info.run_id, "tokenizer",
+                                                                              str(tmp_path / "dl")))
+    used = PreTrainedTokenizerFast.from_pretrained(cached)
+    lines = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    assert logged(lines)["input_ids"] == used(lines)["input_ids"]  # the artifact encodes the data as the run did
+    assert (len(logged), logged.eos_token_id, logged.pad_token_id) == (len(used), used.eos_token_id, used.pad_token_id)
 
 
 def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
