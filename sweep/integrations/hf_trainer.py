@@ -16,9 +16,11 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   callback takes the clip over: at train begin it sets ``args.max_grad_norm = 0`` (Trainer then
   only measures ‖g‖ and logs it as ``grad_norm``) and in ``on_pre_optimizer_step`` clips the same
   gradients with the same rule, ``g · min(1, τ / (‖g‖ + 1e-6))``, at your ``max_grad_norm`` — or,
-  with ``apply=True``, at the calibrated τ once the window closes. ``args`` is restored at train
-  end. ``grad_l2_pre_clip`` is therefore Trainer's own ``grad_norm``; ``grad_l2_post_clip`` the
-  norm the optimizer received.
+  with ``apply=True``, at the calibrated τ once the window closes. The window, its summary and
+  the τ in force are the engine's ``CalibratedClip`` (the policy of ``clip=calibrated`` runs; with
+  ``apply=True`` it clips too, at your ``max_grad_norm`` as its cap until the window closes).
+  ``args`` is restored at train end. ``grad_l2_pre_clip`` is therefore Trainer's own
+  ``grad_norm``; ``grad_l2_post_clip`` the norm the optimizer received.
 - Loss: the model's own ``outputs.loss`` (a forward hook), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
   mean over the accumulated batch), else averaged. With a ``compute_loss_func`` or label
@@ -46,7 +48,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from clipamp_engine import NormCalibrator, SkipLog, StepCSVWriter, StepLog, clip_global_l2_norm, total_norm
+from clipamp_engine import CalibratedClip, NormCalibrator, SkipLog, StepCSVWriter, StepLog, clip_global_l2_norm, total_norm
+from clipamp_engine.calibration import CalibrationError
 from clipamp_engine.norms import grads_of
 
 from ..run.loop import RunRecords
@@ -77,8 +80,8 @@ class ClipampCallback(TrainerCallback):
                  candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0), verbose: bool = True) -> None:
         if not isinstance(window, int) or window < 2:
             raise ValueError(f"window={window!r} must be an integer >= 2 (steps in the calibration window)")
-        self.calibrator = NormCalibrator(quantile, candidates)  # validates quantile
-        self.window, self.quantile, self.apply = window, quantile, apply
+        self.policy = CalibratedClip(window, quantile=quantile, candidates=candidates)  # validates quantile
+        self.window, self.quantile, self.candidates, self.apply = window, quantile, tuple(candidates), apply
         self.csv_path, self.tracking, self.experiment, self.run_name = csv_path, tracking, experiment, run_name
         self.skip_nonfinite, self.verbose = skip_nonfinite, verbose
         self.records = RunRecords()
@@ -95,6 +98,9 @@ class ClipampCallback(TrainerCallback):
         self._args, self._user_tau = args, args.max_grad_norm
         self.tau = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         args.max_grad_norm = 0.0  # Trainer measures ‖g‖ without clipping; we clip in on_pre_optimizer_step
+        # steps 1..window (cut at the run's end, if shorter); until it closes, clip at the user's τ (apply=True)
+        self.policy = CalibratedClip(self.window, quantile=self.quantile, candidates=self.candidates, cap=self.tau,
+                                     total_steps=state.max_steps if state.max_steps > 0 else None)
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._reset()
         if state.is_world_process_zero:
@@ -113,8 +119,12 @@ class ClipampCallback(TrainerCallback):
         args.max_grad_norm = self._user_tau
         if self._hook is not None:
             self._hook.remove()
-        if self.summary is None and len(self.calibrator.norms) >= 2:
-            self._close_window()  # the run ended inside the window: summarise what it saw
+        open_window = self.policy.state_dict()["calibrator"]  # the run stopped inside its window (early stop)
+        if self.summary is None and open_window is not None:
+            seen = NormCalibrator(self.quantile, self.candidates)
+            seen.load_state_dict(open_window)
+            if len(seen.norms) >= 2:
+                self._close_window(seen.summary)  # summarise what it saw
         if self.writer is None:
             return
         self.writer.close()
@@ -159,7 +169,14 @@ class ClipampCallback(TrainerCallback):
         self._has_scaler = scaler is not None and scaler.is_enabled()
         self._scale = float(scaler.get_scale()) if self._has_scaler else 1.0  # sync (CUDA fp16): this step's scale
         self._lr = float(optimizer.param_groups[0]["lr"])
-        if self.tau is None:
+        if self.apply:  # the policy's τ: the cap (user's max_grad_norm) in the window, the calibrated τ after
+            grads = grads_of(params)
+            pre = total_norm(grads)
+            finite = torch.isfinite(pre)  # a non-finite gradient is left as it is (like clip_global_l2_norm)
+            post = torch.where(finite, self.policy.clip_(params, grads, torch.where(finite, pre, 0.0),
+                                                          state.global_step + 1), pre)
+            self.tau = self.policy.threshold
+        elif self.tau is None:
             pre = post = total_norm(grads_of(params))
         else:
             pre, post = clip_global_l2_norm(params, self.tau)
@@ -182,26 +199,28 @@ class ClipampCallback(TrainerCallback):
         tok = self._step_tokens
         common = dict(step=step, lr=self._lr, grad_l2_pre_clip=self._pre, loss=self._step_loss,
                       scaler_scale=self._scale, token_count=tok, max_norm=self.tau,
-                      extra={"phase": "calibrate" if step <= self.window else "validate",
+                      extra={"phase": self.policy.phase(step),
                              "grad_l2_token_normalised": self._pre * math.sqrt(tok) if tok else None})
         if self._skipped:
             log = SkipLog(grad_l2_post_clip=float("nan"), clipped=False, skip_reason="nonfinite_grad", **common)
         else:
             log = StepLog(grad_l2_post_clip=self._post, clipped=self._post < self._pre, **common)
-        if step <= self.window:
-            self.calibrator.add(log)
+        try:
+            self.policy.observe(log)  # at the window's last step: its summary, τ adopted for the next step
+        except CalibrationError as e:  # every step of the window was skipped
+            self.say(f"{e}: no recommendation")
+        if self.policy.summaries and self.summary is None:
+            self._close_window(lambda: self.policy.summaries[-1])
         if self.writer is not None:
             row = log.row()
             self.writer.write(row)
             self.records.rows.append(row)
             if self.tracker is not None:
                 self.tracker.add_step(step, self.records.step_metrics())
-        if step == self.window:
-            self._close_window()
 
-    def _close_window(self) -> None:
+    def _close_window(self, summary) -> None:
         try:
-            self.summary = s = self.calibrator.summary()
+            self.summary = s = summary()
         except ValueError as e:  # every step of the window was skipped
             self.say(f"{e}: no recommendation")
             return
@@ -212,8 +231,6 @@ class ClipampCallback(TrainerCallback):
                  f"recommended max_grad_norm={tau:.4g} (Quantile_{self.quantile:g}); "
                  + (f"applied from step {s.end_step + 1}" if self.apply else
                     f"not applied (ClipampCallback(apply=True) clips at it; max_grad_norm stays {self._user_tau:g})"))
-        if self.apply:
-            self.tau = tau
         if self.tracker is not None:
             self.tracker.log_metrics({**{f"window_{k}": v for k, v in q.items()},
                                       "window_recommended_max_norm": tau}, step=s.end_step)

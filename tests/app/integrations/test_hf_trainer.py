@@ -84,6 +84,33 @@ def test_clipping_is_trainers_own(tmp_path):
     assert moved
 
 
+class SwitchMaxGradNorm(TrainerCallback):
+    """A plain Trainer whose own max_grad_norm becomes ``tau`` after step ``at`` (the reference for apply=True)."""
+
+    def __init__(self, at: int, tau: float) -> None:
+        self.at, self.tau = at, tau
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            args.max_grad_norm = self.tau
+
+
+def test_apply_equals_trainer_clipping_at_the_recommended_tau(tmp_path):
+    """apply=True (CalibratedClip's τ: the user's max_grad_norm in the window, the window's Quantile_0.95
+    after it) trains exactly as Trainer clipping at max_grad_norm, then at that τ."""
+    cb = ClipampCallback(window=3, apply=True, tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)
+    ours = trainer(tmp_path / "a", [cb], steps=6, max_grad_norm=0.3)
+    ours.train()
+    df = pd.read_csv(tmp_path / "steps.csv")
+    tau = cb.summary.recommended_max_norm
+    assert tau == pytest.approx(np.quantile(df["grad_l2_pre_clip"][:3], 0.95), rel=1e-9)
+    assert (df["grad_l2_pre_clip"][3:] > tau).any()  # the calibrated τ clips some steps after the window
+    ref = trainer(tmp_path / "b", [SwitchMaxGradNorm(3, tau)], steps=6, max_grad_norm=0.3)
+    ref.train()
+    for (n, p), (_, q) in zip(ours.model.named_parameters(), ref.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+
+
 class NaNGradAt(TrainerCallback):
     """A NaN in one gradient during the backward of optimizer step ``at`` (1-based)."""
 
@@ -115,3 +142,21 @@ def test_nonfinite_gradient_is_skipped_not_applied(tmp_path):
     assert df["skip_reason"][2] == "nonfinite_grad" and math.isnan(df["grad_l2_pre_clip"][2])
     assert nan.unchanged  # the update was refused: no parameter moved at step 3
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+def test_a_run_stopped_inside_the_window_still_recommends_from_what_it_saw(tmp_path):
+    cb = ClipampCallback(window=5, tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)
+    trainer(tmp_path, [cb, StopAfter(3)], steps=8, max_grad_norm=0.3).train()
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["step"].tolist() == [1, 2, 3] and (df["phase"] == "calibrate").all()
+    assert (cb.summary.start_step, cb.summary.end_step) == (1, 3)
+    assert cb.summary.recommended_max_norm == pytest.approx(np.quantile(df["grad_l2_pre_clip"], 0.95), rel=1e-9)
