@@ -126,3 +126,30 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: model.config.model_type='nope' is not a")
     assert "Traceback" not in r.stderr
+
+
+def test_spike_runs_its_fp16_pair_on_the_model_config_shrunk_model(tmp_path, store):
+    """+experiment=spike model=hf with the fp16 overrides the refusal names: every arm finishes, the fp16
+    pair trains the shrunk model (the others the preset) and survives the overflow at the spike."""
+    from sweep.config.validate import HF_FP16_EXAMPLE
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    cfg = compose_cfg("+experiment=spike", "model=hf", "data=hf", f"data.files={corpus}", "steps=60",
+                      "spike.at_step=30", "spike.horizons=[1,5,20]", "calibrate.window=10", "calibrate.every=0",
+                      "spike.peak_window=10", HF_FP16_EXAMPLE.strip("'"), f"tracking.uri={store}", *HF_TINY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: intra-op threads only wait on a busy 2-core box
+    try:
+        result = app.run(cfg, [])
+    finally:
+        torch.set_num_threads(threads)
+    widths = {name: arm.task.model.config.hidden_size for name, arm in result.arms.items()}
+    assert widths == {**{n: 64 for n in ("reference", "calibrated", "none-reference", "none", "fixed-reference",
+                                         "fixed")}, "fp16-reference": 32, "fp16-calibrated": 32}
+    arm = result.fp16["calibrated"][1]
+    assert arm.task.model.config.num_hidden_layers == 2 and arm.family == "fp16"
+    assert result.fp16_ok is True
+    df = pd.read_csv(arm.result.csv_path)
+    assert df.loc[df["step"] == 30, "skip_reason"].item() == "nonfinite_grad"  # the spike overflowed fp16: skipped
+    client = MlflowClient(store)
+    assert {client.get_run(a.result.run_id).info.status for a in result.arms.values()} == {"FINISHED"}
