@@ -37,8 +37,8 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
 
     def go() -> object:
         store = open_store(cfg, overrides, launch, base_dir or Path.cwd())
-        if launch.distributed:
-            return run_single(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
+        if launch.distributed:  # calibrate, train or spike (resolve_strategy refuses the sweep)
+            return experiment(cfg.run)(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)
         return experiment(cfg.run)(cfg, store, Console(soft_wrap=True))
 
     return launch.run(go)

@@ -25,7 +25,7 @@ from sweep.errors import UserError
 from sweep.run.rank_failure import RankFailed, diagnose, register
 
 #: Experiments that can run on several ranks.
-DISTRIBUTED_RUNS = ("calibrate", "train")
+DISTRIBUTED_RUNS = ("calibrate", "train", "spike")
 
 T = TypeVar("T")
 
@@ -98,8 +98,14 @@ class Launch:
             yield from batches
             return
         for b in batches:
-            yield dataclasses.replace(b, inputs=b.inputs.chunk(self.world)[self.rank],
-                                      targets=b.targets.chunk(self.world)[self.rank])
+            yield self.shard(b)
+
+    def shard(self, batch: T) -> T:
+        """This rank's contiguous rows of one global batch (views of it: the same storage)."""
+        if not self.distributed:
+            return batch
+        return dataclasses.replace(batch, inputs=batch.inputs.chunk(self.world)[self.rank],
+                                   targets=batch.targets.chunk(self.world)[self.rank])
 
     def wrap(self, model: nn.Module, device: str) -> nn.Module:
         """The model as DDP, or sharded in place with FSDP2 (each block of ``model.blocks``, then the root)."""
@@ -160,7 +166,10 @@ def resolve_strategy(strategy: str, run: str, batch_size: int) -> tuple[str, int
         return "none", 1
     if run not in DISTRIBUTED_RUNS:
         raise UserError(f"+experiment={run} runs in one process: launch it without torchrun "
-                        f"(under torchrun: +experiment={' or '.join(DISTRIBUTED_RUNS)})")
+                        f"(under torchrun: +experiment={', '.join(DISTRIBUTED_RUNS[:-1])} or {DISTRIBUTED_RUNS[-1]})")
+    if run == "spike" and strategy != "ddp":
+        raise UserError(f"+experiment=spike under torchrun runs with dist.strategy=ddp, not {strategy}: the "
+                        "corrupted batch's gradient is measured on the whole (unsharded) model")
     if batch_size % world:
         raise UserError(f"data.batch_size={batch_size} does not split over {world} ranks: "
                         f"use a multiple of {world}")

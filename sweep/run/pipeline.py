@@ -86,8 +86,7 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     launch = launch or Launch()
     torch.manual_seed(cfg.seed)
     task = spec.task or build_task(cfg.model, cfg.data, seed=cfg.seed, device=cfg.device)
-    task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device),
-                               train_batches=launch.share(task.train_batches))
+    task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device))  # train_batches stay global
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
         tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
         status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
@@ -290,13 +289,14 @@ class _ActiveRun:
             self.hooks.step(log)
 
     def batches(self) -> Iterator[Batch]:
-        """The task's batches from the resumed step on (the same data order as an uninterrupted run)."""
+        """This rank's share of the task's batches from the resumed step on (the same data order as an
+        uninterrupted run). Faults and ``hooks.batch`` see the global batch, as in one process."""
         stream = self.task.train_batches
         for _ in range(self.start_step):
             next(stream)
         for i, batch in enumerate(stream, start=self.start_step + 1):
             batch = self.faults.batch(i, batch) if self.faults.active else batch
-            yield self.hooks.batch(i, batch) if self.hooks.batch is not None else batch
+            yield self.launch.shard(self.hooks.batch(i, batch) if self.hooks.batch is not None else batch)
 
     def checkpoint(self, step: int) -> None:
         if save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id):

@@ -13,6 +13,7 @@ from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
 from sweep.experiments.spike.batch import Crafted, SpikeLoss, binary_blob, grad_norm, running_peak
 from sweep.experiments.spike.measure import Arm
+from sweep.run.launch import Launch
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.tracking import Store
 from sweep.tasks.build import Batch, build_task
@@ -74,11 +75,13 @@ class _Spiker:
 
 
 def play_pair(cfg: Config, policy: str, store: Store, *, parent_run_id: str, console: Console,
-              artifacts: Callable | None = None, prefix: str = "") -> tuple[Arm, Arm]:
+              artifacts: Callable | None = None, prefix: str = "", launch: Launch | None = None) -> tuple[Arm, Arm]:
     """One policy's unspiked twin (which crafts the corrupted batch at the spike step), then its spiked run.
 
     Both runs have the same seed, data order and policy, so they are the same run until the spike.
-    ``artifacts``: the runs' report hook (``RunHooks.artifacts``), from the entry point.
+    ``artifacts``: the runs' report hook (``RunHooks.artifacts``), from the entry point. Under torchrun
+    (``launch``, DDP) every rank crafts the same corrupted *global* batch (same seed, same replicated
+    weights, the global norms the engine records) before it takes its share of it.
     """
     at = cfg.spike.at_step
     arm_cfg = arm_config(cfg, policy)
@@ -97,7 +100,7 @@ def play_pair(cfg: Config, policy: str, store: Store, *, parent_run_id: str, con
                          step=lambda log, norms=norms: norms.__setitem__(log.step, log.grad_l2_pre_clip),
                          artifacts=artifacts,
                          announce=lambda msg, name=name: console.print(f"[dim]{name}: {msg}[/dim]"))
-        result = run_training(arm_cfg, store, spec, hooks)
+        result = run_training(arm_cfg, store, spec, hooks, launch)
         if not spiker.crafted:
             raise RuntimeError(f"spike-{name} never reached step {at}")
         out.append(Arm(name, policy, arm_cfg.amp.dtype, spiked, result, task,

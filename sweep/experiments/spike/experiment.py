@@ -17,7 +17,8 @@ from sweep.report.format import print_wide
 from sweep.report.run import write_run_report
 from sweep.report.spike import (model_size, rich_table, spike_figure, summary_line, table_rows, table_title,
                                 write_spike_table)
-from sweep.run.tracking import RunTracker, Store, log_metrics, redact
+from sweep.run.launch import Launch
+from sweep.run.tracking import RunTracker, SilentTracker, Store, log_metrics, redact
 
 #: The clipping policies compared (each as an unspiked twin + a spiked run); fp16 runs the last only.
 POLICIES = ("none", "fixed", "calibrated")
@@ -35,23 +36,45 @@ def fp16_config(cfg: Config) -> Config | None:
     return cfg16
 
 
-def run_spike(cfg: Config, store: Store, console: Console | None = None) -> SpikeResult:
-    """Run each policy's pair as children of one parent run; log metrics, figure and table; print them."""
+def open_parent(cfg: Config, store: Store, launch: Launch) -> RunTracker | SilentTracker:
+    """The parent run: created by rank 0; the other ranks get its id, silently."""
+    made: list[RunTracker] = []
+
+    def on_main() -> tuple[str, str]:
+        parent = RunTracker(store.client, store.experiment_id, f"spike-{cfg.model.name}-{cfg.amp.dtype}",
+                            tags={**store.tags, "run": "spike", "dtype": cfg.amp.dtype, "model": cfg.model.name,
+                                  "data": cfg.data.name, "device": cfg.device, "ranks": str(launch.world)})
+        made.append(parent)
+        return parent.run_id, parent.run_name
+
+    run_id, name = launch.agree(on_main)
+    return made[0] if made else SilentTracker(run_id, name)
+
+
+def run_spike(cfg: Config, store: Store, console: Console | None = None,
+              launch: Launch | None = None) -> SpikeResult | None:
+    """Run each policy's pair as children of one parent run; log metrics, figure and table; print them.
+
+    Under torchrun (``launch``) every rank trains every arm on its share of each (spiked) global
+    batch; rank 0 alone records, measures and reports (the other ranks return None).
+    """
     console = console or Console()
+    launch = launch or Launch()
     s = cfg.spike
     cfg16 = fp16_config(cfg)
-    parent = RunTracker(store.client, store.experiment_id, f"spike-{cfg.model.name}-{cfg.amp.dtype}",
-                        tags={**store.tags, "run": "spike", "dtype": cfg.amp.dtype, "model": cfg.model.name,
-                              "data": cfg.data.name, "device": cfg.device})
+    parent = open_parent(cfg, store, launch)
     status = "FAILED"
     try:
         parent.log_params(flat_params(cfg))
         console.print(f"spike: parent run {parent.run_id}; a corrupted batch at step {s.at_step} with "
                       f"‖g‖ = {s.factor:g} × the peak of the {s.peak_window or s.at_step - 1} steps before it")
-        common = dict(parent_run_id=parent.run_id, console=console, artifacts=write_run_report)
+        common = dict(parent_run_id=parent.run_id, console=console, artifacts=write_run_report, launch=launch)
         pairs = {p: play_pair(cfg, p, store, **common) for p in POLICIES}
         fp16 = ({p: play_pair(cfg16, p, store, prefix="fp16-", **common) for p in FP16_POLICIES}
                 if cfg16 is not None else {})
+        if not launch.is_main:
+            status = "FINISHED"
+            return None
         for family, family_cfg in ((pairs, cfg), (fp16, cfg16)):
             measure_family(store, family, family_cfg)
         ok, outcome = fp16_outcome(fp16["calibrated"][1], cfg16) if fp16 else (None, "")

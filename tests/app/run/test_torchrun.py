@@ -54,6 +54,7 @@ def torchrun_env(monkeypatch):
     (1, "auto", "train", ("none", 1)),
     (2, "auto", "calibrate", ("ddp", 2)),
     (2, "fsdp2", "train", ("fsdp2", 2)),
+    (2, "auto", "spike", ("ddp", 2)),
 ])
 def test_strategy_follows_the_launcher(torchrun_env, world, strategy, run, expected):
     torchrun_env(world)
@@ -64,7 +65,7 @@ def test_strategy_follows_the_launcher(torchrun_env, world, strategy, run, expec
     (None, "ddp", "train", 4, "dist.strategy=ddp needs several processes: launch with `torchrun"),
     (2, "none", "train", 4, "torchrun started 2 processes but dist.strategy=none would run 2 identical jobs"),
     (2, "auto", "sweep", 4, "+experiment=sweep runs in one process: launch it without torchrun"),
-    (2, "ddp", "spike", 4, "+experiment=spike runs in one process"),
+    (2, "fsdp2", "spike", 4, "+experiment=spike under torchrun runs with dist.strategy=ddp, not fsdp2"),
     (2, "ddp", "train", 5, "data.batch_size=5 does not split over 2 ranks: use a multiple of 2"),
 ])
 def test_impossible_combinations_are_one_line_errors(torchrun_env, world, strategy, run, batch, message):
@@ -170,11 +171,11 @@ def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, on
 
 @pytest.mark.slow
 def test_a_user_mistake_under_torchrun_is_one_line(tmp_path):
-    res = subprocess.run([*TORCHRUN, "+experiment=spike", *TINY], cwd=tmp_path, env=ENV, capture_output=True,
+    res = subprocess.run([*TORCHRUN, "+experiment=sweep", *TINY], cwd=tmp_path, env=ENV, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode != 0
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-    assert errors == ["error: +experiment=spike runs in one process: launch it without torchrun "
-                      "(under torchrun: +experiment=calibrate or train)"]
+    assert errors == ["error: +experiment=sweep runs in one process: launch it without torchrun "
+                      "(under torchrun: +experiment=calibrate, train or spike)"]
     assert "Traceback" not in res.stderr.split("error:")[0]  # no traceback from our ranks before it
     assert not (tmp_path / "mlruns").exists()  # refused before any store was opened
