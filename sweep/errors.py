@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+
+#: How long a rank other than 0 waits for rank 0 to print a shared mistake (see ``fail``).
+RANK_GRACE_S = 5.0
 
 
 class UserError(ValueError):
@@ -13,9 +17,13 @@ class UserError(ValueError):
 def fail(message: str, status: int = 2) -> "NoReturn":  # noqa: F821
     """Print ``error: <first line>`` to stderr and exit with ``status``.
 
-    Under torchrun every rank meets the same mistake: rank 0 alone prints it.
+    Under torchrun every rank meets the same mistake: rank 0 alone prints it. The other ranks give
+    it up to ``RANK_GRACE_S`` to do so before they exit, since torchrun stops every rank as soon as
+    one exits with an error, and rank 0 could be stopped before its line is out.
     """
     first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {first}", file=sys.stderr)
+    else:
+        time.sleep(RANK_GRACE_S)  # torchrun ends this sleep when rank 0 exits
     sys.exit(status)
