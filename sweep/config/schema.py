@@ -231,14 +231,15 @@ class StudyConfig:
     # >1: each trial is a torchrun job of this many processes (dist.strategy: auto = ddp, or fsdp2) that this
     # sweep process launches and waits for; its objective comes from the job's MLflow run. No pruning.
     nproc_per_trial: int = 1
-    # A worker killed mid-trial: its trial stops sending heartbeats; the next invocation (or any
-    # worker) marks it FAIL, its child run KILLED, and re-enqueues its parameters once.
     # entangle (the LR check): optim.lr × lr_factors by τ ∈ {none} ∪ window quantiles, `seeds` seeds per cell
     lr_factors: List[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
     entangle_quantiles: List[str] = field(default_factory=lambda: ["p90", "p50"])
     seeds: int = 2
+    # A worker killed mid-trial: the next invocation marks its trial FAIL, its runs KILLED, and re-enqueues
+    # its parameters once; at once on the same host (the worker's lock file is free), else once the
+    # trial has sent no heartbeat for grace_period seconds (workers on other hosts; workers.py).
     heartbeat_interval: int = 10  # seconds between a running trial's heartbeats
-    grace_period: int = 60  # a RUNNING trial silent this long is stale
+    grace_period: int = 60  # a RUNNING trial of another host's worker silent this long is stale
 
 
 #: The fp16 spike variant's sizes: fp16 matmuls have no fast CPU kernel (the default GPT takes ~1.7 s

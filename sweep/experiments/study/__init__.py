@@ -29,7 +29,11 @@ tag ``error``, and the sweep goes on; a user mistake or Ctrl-C stops the sweep.
 
 The pick: ``sweep.pick.pick_trial``, by the rules of ``sweep.pick.PICK_RULES``.
 
-Modules: ``storage`` (where the study lives, its name, sampler, pruner, stale trials), ``space``
+Workers: several invocations may share a study (``workers``): set-up runs under a study lock, and a
+dead worker's trials and runs are recovered by the next one (at once on the same host).
+
+Modules: ``storage`` (where the study lives, its name, sampler, pruner), ``workers`` (liveness,
+recovery, the set-up lock), ``space``
 (the max_norm range and the dtype trials enqueued first), ``trial`` (one trial), ``progress``
 (the live display), ``result`` (the trials table), ``sweep`` (``run_sweep``, the entry point).
 """

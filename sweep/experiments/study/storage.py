@@ -1,5 +1,4 @@
-"""Where a study lives and what it is called: Optuna RDB storage, the study's name, sampler and pruner,
-and the recovery of trials whose worker died."""
+"""Where a study lives and what it is called: Optuna RDB storage, the study's name, sampler and pruner."""
 
 from __future__ import annotations
 
@@ -127,24 +126,3 @@ def load_study(cfg: Config, storage, name: str):
                         f"but study.mode={cfg.study.mode} needs {len(directions)}: pass another study.name")
     return optuna.create_study(storage=storage, study_name=name, directions=directions, load_if_exists=True,
                                sampler=make_sampler(cfg, cfg.seed + prior), pruner=make_pruner(cfg))
-
-
-def recover_stale_trials(study, client, experiment_id: str, say) -> list[int]:
-    """FAIL the trials of workers that died mid-trial (no heartbeat within the grace period).
-
-    Optuna's ``fail_stale_trials`` marks them FAIL and its ``RetryFailedTrialCallback`` enqueues
-    their parameters once, so the next ``ask`` re-runs them; their child runs end KILLED.
-    """
-    before = {t.number for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING"}
-    optuna.storages.fail_stale_trials(study)
-    stale = sorted(t.number for t in study.get_trials(deepcopy=False)
-                   if t.number in before and t.state.name == "FAIL")
-    for n in stale:
-        runs = client.search_runs([experiment_id], filter_string=(
-            f"tags.study = '{study.study_name}' and tags.trial = '{n}' and attributes.status = 'RUNNING'"))
-        for run in runs:
-            client.set_tag(run.info.run_id, "outcome", "worker died")
-            client.set_terminated(run.info.run_id, status="KILLED")
-    if stale:
-        say(f"trials {stale} lost their worker: marked FAIL, their runs KILLED, their parameters re-enqueued")
-    return stale

@@ -17,12 +17,14 @@ from sweep.config.schema import Config
 from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.result import SweepResult, trials_table
 from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, resolve_anchor
-from sweep.experiments.study.storage import (default_storage, load_study, open_storage, recover_stale_trials,
-                                             study_name, task_key)
+from sweep.experiments.study.storage import (default_storage, load_study, make_sampler, open_storage, study_name,
+                                             task_key)
 from sweep.experiments.study.trial import TrialContext, run_trial
+from sweep.experiments.study.workers import hold_worker, recover_dead_workers, study_lock
 from sweep.pick import PICK_RULES, pick_trial
 from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
+from sweep.run.checkpoint import release_run
 from sweep.run.loop import StopRequest
 from sweep.run.tracking import RunTracker, Store, redact, redact_text
 
@@ -47,6 +49,10 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
     with optuna_quiet():
         result = _sweep(cfg, store, console)
     print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
+    unfinished = int(result.trials["state"].isin(["RUNNING", "WAITING"]).sum())
+    if unfinished:
+        console.print(f"the pick covers the trials finished so far: {unfinished} more are running or queued in "
+                      f"other workers; once they end, `python -m sweep.report` gives the study's pick")
     return result
 
 
@@ -58,22 +64,39 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = load_study(cfg, storage, name)
-    recover_stale_trials(study, store.client, store.experiment_id, console.print)
-    prior = len(study.trials)
-    console.print(f"study {name!r} in {shown_storage}: {prior} trials so far; adding {s.n_trials} "
-                  f"({s.mode}, {s.sampler}, dtypes {', '.join(s.dtypes)})")
     parent = RunTracker(store.client, store.experiment_id, f"sweep-{name}", flush_every=cfg.tracking.flush_every,
                         tags={**store.tags, "run": "sweep", "sweep_role": "parent", "study": name,
                               "study_mode": s.mode, "optuna_storage": shown_storage, "model": cfg.model.name,
                               "data": cfg.data.name, "device": cfg.device})
+    try:
+        worker = hold_worker(store, parent)
+    except BaseException:
+        parent.end("FAILED")
+        raise
+    try:
+        return _sweep_as_worker(cfg, store, console, study, storage, storage_url, parent)
+    finally:
+        release_run(worker, finished=True)
+
+
+def _sweep_as_worker(cfg: Config, store: Store, console: Console, study, storage, storage_url: str,
+                     parent: RunTracker) -> SweepResult:
+    s, name = cfg.study, study.study_name
+    shown_storage = redact_text(redact(storage_url))
     status, threads, t0 = "FAILED", torch.get_num_threads(), time.perf_counter()
     try:
         if s.threads:
             torch.set_num_threads(s.threads)
-        parent.log_params({**flat_params(cfg), "study_name": name, "optuna_storage": shown_storage,
-                           "trials_before": prior})
         try:
-            ctx, anchor = _run_trials(cfg, study, storage, store, parent, console)
+            with study_lock(storage_url, name, console.print):  # one worker at a time: recovery, anchor, queue, seed
+                prior = len(study.get_trials(deepcopy=False))
+                recover_dead_workers(study, store, console.print)
+                console.print(f"study {name!r} in {shown_storage}: {prior} trials so far; adding {s.n_trials} "
+                              f"({s.mode}, {s.sampler}, dtypes {', '.join(s.dtypes)})")
+                parent.log_params({**flat_params(cfg), "study_name": name, "optuna_storage": shown_storage,
+                                   "trials_before": prior})
+                anchor = _set_up(cfg, study, store, parent, console, prior)
+            ctx = _run_trials(cfg, study, storage, store, parent, console, anchor)
         except KeyboardInterrupt:
             status = "KILLED"
             raise
@@ -95,10 +118,23 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
         parent.end(status)
 
 
-def _run_trials(cfg: Config, study, storage, store: Store, parent: RunTracker,
-                console: Console) -> tuple[TrialContext, dict[str, float] | None]:
-    """The anchor, the enqueued dtype trials, then ``study.n_trials`` trials; SIGINT/SIGTERM between
-    trials stops before the next one."""
+def _set_up(cfg: Config, study, store: Store, parent: RunTracker, console: Console,
+            prior: int) -> dict[str, float] | None:
+    """Under the study lock: the anchor (one window for the study), the dtype trials enqueued first,
+    the sampler seeded with ``cfg.seed`` + the trials the study held before this worker."""
+    with StopRequest() as stop:
+        anchor = resolve_anchor(cfg, study, store, parent.run_id, console.print, artifacts=write_run_report)
+        if stop.signum is not None:
+            raise KeyboardInterrupt(f"signal {stop.signum}")
+    study.set_user_attr("task", task_key(cfg))
+    enqueue_dtypes(study, list(cfg.study.dtypes), anchor)
+    study.sampler = make_sampler(cfg, cfg.seed + prior)
+    return anchor
+
+
+def _run_trials(cfg: Config, study, storage, store: Store, parent: RunTracker, console: Console,
+                anchor: dict[str, float] | None) -> TrialContext:
+    """``study.n_trials`` trials; SIGINT/SIGTERM between trials stops before the next one."""
     s = cfg.study
     band = (s.target_clip_low, s.target_clip_high)
 
@@ -106,18 +142,15 @@ def _run_trials(cfg: Config, study, storage, store: Store, parent: RunTracker,
         p = pick_trial(trials_table(study, band), band)
         return f"#{p.trial} {p.dtype} τ={p.max_norm:.3g} loss {p.eval_loss:.4g}" if p else "—"
 
+    lo, hi = max_norm_range(cfg, anchor)
     with StopRequest() as stop:
-        anchor = resolve_anchor(cfg, study, store, parent.run_id, console.print, artifacts=write_run_report)
-        lo, hi = max_norm_range(cfg, anchor)
-        study.set_user_attr("task", task_key(cfg))
-        enqueue_dtypes(study, list(s.dtypes), anchor)
         with TrialProgress(console, cfg.progress, s.n_trials, best, every=cfg.progress_every) as ui:
             ctx = TrialContext(cfg, study, storage, store, parent.run_id, lo, hi, ui, artifacts=write_run_report)
             for _ in range(s.n_trials):
                 if stop.signum is not None:
                     raise KeyboardInterrupt(f"signal {stop.signum}")
                 run_trial(ctx, study.ask())
-    return ctx, anchor
+    return ctx
 
 
 def write_parent_artifacts(tracker: RunTracker, result: SweepResult) -> None:

@@ -112,14 +112,14 @@ class _Watch:
 def run_trial(ctx: TrialContext, trial) -> None:
     """Suggest, train (one child run), tell Optuna. Pruned → PRUNED/KILLED, exception → FAIL/FAILED."""
     cfg = ctx.cfg
+    trial.set_user_attr("parent_run_id", ctx.parent_run_id)  # first: names the worker that runs it (workers.py)
     dtype = trial.suggest_categorical("dtype", list(cfg.study.dtypes))
     max_norm = trial.suggest_float("max_norm", ctx.lo, ctx.hi, log=True)
     n = trial.number
     ctx.ui.start_trial(n, dtype, max_norm, cfg.steps)
     t0 = time.perf_counter()
     watch = _Watch(ctx, trial)
-    for k, v in {"trial": n, "dtype": dtype, "max_norm": max_norm, "parent_run_id": ctx.parent_run_id,
-                 "seed": cfg.seed}.items():
+    for k, v in {"trial": n, "dtype": dtype, "max_norm": max_norm, "seed": cfg.seed}.items():
         trial.set_user_attr(k, v)
     spec = RunSpec(f"trial-{n}-{dtype}-{max_norm:.3g}", parent_run_id=ctx.parent_run_id,
                    tags={"sweep_role": "trial", "study": ctx.study.study_name, "trial": str(n),

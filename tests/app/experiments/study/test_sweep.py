@@ -286,44 +286,4 @@ def test_unknown_study_key_is_rejected():
         compose_cfg("+experiment=sweep", "study.n_trails=3")
 
 
-# ---------------------------------------------------------------- a worker killed mid-trial
-
-@pytest.mark.slow
-def test_worker_killed_mid_trial_is_failed_retried_and_its_run_killed(tmp_path, store):
-    """SIGKILL a sweep mid-trial: the next invocation FAILs the silent trial (heartbeat), re-runs its
-    parameters, marks its child run KILLED; no trial stays RUNNING and none is lost."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    args = ["+experiment=sweep", *TINY, "study=pareto", "study.anchor=null", "study.n_trials=2",
-            "study.heartbeat_interval=1", "study.grace_period=2", "optim.warmup_steps=2"]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    args.append("steps=300")  # the study name follows the budget: both invocations use the same
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(
-            p.stat().st_size > 2000 for p in (tmp_path / "mlruns").rglob("steps.csv")):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    storage = f"sqlite:///{tmp_path}/mlruns/optuna.db"
-    (name,) = optuna.get_all_study_names(storage)
-    killed = optuna.load_study(study_name=name, storage=storage).trials
-    assert [t.state.name for t in killed] == ["RUNNING", "WAITING"]  # bf16 still enqueued
-    time.sleep(3)  # past the grace period
-    res = run_cli(*args, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert "lost their worker" in res.stdout
-    trials = optuna.load_study(study_name=name, storage=storage).trials
-    states = [t.state.name for t in trials]
-    assert states[0] == "FAIL" and "RUNNING" not in states and states.count("COMPLETE") >= 1
-    retried = [t for t in trials[1:] if t.params == killed[0].params]
-    assert retried and retried[0].state.name == "COMPLETE"  # the lost trial's parameters ran again
-    client = MlflowClient(store)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              filter_string="tags.trial = '0'")
-    assert [r.info.status for r in runs] == ["KILLED"]
+# a worker killed mid-trial (or in its anchor window): tests/reliability/test_sweep_workers.py

@@ -1,0 +1,142 @@
+"""Sweep workers on one study: which are alive, what a dead one leaves, and one set-up at a time.
+
+Liveness: a worker holds ``run.lock`` beside its parent run's checkpoint folder for its whole life
+(``filelock``: an ``flock`` the OS releases when the process dies, SIGKILL included). Its parent run
+carries the lock's host and path (tags ``worker_host``, ``worker_lock``) and each of its trials names
+the parent (user attr ``parent_run_id``). A worker on this host whose lock can be taken is provably
+dead: its RUNNING trials are failed and re-enqueued once (Optuna's ``RetryFailedTrialCallback``) and
+its RUNNING runs (parent, anchor window, trial) end KILLED, at once. A worker on another host cannot
+be probed: Optuna's heartbeats judge it (``fail_stale_trials`` after ``study.grace_period`` s).
+
+Set-up: recovery, the anchor window, the dtype trials enqueued first and the sampler's seed run under
+a lock on the study (beside a sqlite Optuna database; for a server storage, in the host's temporary
+folder, so it orders the workers of one host): workers started together run one anchor window, enqueue
+each dtype once and seed their samplers differently (``cfg.seed`` + the trials already in the study).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+import socket
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import optuna
+from filelock import FileLock, Timeout
+from optuna.trial import TrialState
+
+from sweep.run.checkpoint import lock_run
+from sweep.run.tracking import RunTracker, Store, redact, sqlite_path
+
+WORKER_TAGS = ("worker_host", "worker_lock")
+
+
+def hold_worker(store: Store, parent: RunTracker) -> FileLock:
+    """This worker's liveness lock (held until it ends), its host and path recorded on the parent run."""
+    lock = lock_run(store.uri, parent.run_id)
+    parent.set_tags({"worker_host": socket.gethostname(), "worker_lock": str(Path(lock.lock_file).resolve())})
+    return lock
+
+
+def _provably_dead(tags: dict[str, str]) -> bool:
+    """The worker ran on this host and its lock is free (the OS released it: the process is gone)."""
+    path = tags.get("worker_lock")
+    if tags.get("worker_host") != socket.gethostname() or not path or not Path(path).exists():
+        return False
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    lock.release()
+    return True
+
+
+@contextmanager
+def study_lock(storage_url: str, name: str, say) -> Iterator[None]:
+    """One worker at a time through the study's set-up (recovery, anchor window, enqueued trials)."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
+    db = sqlite_path(storage_url)
+    if db is not None:
+        path = db.with_name(f"{db.name}.{slug}.lock")
+    else:
+        digest = hashlib.sha1(f"{redact(storage_url)} {name}".encode()).hexdigest()[:12]
+        path = Path(tempfile.gettempdir()) / f"clipamp-study-{slug}-{digest}.lock"
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=1)
+    except Timeout:
+        say(f"waiting for another worker to set up study {name!r} (recovery, anchor window, queued trials) …")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def recover_dead_workers(study, store: Store, say) -> list[int]:
+    """FAIL (and re-enqueue once) the trials of dead workers, end their runs KILLED; one line saying what.
+
+    Dead: provably (a worker of this host whose lock is free), or silent past the grace period
+    (Optuna's heartbeat: workers on other hosts)."""
+    client, name = store.client, study.study_name
+    parents = client.search_runs([store.experiment_id], filter_string=(
+        f"tags.study = '{name}' and tags.sweep_role = 'parent' and attributes.status = 'RUNNING'"))
+    dead = {r.info.run_id for r in parents if _provably_dead(r.data.tags)}
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    failed = _fail([t for t in running if t.user_attrs.get("parent_run_id") in dead], study)
+    before = {t.number: t.user_attrs.get("parent_run_id") for t in running if t.number not in failed}
+    optuna.storages.fail_stale_trials(study)  # the heartbeat rule
+    stale = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if t.number in before]
+    dead |= {before[n] for n in stale if before[n]}
+    killed = [_kill(client, store.experiment_id, name, run_id) for run_id in sorted(dead)]
+    trials = sorted(failed + stale)
+    if trials or any(killed):
+        runs = [r for group in killed for r in group]
+        say(f"recovered {len(dead)} dead sweep worker(s): trials {trials} marked FAIL and re-enqueued; "
+            f"runs ended KILLED: {', '.join(runs) or 'none'}")
+    others = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+    if others:
+        say(f"trials {others} are running in other live workers (or in workers on other hosts, failed after "
+            f"study.grace_period s without a heartbeat)")
+    return trials
+
+
+def _fail(trials: list, study) -> list[int]:
+    """FAIL these RUNNING trials (unless another worker did first) and re-enqueue each once."""
+    storage, done = study._storage, []
+    retry = storage.get_heartbeat_stale_trial_callback()
+    for t in trials:
+        try:
+            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:  # another worker recovered it first
+            continue
+        done.append(t.number)
+        if retry is not None:
+            retry(study, copy.deepcopy(storage.get_trial(t._trial_id)))
+    return done
+
+
+def _kill(client, experiment_id: str, study_name: str, parent_run_id: str) -> list[str]:
+    """End a dead worker's RUNNING runs KILLED (tag ``outcome=worker died``): its children, then itself."""
+    children = client.search_runs([experiment_id], filter_string=(
+        f"tags.`mlflow.parentRunId` = '{parent_run_id}' and attributes.status = 'RUNNING'"))
+    names = []
+    for run in children:
+        client.set_tag(run.info.run_id, "outcome", "worker died")
+        client.set_terminated(run.info.run_id, status="KILLED")
+        names.append(run.info.run_name)
+    try:
+        parent = client.get_run(parent_run_id)
+    except Exception:  # not in this experiment's store
+        return names
+    if parent.info.status == "RUNNING" and parent.data.tags.get("study") == study_name:
+        client.set_tag(parent_run_id, "outcome", "worker died")
+        client.set_terminated(parent_run_id, status="KILLED")
+        names.append(f"{parent.info.run_name} (parent)")
+    return names
