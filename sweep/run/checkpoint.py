@@ -9,6 +9,7 @@ checkpoint resumable is always replaced last.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import warnings
@@ -20,6 +21,7 @@ import torch
 from clipamp_engine import AmpTrainState, total_norm
 
 from sweep.errors import UserError
+from sweep.run.diskspace import disk_full
 from sweep.run.launch import Launch
 from sweep.run.tracking import sqlite_path
 
@@ -45,10 +47,23 @@ def save_checkpoint(path: Path, state: AmpTrainState, **extra: Any) -> bool:
         _refuse(path, state, bad)
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"engine": state.state_dict(), "rng": torch.get_rng_state(), **extra}, tmp)
-    os.replace(tmp, path)
+    _write({"engine": state.state_dict(), "rng": torch.get_rng_state(), **extra}, path)
     return True
+
+
+def _write(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file renamed into place: a failed write keeps the old checkpoint and
+    leaves no temporary file; a full disk (torch reports it as a RuntimeError) is raised as ENOSPC."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(obj, tmp)
+    except (RuntimeError, OSError) as e:
+        full = shutil.disk_usage(path.parent).free < (1 << 16) or disk_full(e) is not None
+        tmp.unlink(missing_ok=True)
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
+        raise
+    os.replace(tmp, path)
 
 
 def _refuse(path: Path, state: AmpTrainState, bad: str) -> None:
@@ -82,9 +97,7 @@ def save_run_checkpoint(path: Path, state: AmpTrainState, launch: Launch, **extr
         extra["shards"] = shards
     if launch.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({"engine": engine, "rng": rng, "strategy": launch.strategy, **extra}, tmp)
-        os.replace(tmp, path)
+        _write({"engine": engine, "rng": rng, "strategy": launch.strategy, **extra}, path)
         for old in path.parent.glob("shards-*"):
             if old.name != extra.get("shards"):
                 shutil.rmtree(old, ignore_errors=True)

@@ -30,6 +30,7 @@ from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
 from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
                                   release_run, remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
+from sweep.run.diskspace import SpaceReserve, disk_full
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
@@ -89,6 +90,8 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device))  # train_batches stay global
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
         tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
+        ckpt_file = checkpoint_path(store.uri, tracker.run_id)
+        reserve = SpaceReserve(ckpt_file.with_name("space.reserve")) if lock is not None else None
         status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
         try:
             run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
@@ -113,7 +116,19 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
                 status = "KILLED"
                 raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
             status = "FINISHED"
+        except Exception as e:
+            where = disk_full(e)
+            if where is None:
+                raise
+            if reserve is not None:
+                reserve.release()  # room for sqlite to record the run's end
+            status = "KILLED" if ckpt_file.exists() else "FAILED"
+            raise UserError(f"no space left on the device while writing {where}; free space there and " + (
+                "resume with resume=true (it continues from the last checkpoint)" if status == "KILLED" else
+                "start the run again (no checkpoint was written yet)")) from None
         finally:
+            if reserve is not None:
+                reserve.release()
             try:
                 tracker.end(status)
             finally:

@@ -1,0 +1,61 @@
+"""Issue 12 item 13 (rest): the disk fills up mid-run.
+
+A real full disk: ``mlruns/`` (store, artifacts, checkpoints) on a 3 MiB tmpfs the run fills with
+its CSV rows, metrics and checkpoints, so every writer meets ENOSPC as it would on a full volume.
+Outcome: one ``error:`` line naming what could not be written and the fix, exit 2, no traceback, the
+run KILLED (resumable), the CSV rows on disk intact; once space is freed, ``resume=true`` finishes
+the run with every step exactly once."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.app.helpers import TINY
+from tests.reliability.helpers import assert_one_line_error, finish, start_cli
+
+STEPS = 1000
+RUN = ["+experiment=train", *TINY, f"steps={STEPS}", "checkpoint_every=50", "optim.schedule=constant",
+       "optim.warmup_steps=2", "tracking.flush_every=10"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_resumable_in_one_line(tmp_path, store_template):
+    mlruns = tmp_path / "mlruns"
+    mlruns.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mlruns)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(8) for a small file system to fill")
+    try:
+        shutil.copyfile(store_template, mlruns / "mlflow.db")
+        res = finish(start_cli(*RUN, cwd=tmp_path))
+        line = assert_one_line_error(res, "no space left on the device while writing",
+                                     "free space there and resume with resume=true")
+        client = MlflowClient(f"sqlite:///{mlruns}/mlflow.db")
+        (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
+        assert run.info.status == "KILLED", line
+        run_id = run.info.run_id
+        csv_path = next(mlruns.rglob(f"{run_id}/artifacts/steps.csv"))
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        whole = [r for r in rows if r["scaler_scale"] not in ("", None)]  # a torn last line, if any
+        assert len(rows) - len(whole) <= 1 and 50 <= len(whole) < STEPS
+        assert [int(r["step"]) for r in whole] == list(range(1, len(whole) + 1))
+        assert (mlruns / "checkpoints" / run_id / "checkpoint.pt").exists()
+        assert not list(mlruns.rglob("*.tmp")) and not list(mlruns.rglob("space.reserve"))
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mlruns)], check=True)  # space freed
+        res = finish(start_cli(*RUN, "resume=true", cwd=tmp_path))
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert client.get_run(run_id).info.status == "FINISHED"
+        with open(csv_path, newline="") as f:
+            assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, STEPS + 1))
+        history = [m.step for m in client.get_metric_history(run_id, "loss")]
+        assert len(history) == len(set(history))  # no step's metric sent twice
+    finally:
+        subprocess.run(["umount", "-l", str(mlruns)], check=False)
