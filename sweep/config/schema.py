@@ -192,6 +192,7 @@ class TrackingConfig:
     uri: Optional[str] = None
     experiment: str = "clipamp"
     flush_every: int = 50  # per-step metrics are sent in batches of this many steps
+    reconnect_s: float = 30.0  # a tracking server away at the end of a run: how long to wait for it
     plots: bool = True
 
 

@@ -63,6 +63,8 @@ def check_common(cfg: Config) -> None:
         raise UserError(f"amp.dtype=fp16 is not supported on device={cfg.device!r}; use amp.dtype=bf16 or fp32")
     if cfg.tracking.flush_every < 1:
         raise UserError(f"tracking.flush_every={cfg.tracking.flush_every} must be >= 1")
+    if not cfg.tracking.reconnect_s >= 0:
+        raise UserError(f"tracking.reconnect_s={cfg.tracking.reconnect_s} must be >= 0 (seconds)")
     if not cfg.dist.timeout_s > 0:
         raise UserError(f"dist.timeout_s={cfg.dist.timeout_s} must be > 0 (seconds)")
 

@@ -13,6 +13,8 @@ import errno
 import os
 from pathlib import Path
 
+from sweep.errors import UserError
+
 RESERVE_BYTES = 1 << 20  # a status update and ≤ flush_every steps of metrics need far less
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -30,11 +32,22 @@ def disk_full(exc: BaseException) -> str | None:
     return None
 
 
-class SpaceReserve:
-    """``RESERVE_BYTES`` held in ``path`` until ``release``; silently absent if it cannot be written."""
+def full_disk_error(exc: BaseException, reserve: "SpaceReserve", resumable: bool) -> UserError:
+    """Release the reserve (room for the store to record the run's end) and say what to do, in one line."""
+    reserve.release()
+    fix = ("resume with resume=true (it continues from the last checkpoint)" if resumable else
+           "start the run again (no checkpoint was written yet)")
+    return UserError(f"no space left on the device while writing {disk_full(exc)}; free space there and {fix}")
 
-    def __init__(self, path: Path) -> None:
+
+class SpaceReserve:
+    """``RESERVE_BYTES`` held in ``path`` until ``release``; silently absent if it cannot be written
+    (or if ``path`` is None: a rank that writes nothing)."""
+
+    def __init__(self, path: Path | None) -> None:
         self.path = path
+        if path is None:
+            return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
@@ -45,4 +58,5 @@ class SpaceReserve:
             path.unlink(missing_ok=True)
 
     def release(self) -> None:
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)

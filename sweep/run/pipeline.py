@@ -9,6 +9,7 @@ so this layer never imports ``sweep.report``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -30,7 +31,7 @@ from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
 from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
                                   release_run, remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
-from sweep.run.diskspace import SpaceReserve, disk_full
+from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
@@ -91,7 +92,7 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
         tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
         ckpt_file = checkpoint_path(store.uri, tracker.run_id)
-        reserve = SpaceReserve(ckpt_file.with_name("space.reserve")) if lock is not None else None
+        reserve = SpaceReserve(ckpt_file.with_name("space.reserve") if lock is not None else None)
         status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
         try:
             run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
@@ -117,18 +118,12 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
                 raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
             status = "FINISHED"
         except Exception as e:
-            where = disk_full(e)
-            if where is None:
+            if disk_full(e) is None:
                 raise
-            if reserve is not None:
-                reserve.release()  # room for sqlite to record the run's end
-            status = "KILLED" if ckpt_file.exists() else "FAILED"
-            raise UserError(f"no space left on the device while writing {where}; free space there and " + (
-                "resume with resume=true (it continues from the last checkpoint)" if status == "KILLED" else
-                "start the run again (no checkpoint was written yet)")) from None
+            status = "KILLED" if ckpt_file.exists() else "FAILED"  # resumable from its last checkpoint
+            raise full_disk_error(e, reserve, resumable=status == "KILLED") from None
         finally:
-            if reserve is not None:
-                reserve.release()
+            reserve.release()
             try:
                 tracker.end(status)
             finally:
@@ -192,16 +187,10 @@ def open_run_on_ranks(cfg: Config, store: Store, spec: RunSpec, task: Task,
     return SilentTracker(run_id, name), ckpt, None  # rank 0 holds the run's lock for the job
 
 
-class _NoCSV:
+class _NoCSV(contextlib.nullcontext):
     """Ranks other than 0 write no CSV."""
 
     def write(self, row: dict[str, Any]) -> None:
-        pass
-
-    def __enter__(self) -> "_NoCSV":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
         pass
 
     def close(self) -> None:
@@ -237,6 +226,7 @@ class _ActiveRun:
         """Build the engine (restored from ``ckpt`` when resuming) and open the CSV (rank 0)."""
         csv_path = tracker.artifact_path("steps.csv") if launch.is_main else None
         hooks.announce(f"steps.csv: {csv_path}")
+        tracker.announce, tracker.reconnect_s = hooks.announce, cfg.tracking.reconnect_s
         start = ckpt["step"] if ckpt else 0
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)

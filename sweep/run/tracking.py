@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import time
 from math import isfinite
 from pathlib import Path
@@ -19,11 +18,11 @@ from functools import lru_cache
 from typing import Any
 
 from sweep.errors import UserError
+from sweep.run.outbox import MAX_BATCH, Outbox  # noqa: F401  (MAX_BATCH re-exported)
 from sweep.run.store import DEFAULT_URI, open_client, sqlite_path  # noqa: F401  (re-exported)
 from sweep.run.ui import experiment_ui_tags
 from sweep.secrets import redact, redact_text  # noqa: F401  (re-exported: callers import them from here)
 
-MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 # Fail fast instead of MLflow's default minutes of HTTP retries against a dead server.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -125,8 +124,9 @@ class RunTracker:
     """One MLflow run: params, buffered per-step metrics, summary metrics and artifacts.
 
     ``artifact_dir`` is a local folder: the run's own artifact folder on a local store (files
-    written there are in the run as they are written), else a temporary folder uploaded at
-    ``end``.
+    written there are in the run as they are written), else ``./mlruns/uploads/RUN_ID`` (beside the
+    checkpoints), uploaded at ``end`` and then removed. On a remote store every send goes through
+    an ``Outbox``: a server that stops answering does not stop the run (``sweep.run.outbox``).
     """
 
     def __init__(self, client, experiment_id: str, run_name: str, *, tags: dict[str, str] | None = None,
@@ -152,7 +152,8 @@ class RunTracker:
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
         self._init_common(client, run, flush_every)
-        if self._upload:  # a remote store: continue the steps.csv the run uploaded when it was stopped
+        if self._upload and not (self.artifact_dir / "steps.csv").exists():  # a remote store: continue the
+            # steps.csv the run uploaded when it was stopped (a local one was never sent: it is newer)
             try:
                 client.download_artifacts(run_id, "steps.csv", str(self.artifact_dir))
             except Exception:  # none uploaded: the resume's row check refuses with one line
@@ -170,13 +171,14 @@ class RunTracker:
         self._buffer: list = []
         self._steps_buffered = 0
         self.logged_through = 0  # per-step metrics of steps up to this one are in the run already
-        uri = run.info.artifact_uri
+        self.artifact_uri = uri = run.info.artifact_uri
+        self.announce, self.reconnect_s = None, 30.0  # set by the pipeline: where to say it, how long to wait
         if uri.startswith("file:"):
             self.artifact_dir = Path(local_file_uri_to_path(uri))  # %20 → space, %C3%BC → ü
-            self._upload = False
+            self._upload, self.outbox = False, None
         else:
-            self.artifact_dir = Path(tempfile.mkdtemp(prefix="clipamp-artifacts-"))
-            self._upload = True
+            self.artifact_dir = (Path("mlruns") / "uploads" / self.run_id).resolve()
+            self._upload, self.outbox = True, Outbox(client, self.run_id)
         self.artifact_dir.mkdir(parents=True, exist_ok=True)
         self.ended = False
 
@@ -188,6 +190,8 @@ class RunTracker:
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        if self.outbox is not None:
+            return self.outbox.send(tags={k: redact_text(str(v)) for k, v in tags.items()})
         log_metrics(self.client, self.run_id, {}, tags=tags)
 
     def add_step(self, step: int, metrics: dict[str, float | None]) -> None:
@@ -200,12 +204,18 @@ class RunTracker:
             self.flush()
 
     def flush(self) -> None:
+        if self.outbox is not None:
+            self.outbox.send(self._buffer)
+            self._buffer, self._steps_buffered = [], 0
+            return
         for i in range(0, len(self._buffer), MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=self._buffer[i:i + MAX_BATCH])
         self._buffer, self._steps_buffered = [], 0
 
     def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
         """Summary metrics, sent at once (non-finite dropped)."""
+        if self.outbox is not None:
+            return self.outbox.send(metric_batch(metrics, step))
         log_metrics(self.client, self.run_id, metrics, step)
 
     def artifact_path(self, name: str) -> Path:
@@ -219,11 +229,20 @@ class RunTracker:
         if self.ended:
             return
         self.ended = True
+        if self.outbox is not None:  # a remote store: the rest, the artifacts and the end, if the server answers
+            self.flush()
+            try:
+                sent = self.outbox.close(status, self.artifact_dir, self.reconnect_s)
+            except Exception:  # the server refused something: the run must not stay RUNNING
+                self.client.set_terminated(self.run_id, status="FAILED")
+                raise
+            if sent:
+                shutil.rmtree(self.artifact_dir, ignore_errors=True)  # uploaded: the local copy goes
+                if self.announce is not None:
+                    self.announce(f"steps.csv: uploaded to {self.artifact_uri}/steps.csv (local copy removed)")
+            return
         try:
             self.flush()
-            if self._upload:
-                self.client.log_artifacts(self.run_id, str(self.artifact_dir))
-                shutil.rmtree(self.artifact_dir, ignore_errors=True)  # uploaded: the temporary copy goes
         finally:
             self.client.set_terminated(self.run_id, status=status)
 

@@ -1,0 +1,48 @@
+"""``python -m sweep.resend DIR [--tracking-uri URI]``: send what a run kept while its tracking server
+was away (``sweep.run.outbox``): its metric values, tags, artifacts and its end (FINISHED/KILLED/FAILED).
+
+``DIR`` is the folder the run's warning named (it holds ``pending.json`` and the artifacts). The
+server is ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else the one the run used (its password,
+if any, is not kept: pass it again). Once everything is sent the folder is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+from sweep.errors import UserError, fail
+from sweep.run.outbox import PENDING, read_pending
+from sweep.run.tracking import open_client, redact
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sweep.resend", description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path, help="the run's local folder named by the warning")
+    ap.add_argument("--tracking-uri", default=None, help="the MLflow server (default: the run's)")
+    args = ap.parse_args(argv)
+    pending = args.folder / PENDING
+    if not pending.is_file():
+        fail(f"{pending} does not exist: pass the folder that the run's warning named")
+    try:
+        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or json.loads(pending.read_text())["tracking_uri"]
+        client = open_client(uri)
+        box, status = read_pending(args.folder, client, say=lambda line: None)
+        count = len(box.metrics)
+        if not box.close(status, args.folder, wait_s=0):
+            fail(f"the tracking server {redact(uri)} still does not answer; nothing was lost: try again later", 1)
+    except UserError as e:
+        fail(str(e))
+    except (ValueError, KeyError, TypeError) as e:
+        fail(f"{pending} cannot be read ({type(e).__name__}: {e}); it is written by a run whose server was away")
+    shutil.rmtree(args.folder)
+    print(f"sent {count} metric values, the artifacts and the end ({status}) of run {box.run_id} to {redact(uri)}; "
+          f"removed {args.folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
