@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from sweep.report.format import fmt, frame_markdown, pct
 from sweep.report.runs import frame, table
+from sweep.run.outbox import unreachable
 from sweep.run.summary import tau_tags
 from sweep.run.ui import NOTE_TAG
 
@@ -64,5 +65,9 @@ def experiment_note(runs) -> str:
 def write_notes(tracker: "RunTracker", result: "RunResult", report: str) -> None:
     """Set the run's description, then refresh the experiment's from every run in the store."""
     tracker.set_tags({NOTE_TAG: run_note(result, report)})
-    runs = frame(tracker.client.tracking_uri, tracker.experiment_id)
-    tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(runs))
+    try:
+        runs = frame(tracker.client.tracking_uri, tracker.experiment_id)
+        tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(runs))
+    except Exception as e:  # a tracking server that is away: the next run refreshes the experiment's
+        if not unreachable(e):
+            raise
