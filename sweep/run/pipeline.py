@@ -91,8 +91,7 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device))  # train_batches stay global
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
         tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
-        ckpt_file = checkpoint_path(store.uri, tracker.run_id)
-        reserve = SpaceReserve(ckpt_file.with_name("space.reserve") if lock is not None else None)
+        reserve = SpaceReserve(checkpoint_path(store.uri, tracker.run_id).with_name("space.reserve") if lock else None)
         status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
         try:
             run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
@@ -120,7 +119,7 @@ def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | Non
         except Exception as e:
             if disk_full(e) is None:
                 raise
-            status = "KILLED" if ckpt_file.exists() else "FAILED"  # resumable from its last checkpoint
+            status = "KILLED" if checkpoint_path(store.uri, tracker.run_id).exists() else "FAILED"  # resumable?
             raise full_disk_error(e, reserve, resumable=status == "KILLED") from None
         finally:
             reserve.release()
