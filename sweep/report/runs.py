@@ -7,6 +7,9 @@ Shared by ``python -m sweep.report`` and the experiment's description in the MLf
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pandas as pd
 
@@ -28,12 +31,28 @@ WIDTH = 100
 NUMERIC = {"τ rec.", "p95", "clipped", "skipped", "loss", "eval", "p50", "p90", "p99"}  # right-aligned
 
 
+@contextmanager
+def tracking_uri(uri: str) -> Iterator[None]:
+    """``uri`` as MLflow's global tracking URI (``mlflow.search_runs`` reads only that) for the block.
+
+    ``mlflow.set_tracking_uri`` also exports ``$MLFLOW_TRACKING_URI`` to every later child process
+    and in-process run; both are put back afterwards.
+    """
+    import mlflow
+
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)  # None: unset again
+
+
 def search(uri: str, experiment: str, last: int | None = None) -> pd.DataFrame:
     """The runs of the experiment named ``experiment`` (see ``frame``)."""
     import mlflow
 
-    mlflow.set_tracking_uri(uri)
-    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
+    exp = mlflow.MlflowClient(uri).get_experiment_by_name(experiment)
     if exp is None:
         raise UserError(f"experiment {experiment!r} not found in the tracking store; run "
                         f"`python -m sweep +experiment=calibrate` first or pass --experiment NAME")
@@ -45,8 +64,9 @@ def frame(uri: str, experiment_id: str, last: int | None = None) -> pd.DataFrame
     ``last``), as ``mlflow.search_runs`` gives them (columns ``run_id``, ``status``, ``metrics.*``, ``tags.*``, …)."""
     import mlflow
 
-    mlflow.set_tracking_uri(uri)
-    return mlflow.search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=last or 100_000)
+    with tracking_uri(uri):
+        return mlflow.search_runs([experiment_id], order_by=["attributes.start_time DESC"],
+                                  max_results=last or 100_000)
 
 
 def _cell(value, show) -> str:

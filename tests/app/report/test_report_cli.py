@@ -109,3 +109,26 @@ def test_out_csv_holds_the_stores_values_and_md_the_table(runs, capsys, tmp_path
     _report(capsys, "--tracking-uri", store, "--out", str(tmp_path / "runs.md"))
     md = (tmp_path / "runs.md").read_text().splitlines()
     assert md[0].startswith("| run | run_id | experiment |") and "| 81.2% |" in md[3]  # train-gpt-bf16, newest-but-one
+
+
+@pytest.mark.parametrize("before", [None, "sqlite:////elsewhere/mlflow.db"])
+def test_reading_runs_leaves_the_tracking_uri_of_later_runs_alone(runs, monkeypatch, before):
+    """``mlflow.search_runs`` needs MLflow's global URI, whose setter also exports $MLFLOW_TRACKING_URI:
+    after the read, a later run in this process or a child process resolves the store as before."""
+    import os
+
+    import mlflow
+
+    from sweep.report.runs import frame
+    from sweep.run.tracking import resolve_uri
+
+    if before is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", before)
+    store, ids = runs
+    experiment_id = MlflowClient(store).get_run(ids[0]).info.experiment_id
+    assert len(frame(store, experiment_id)) == 3
+    assert os.environ.get("MLFLOW_TRACKING_URI") == before
+    assert resolve_uri(None) == (before or "sqlite:///mlruns/mlflow.db")
+    mlflow.set_tracking_uri(None)  # MLflow's in-process global, for the tests after this one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -53,7 +54,8 @@ def test_a_piped_run_prints_progress_while_it_trains(tmp_path):
     calibration window's end gets its own line with the τ set there (validate: the held-out steps at τ)."""
     args = [*[a for a in TINY if a != "progress=false"], "+experiment=calibrate", "steps=200", "progress_every=40",
             "calibrate.start=0", "calibrate.window=30", "calibrate.validate=0", "tracking.flush_every=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the run's own store in tmp_path
+    proc = subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen, alive_at_40 = [], None
     for line in proc.stdout:
