@@ -66,6 +66,7 @@ def wheel(tmp_path_factory) -> Path:
     return build_wheel(copy_checkout(tmp / "src"), tmp / "dist")
 
 
+@pytest.mark.slow  # a subprocess or a wheel build
 def test_wheel_carries_the_config_tree_and_the_console_script(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     tree = {f"sweep/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
@@ -75,6 +76,7 @@ def test_wheel_carries_the_config_tree_and_the_console_script(wheel):
     assert re.search(r"^clipamp = sweep\.__main__:cli$", scripts, re.M), scripts
 
 
+@pytest.mark.slow  # a subprocess or a wheel build
 def test_help_names_clipamp_and_lists_every_experiment(tmp_path):
     out = run_cli("--help", cwd=tmp_path, env={"PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
@@ -86,6 +88,7 @@ def test_help_names_clipamp_and_lists_every_experiment(tmp_path):
     assert not list(tmp_path.iterdir()), "--help wrote files"
 
 
+@pytest.mark.slow  # a subprocess or a wheel build
 def test_completion_query_offers_experiments_and_groups(tmp_path):
     env = {"PYTHONPATH": str(REPO), "COMP_LINE": "clipamp +experiment=", "COMP_POINT": "20"}
     out = run_cli("-sc", "query=bash", cwd=tmp_path, env=env)

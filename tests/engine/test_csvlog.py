@@ -68,6 +68,7 @@ def test_not_a_steps_csv_is_refused(tmp_path):
         StepCSVWriter(path)
 
 
+@pytest.mark.slow  # a subprocess killed mid-write
 def test_sigkill_keeps_every_completed_row(tmp_path):
     path = tmp_path / "steps.csv"
     script = textwrap.dedent(f"""

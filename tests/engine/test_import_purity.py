@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import clipamp_engine
 
 APP_LIBRARIES = ("hydra", "omegaconf", "optuna", "mlflow", "rich", "pandas")
@@ -22,6 +24,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_engine_and_every_submodule_import_no_app_library():
     root = Path(clipamp_engine.__file__).resolve().parents[1]  # the child imports this same package
     out = subprocess.run([sys.executable, "-c", _CHILD, *APP_LIBRARIES], capture_output=True, text=True,

@@ -57,6 +57,7 @@ def _store(pids: dict[int, int]) -> dist.Store:
     return store
 
 
+@pytest.mark.slow  # waits out a 3 s liveness poll
 def test_own_failure_is_recorded_and_reported_by_rank_0(sigterm_restored):
     store = _store({0: os.getpid(), 1: os.getpid()})
     failure = diagnose(RuntimeError("bad\nvalue"), store, rank=1, world=2)
@@ -85,6 +86,7 @@ def test_a_silently_dead_rank_is_named_and_the_run_ends_killed(sigterm_restored)
                                  "no step; no checkpoint was written yet (checkpoint_every=): start a new run")
 
 
+@pytest.mark.slow  # waits out a 3 s liveness poll
 def test_an_unknown_dead_rank_stays_unnamed(sigterm_restored):
     store = _store({0: os.getpid(), 1: os.getpid()})  # every process alive: nothing to name
     failure = diagnose(dist.DistError("timeout"), store, 0, 2)

@@ -173,7 +173,7 @@ def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, on
 def test_a_user_mistake_under_torchrun_is_one_line(tmp_path):
     res = subprocess.run([*TORCHRUN, "+experiment=sweep", *TINY], cwd=tmp_path, env=ENV, capture_output=True,
                          text=True, timeout=300)
-    assert res.returncode != 0
+    assert res.returncode != 0, res.stderr[-3000:]
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
     assert errors == ["error: +experiment=sweep runs in one process: launch it without torchrun "
                       "(under torchrun: +experiment=calibrate, train or spike)"]

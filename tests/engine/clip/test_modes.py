@@ -104,6 +104,7 @@ _LARGE_SPARSE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh process allocating 512 MB
 def test_huge_sparse_embedding_is_clipped_without_densifying():
     """2M×64 vocabulary (512 MB fp32): norm + clip on its sparse gradient keep the process's peak
     RSS flat (< 64 MB growth), while densifying the same gradient (the control) adds ≈ 512 MB —
