@@ -209,11 +209,11 @@ def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
     validate(cfg)
     cfg16 = fp16_config(cfg)
     full, small = M.from_config(cfg.model, 300), M.from_config(cfg16.model, 300)
-    assert (full.config.hidden_size, full.config.num_hidden_layers) == (64, 2)  # the preset, untouched
+    assert (full.config.hidden_size, full.config.num_hidden_layers) == (128, 4)  # the preset, untouched
     assert (small.config.hidden_size, small.config.intermediate_size, small.config.num_hidden_layers) == (32, 64, 2)
     assert (cfg16.data.seq_len, cfg16.amp.dtype, cfg16.amp.growth_interval) == (64, "fp16", 20)
     n_params = lambda m: sum(p.numel() for p in m.parameters())
-    assert n_params(small) < n_params(full) / 3
+    assert n_params(small) < n_params(full) / 10
 
     with pytest.raises(UserError) as e:  # a pretrained model keeps its size: model.config does nothing
         validate(compose_cfg("+experiment=spike", "model=hf", "data=hf", "model.pretrained=/any/dir",

@@ -144,7 +144,7 @@ def test_spike_runs_its_fp16_pair_on_the_model_config_shrunk_model(tmp_path, sto
     finally:
         torch.set_num_threads(threads)
     widths = {name: arm.task.model.config.hidden_size for name, arm in result.arms.items()}
-    assert widths == {**{n: 64 for n in ("reference", "calibrated", "none-reference", "none", "fixed-reference",
+    assert widths == {**{n: 128 for n in ("reference", "calibrated", "none-reference", "none", "fixed-reference",
                                          "fixed")}, "fp16-reference": 32, "fp16-calibrated": 32}
     arm = result.fp16["calibrated"][1]
     assert arm.task.model.config.num_hidden_layers == 2 and arm.family == "fp16"
