@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.app.helpers import store_in
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +23,4 @@ def store_template(tmp_path_factory) -> Path:
 def store(tmp_path, store_template, monkeypatch):
     """A fresh sqlite store at tmp_path/mlruns/mlflow.db (the default location for cwd=tmp_path); its URI."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    db = tmp_path / "mlruns" / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(store_template, db)
-    return f"sqlite:///{db}"
+    return store_in(tmp_path, store_template)

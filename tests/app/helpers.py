@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,20 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) 
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "sweep", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def store_in(folder: Path, template: Path) -> str:
+    """A fresh sqlite store at ``folder/mlruns/mlflow.db`` (the default location for cwd=folder), copied
+    from the migrated ``template`` (creating one costs seconds); its URI."""
+    db = folder / "mlruns" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, db)
+    return f"sqlite:///{db}"
+
+
+def kill_after(step: int):
+    """A step hook that interrupts the run (as Ctrl-C would) right after ``step``."""
+    def hook(log):
+        if log.step == step:
+            raise KeyboardInterrupt(f"killed after step {step}")
+    return hook

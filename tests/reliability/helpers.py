@@ -33,3 +33,12 @@ def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Pope
 def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def open_and_log(uri: str, run_name: str) -> None:
+    """Open (create, migrate) the store at ``uri`` through the app's one opening path and log one run."""
+    from sweep.run.tracking import Store
+
+    s = Store.open(uri, "clipamp")
+    run = s.client.create_run(s.experiment_id, run_name=run_name)
+    s.client.set_terminated(run.info.run_id)

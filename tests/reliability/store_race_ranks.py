@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from sweep.run import store as store_module
-from sweep.run.tracking import Store
+from tests.reliability.helpers import open_and_log
 
 
 def main(root: Path, reps: int, without_lock: bool) -> None:
@@ -24,9 +24,7 @@ def main(root: Path, reps: int, without_lock: bool) -> None:
     for i in range(reps):
         dist.barrier()
         try:
-            s = Store.open(f"sqlite:///{root}/rep{i}/mlruns/mlflow.db", "clipamp")
-            run = s.client.create_run(s.experiment_id, run_name=f"rank{rank}")
-            s.client.set_terminated(run.info.run_id)
+            open_and_log(f"sqlite:///{root}/rep{i}/mlruns/mlflow.db", f"rank{rank}")
             outcomes.append("ok")
         except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
             outcomes.append(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")

@@ -17,7 +17,7 @@ from sweep.config.schema import calibrated
 from sweep.experiments.training import run_single
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.tracking import Store
-from tests.app.helpers import TINY, compose_cfg, run_cli
+from tests.app.helpers import TINY, compose_cfg, kill_after, run_cli
 from tests.reliability.helpers import assert_one_line_error
 
 pytestmark = pytest.mark.slow  # real runs through the app
@@ -25,13 +25,6 @@ pytestmark = pytest.mark.slow  # real runs through the app
 # one window at steps 1-6 (τ adopted at 6), a checkpoint at 10, killed after step 13
 RUN = ["+experiment=calibrate", *TINY, "steps=20", "calibrate.window=6", "calibrate.start=0", "checkpoint_every=10",
        "seed=3", "optim.schedule=constant", "optim.warmup_steps=3"]
-
-
-def _kill_after(step: int):
-    def hook(log):
-        if log.step == step:
-            raise KeyboardInterrupt(f"killed after step {step}")
-    return hook
 
 
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -43,7 +36,7 @@ def test_calibrate_resume_without_its_csv_is_refused_and_with_it_keeps_tau(tmp_p
     s = Store.open(store, cfg.tracking.experiment)
     with pytest.raises(KeyboardInterrupt):
         run_training(calibrated(cfg), s, RunSpec("calibrate-gpt-bf16"),
-                     RunHooks(step=_kill_after(13), announce=lambda m: None))
+                     RunHooks(step=kill_after(13), announce=lambda m: None))
     client = MlflowClient(store)
     (killed,) = client.search_runs([s.experiment_id])
     run_id = killed.info.run_id

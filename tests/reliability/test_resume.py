@@ -3,7 +3,6 @@ and the KILLED run, its checkpoint and its steps.csv stay as they were."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from mlflow import MlflowClient
 
 from sweep.app import run
 from sweep.errors import UserError
-from tests.app.helpers import TINY, compose_cfg, run_cli
+from tests.app.helpers import TINY, compose_cfg, run_cli, store_in
 
 pytestmark = pytest.mark.slow  # one real run killed by SIGTERM, shared by the module
 
@@ -24,9 +23,7 @@ RUN = ["+experiment=train", *TINY, "seed=1", "optim.schedule=constant", "optim.w
 def killed(tmp_path_factory, store_template):
     """A train run stopped by SIGTERM after >= 8 steps: (folder, uri, run id, csv, checkpoint)."""
     tmp = tmp_path_factory.mktemp("killed")
-    (tmp / "mlruns").mkdir()
-    shutil.copyfile(store_template, tmp / "mlruns" / "mlflow.db")
-    uri = f"sqlite:///{tmp}/mlruns/mlflow.db"
+    uri = store_in(tmp, store_template)
     proc = subprocess.Popen([sys.executable, "-m", "sweep", *RUN, f"tracking.uri={uri}", "steps=100000",
                              "checkpoint_every=0"], cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     csv = None

@@ -23,7 +23,7 @@ from sweep.run.tracking import Store
 
 from tests.app.conftest import store, store_template  # noqa: F401  (fixtures)
 from tests.app.helpers import REPO, TINY
-from tests.reliability.helpers import assert_one_line_error, finish, start_cli
+from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 
 # Without the lock every repetition fails (the control below: MLflow's migrations collide, e.g.
 # "duplicate column name: step"), so 5 repetitions tell the two apart; CLIPAMP_RACE_REPS=20 for the
@@ -39,9 +39,7 @@ def _open_and_log(barrier, jobs, results) -> None:
     for folder in iter(jobs.get, None):
         barrier.wait()
         try:
-            s = Store.open(f"sqlite:///{folder}/mlruns/mlflow.db", "clipamp")
-            run = s.client.create_run(s.experiment_id, run_name=f"p{os.getpid()}")
-            s.client.set_terminated(run.info.run_id)
+            open_and_log(f"sqlite:///{folder}/mlruns/mlflow.db", f"p{os.getpid()}")
             results.put("ok")
         except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
             results.put(f"{type(e).__name__}: {e}")

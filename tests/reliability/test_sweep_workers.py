@@ -9,7 +9,6 @@ anchor window, enqueue each dtype once, try distinct points, and the last to end
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.report.cli import sweeps_tables
-from tests.app.helpers import TINY
+from tests.app.helpers import TINY, store_in
 from tests.reliability.helpers import finish, start_cli
 
 pytestmark = pytest.mark.slow  # real sweep processes
@@ -29,8 +28,7 @@ ARGS = ["+experiment=sweep", *TINY, "study=pareto", "study.dtypes=[bf16,fp32]", 
 
 
 def _folder(tmp_path: Path, store_template: Path) -> Path:
-    (tmp_path / "mlruns").mkdir()
-    shutil.copyfile(store_template, tmp_path / "mlruns" / "mlflow.db")
+    store_in(tmp_path, store_template)
     return tmp_path
 
 

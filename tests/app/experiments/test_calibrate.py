@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import math
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mlflow import MlflowClient
 from clipamp_engine import CANONICAL_COLUMNS
 from sweep import app
 
-from tests.app.helpers import TINY, compose_cfg
+from tests.app.helpers import TINY, compose_cfg, store_in
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
@@ -23,9 +22,7 @@ pytestmark = pytest.mark.slow  # end to end: real runs through the app
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("cal")
-    (root / "mlruns").mkdir()
-    shutil.copyfile(store_template, root / "mlruns" / "mlflow.db")
-    uri = f"sqlite:///{root}/mlruns/mlflow.db"
+    uri = store_in(root, store_template)
     cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=40", "calibrate.window=20",
                       "calibrate.quantile=0.9", f"tracking.uri={uri}", "tracking.plots=true",
                       "optim.lr=3e-3", "optim.warmup_steps=5")

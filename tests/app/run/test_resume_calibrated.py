@@ -14,7 +14,7 @@ from sweep.experiments.training import run_single
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.tracking import Store
 
-from tests.app.helpers import TINY, compose_cfg
+from tests.app.helpers import TINY, compose_cfg, kill_after
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
@@ -24,19 +24,12 @@ RUN = ["+experiment=calibrate", *TINY, "steps=24", "calibrate.window=6", "calibr
        "seed=2", "optim.schedule=constant", "optim.warmup_steps=3"]
 
 
-def _kill_after(step: int):
-    def hook(log):
-        if log.step == step:
-            raise KeyboardInterrupt(f"killed after step {step}")
-    return hook
-
-
 def test_resumed_calibrate_run_equals_an_uninterrupted_one(store):
     cfg = compose_cfg(*RUN, f"tracking.uri={store}")
     s = Store.open(store, cfg.tracking.experiment)
     name = "calibrate-gpt-bf16"
     with pytest.raises(KeyboardInterrupt):
-        run_training(calibrated(cfg), s, RunSpec(name), RunHooks(step=_kill_after(17), announce=lambda m: None))
+        run_training(calibrated(cfg), s, RunSpec(name), RunHooks(step=kill_after(17), announce=lambda m: None))
     resumed = run_single(dataclasses.replace(cfg, resume="true"), s)
     local = (Path(store.removeprefix("sqlite:///")).parent / "fresh").as_uri()  # a local artifact folder, like the store's
     fresh = run_single(cfg, dataclasses.replace(s, experiment_id=s.client.create_experiment("fresh", local)))
