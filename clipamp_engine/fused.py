@@ -21,6 +21,8 @@ What the fused path needs, and what it gives up (otherwise the default path runs
   ``staged``, ``per_group``, ``agc``, ``update``, ``quantile``, ``zscore`` and ``dpsgd``
   need per-tensor passes, the update itself or host-side state, and keep their passes;
 - no forensics probe (it snapshots parameters and reads the update);
+- no fp64 parameters: the fused kernels take ``grad_scale`` in fp32 only, which would round an
+  fp64 run's clip coefficient (the default path clips fp64 gradients in fp64);
 - a non-finite loss still runs backward (its gradients are discarded by the same flag);
 - ``HysteresisScaler``'s rule is host arithmetic: one sync per step with fp16;
 - an LR scheduler other than ``LambdaLR`` costs one sync per step (to step it on taken
@@ -73,6 +75,8 @@ def fused_path_refusal(optimizer: torch.optim.Optimizer, clip: ClipPolicy, foren
         return f"clip mode {clip.mode!r} is not one global coefficient"
     if forensics:
         return "forensics read the update"
+    if any(p.dtype == torch.float64 for g in optimizer.param_groups for p in g["params"]):
+        return "fp64 parameters: torch's fused kernels take grad_scale in fp32, which would round the clip coefficient"
     return None
 
 

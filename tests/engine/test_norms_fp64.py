@@ -8,12 +8,17 @@ References (the behaviour these tests hold clipamp to):
     (``TEST_F(NNUtilsTest, ClipGradNormErrorIfNonfinite)``, read at commit 04821b97).
 """
 
+import copy
 import math
 
 import pytest
 import torch
+from torch import nn
 
-from clipamp_engine import clip_global_l2_norm, has_non_finite_grad, total_norm
+from clipamp_engine import AmpTrainState, clip_global_l2_norm, has_non_finite_grad, total_norm
+from clipamp_engine.clip import CLIP_MODES, make_clip_policy
+
+from .clip.helpers import MODE_OPTIONS
 
 inf, nan = math.inf, math.nan
 NORM_TYPES = [0.5, 1.0, 2.0, 4.0, inf]
@@ -187,3 +192,56 @@ def test_torch_nonfinite_table_check_and_l2_clip(one, prefix, scalar):
         torch.nn.utils.clip_grad_norm_(ref, 1.0)
         for p, r in zip(params, ref):
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-12, atol=0)
+
+
+# -- an fp64 model through AmpTrainState, every clip mode ------------------------------------
+
+@pytest.mark.parametrize("mode", sorted(CLIP_MODES))
+def test_every_clip_mode_trains_an_fp64_model(mode):
+    """An fp64 model (``dtype="fp32"``: no autocast) trains in every clip mode: parameters stay
+    fp64 and finite, and the recorded pre-clip norm of step 1 equals
+    ``torch.nn.utils.get_total_norm`` over the gradients of a plain fp64 backward on a copy of
+    the model (dpsgd records its own per-example quantity, so only its dtype and finiteness)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=gen, dtype=torch.float64) * 3, torch.randint(0, 3, (8,), generator=gen))
+               for _ in range(3)]
+    ref = copy.deepcopy(model)
+    nn.functional.cross_entropy(ref(batches[0][0]), batches[0][1]).backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=1e-2)
+    clip = make_clip_policy(mode, named_params=model, optimizer=opt, **MODE_OPTIONS[mode])
+    state = AmpTrainState(model, opt, nn.functional.cross_entropy, dtype="fp32", clip=clip)
+    records = [state.step(x, y) for x, y in batches]
+    assert not any(r.skipped for r in records)
+    assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in model.parameters())
+    assert all(math.isfinite(r.grad_l2_pre_clip) and r.grad_l2_post_clip <= r.grad_l2_pre_clip * (1 + 1e-6)
+               for r in records)
+    if mode != "dpsgd":
+        assert records[0].grad_l2_pre_clip == pytest.approx(float(ref_norm), rel=1e-12)
+
+
+def test_an_fp64_model_with_a_fused_optimizer_takes_the_default_path():
+    """torch's fused AdamW kernel takes ``grad_scale`` in fp32 only (an fp64 one raises
+    "expected scalar type Float"), so an fp64 model keeps the default path, where the clip is
+    applied in fp64: the update equals torch's ``clip_grad_norm_`` + fused ``AdamW`` on a copy.
+    ``fused=True`` says why it cannot run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8, dtype=torch.float64) * 3, torch.randint(0, 3, (8,))
+    state = AmpTrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                          nn.functional.cross_entropy, dtype="fp32", max_norm=0.5)
+    assert state.pipeline == "default"
+    record = state.step(x, y)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    ref_opt.step()
+    assert record.grad_l2_pre_clip == pytest.approx(float(ref_norm), rel=1e-12) and record.clipped
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="fused=True: the fused path cannot run: fp64 parameters"):
+        AmpTrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                      nn.functional.cross_entropy, dtype="fp32", max_norm=0.5, fused=True)

@@ -23,9 +23,16 @@ def test_agc_acceptance_fixture_row_units():
     torch.testing.assert_close(post, torch.tensor(0.01 * math.sqrt(6)))
 
 
+def _timm_unitwise_norm(x: torch.Tensor) -> torch.Tensor:
+    """timm's ``unitwise_norm`` (huggingface/pytorch-image-models ``timm/utils/agc.py``): the
+    tensor's own ``norm``, so fp64 norms in fp64."""
+    return x.norm(2.0) if x.ndim <= 1 else x.norm(2.0, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
 def _timm_agc_reference(p: torch.Tensor, g: torch.Tensor, clip_factor: float, eps: float) -> torch.Tensor:
-    max_norm = unitwise_norm(p).clamp(min=eps) * clip_factor
-    grad_norm = unitwise_norm(g)
+    """timm's ``adaptive_clip_grad`` for one parameter (same file)."""
+    max_norm = _timm_unitwise_norm(p).clamp(min=eps) * clip_factor
+    grad_norm = _timm_unitwise_norm(g)
     clipped = g * (max_norm / grad_norm.clamp(min=1e-6))
     return torch.where(grad_norm < max_norm, g, clipped)
 
@@ -43,6 +50,26 @@ def test_agc_matches_unitwise_reference_on_conv_and_linear_and_skips_1d():
     torch.testing.assert_close(conv.weight.grad, _timm_agc_reference(*p_conv, 0.05, 1e-3))
     torch.testing.assert_close(lin.weight.grad, _timm_agc_reference(*p_lin, 0.05, 1e-3))
     assert torch.equal(lin.bias.grad, bias_grad)  # 1-D excluded by default
+
+
+def test_agc_on_fp64_parameters_matches_timm_in_fp64():
+    """fp64 weights and gradients: unit norms accumulate in fp64 (timm norms in the tensor's own
+    dtype), so the clipped gradient equals timm's to fp64 precision, including entries far
+    outside the fp32 range (which an fp32 reduction would turn into inf)."""
+    torch.manual_seed(0)
+    conv, lin = nn.Conv2d(3, 4, 3).double(), nn.Linear(5, 6).double()
+    model = nn.Sequential(conv, nn.Flatten(), lin)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 0.3
+    lin.weight.grad[0] *= 1e200  # one unit far beyond fp32
+    refs = [(m.weight.detach().clone(), m.weight.grad.clone()) for m in (conv, lin)]
+    assert torch.isinf(unitwise_norm(lin.weight.grad.float())).any()  # an fp32 reduction overflows
+    assert unitwise_norm(lin.weight.grad).dtype == torch.float64
+    _clip(make_clip_policy("agc", clip_factor=0.05, named_params=model), list(model.parameters()))
+    for m, (p, g) in zip((conv, lin), refs):
+        assert m.weight.grad.dtype == torch.float64
+        torch.testing.assert_close(m.weight.grad, _timm_agc_reference(p, g, 0.05, 1e-3), rtol=1e-12, atol=0)
+    assert torch.isfinite(lin.weight.grad).all()
 
 
 def test_agc_excludes_embeddings_by_type_and_name():
