@@ -103,7 +103,9 @@ class OptimConfig:
 
 @dataclass
 class AmpConfig:
-    """Autocast dtype and the loss scaler (fp16 only)."""
+    """Autocast dtype and the loss scaler (fp16 only): ``HysteresisScaler``, DeepSpeed's overflow
+    rule (``hysteresis``) with ``torch.amp.GradScaler``'s growth count (× ``growth_factor`` after
+    ``growth_interval`` clean steps, one step before DeepSpeed's ``scale_window`` would grow)."""
 
     dtype: str = choice("bf16", tuple(DTYPES))
     init_scale: float = 65536.0
