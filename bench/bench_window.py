@@ -138,7 +138,8 @@ def plot(trace, s, short_len, args, short, long_, step1, pieces, figure: Path) -
     a.axvspan(s, s + short_len - 1, color="tab:orange", alpha=0.25, label=f"{short_len}-step window")
     a.axhline(long_.estimate, color="tab:blue", ls="--", lw=1, label=f"τ({args.long}) = {long_.estimate:.3g}")
     a.axhline(short.estimate, color="tab:orange", ls="--", lw=1, label=f"τ({short_len}) = {short.estimate:.3g}")
-    a.axhline(step1.estimate, color="tab:red", ls=":", lw=1, label=f"τ, {short_len} steps from step 1 = {step1.estimate:.3g}")
+    a.axhline(step1.estimate, color="tab:red", ls=":", lw=1,
+              label=f"τ, {short_len} steps from step 1 = {step1.estimate:.3g}")
     a.set_xlabel("step")
     a.set_ylabel("‖g‖")
     a.legend(fontsize=7)

@@ -43,11 +43,12 @@ class CalibratedClip(ClipPolicy):
     summarised (``NormCalibrator``: quantiles with order-statistic intervals) and, from the next
     step on, gradients are clipped at τ = Quantile_``quantile`` (``quantile=None``: the quantile
     aiming at the centre of ``target_clip``, ``band_quantile``). The ``validate`` steps after a
-    window (0: every step until the next window or the end) count how often τ clips (phase
-    ``validate``; later steps are ``train``); ``checks()`` compares that with the window's
-    prediction and the band. A later window whose τ interval does not overlap the previous one's
-    is flagged as drift (``drift()``). Skipped steps are counted, never mixed into quantiles or
-    ratios.
+    window (0: every step while its τ is in force, i.e. until the next window closes or the run
+    ends) count how often τ clips: held-out steps, the next window's included, since τ still clips
+    them (phase ``validate``, or ``calibrate`` inside the next window; later steps are ``train``);
+    ``checks()`` compares that with the window's prediction and the band. A later window whose τ
+    interval does not overlap the previous one's is flagged as drift (``drift()``). Skipped steps
+    are counted, never mixed into quantiles or ratios.
 
     The norms reach the policy through ``observe(record)`` (host values the step already read
     back), so calibrating adds no host sync.
@@ -59,7 +60,7 @@ class CalibratedClip(ClipPolicy):
         candidates: fixed thresholds whose would-be clipping ratio each summary reports.
         cap: τ until the first window closes (``None``: no clipping then).
         start: ``"auto"``, or the number of steps before the first window (0: it starts at step 1).
-        validate: held-out steps after each window that check τ (0: all until the next window).
+        validate: held-out steps after each window that check τ (0: all while τ is in force).
         target_clip: the clipping-ratio band ``[low, high]`` τ is judged against (seed 004's
             pretraining band by default).
         confidence: level of the quantile and ratio intervals.
@@ -148,9 +149,9 @@ class CalibratedClip(ClipPolicy):
             self.placement = self.detector.update(record.step, record.lr, record.grad_l2_pre_clip, record.skipped)
             self.windows = self._windows()
             return
-        phase = self.phase(record.step)
-        if phase == "validate" and self.validation and not record.skipped:
-            self.validation[-1][0] += bool(record.clipped)
+        if self.validation and not record.skipped and (
+                not self.validate or record.step - self.summaries[-1].end_step <= self.validate):
+            self.validation[-1][0] += bool(record.clipped)  # a held-out step clipped (or not) at the latest τ
             self.validation[-1][1] += 1
         window = self.windows.window_at(record.step)
         if window is None:

@@ -183,7 +183,7 @@ class CalibrateConfig:
     # where the first window starts: "auto" (after the LR warm-up and the norms' initial transient,
     # clipamp_engine.placement) or N (after N steps; 0: at step 1)
     start: Any = 0
-    validate: int = 0  # held-out steps after each window that check τ (0: every step until the next window)
+    validate: int = 0  # held-out steps after each window that check τ (0: all while τ is in force)
     target_clip: List[float] = field(default_factory=lambda: [0.01, 0.05])  # the clipping-ratio band τ is judged by
 
 

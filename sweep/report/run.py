@@ -45,7 +45,8 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
              f"eval loss: {fmt(m.get('eval_loss', math.nan))}", ""]
     if result.calibration is not None:
         lines += calibration.markdown(result.calibration)
-        lines += [f"Clipping ratio realised after the window at τ (every later step): {pct(m['clip_ratio'])}.", ""]
+        lines += [f"Clipping ratio realised after the first window (every later step, at the τ in force): "
+                  f"{pct(m['clip_ratio'])}.", ""]
     elif result.windows:
         lines += _windows_markdown(result)
     else:

@@ -30,7 +30,7 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
     """Quantiles over finite pre-clip norms (of the first window, or of the whole run), ratios, loss."""
     if windows:
         q, tau = windows[0].quantiles, windows[0].recommended_max_norm
-        after = [r for r in records.taken() if r["phase"] in ("validate", "train")]  # every step after the window
+        after = [r for r in records.taken() if r["step"] > windows[0].end_step]  # every step after the first window
         clip_ratio = sum(bool(r["clipped"]) for r in after) / len(after) if after else math.nan
     else:
         norms = [r["grad_l2_pre_clip"] for r in records.taken() if math.isfinite(r["grad_l2_pre_clip"])]

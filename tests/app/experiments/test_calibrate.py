@@ -144,6 +144,11 @@ def test_repeated_windows_report_drift(store):
     assert df.loc[df["step"].between(16, 20), "max_norm"].eq(taus[1]).all()  # each window's τ is adopted
     assert sorted(h.step for h in client.get_metric_history(result.run_id, "eval_loss")) == [10, 20, 30]
     assert "Drift across windows" in (Path(result.csv_path).parent / "report.md").read_text()
+    after = df[(df["step"] > 5) & ~df["skipped"]]  # clipped at τ1, τ2, τ3 in turn, later windows included
+    assert result.metrics["clip_ratio"] == pytest.approx(after["clipped"].mean())
+    held = df[df["step"].between(6, 15)]  # τ1 is in force until the second window closes
+    assert result.metrics["validation_steps"] == 10
+    assert result.metrics["validation_clip_ratio"] == pytest.approx((held["grad_l2_pre_clip"] > taus[0]).mean())
 
 
 def test_auto_start_validation_and_what_the_run_logs(store):

@@ -213,6 +213,23 @@ def test_validate_steps_then_train_and_start_n():
     assert _drive(legacy, norms, lrs)[:51] == ["calibrate"] * 50 + ["validate"]
 
 
+@pytest.mark.parametrize("validate", [0, 30, 150])
+def test_back_to_back_windows_validate_each_tau_on_the_next_window(validate):
+    """every == window leaves no step between windows, but τ_k clips every step of window k + 1:
+    those are its held-out steps. Counted against numpy on the same trace (at most ``validate``)."""
+    norms, lrs = _warmup_trace(400, seed=3)
+    policy = CalibratedClip(window=100, every=100, start=60, validate=validate, quantile=0.9, total_steps=400)
+    _drive(policy, norms, lrs)
+    ends = [s.end_step for s in policy.summaries]
+    assert ends == [160, 260, 360, 400]
+    for k, (summary, (clipped, taken)) in enumerate(zip(policy.summaries, policy.validation)):
+        held_out = norms[summary.end_step:(ends[k + 1] if k + 1 < len(ends) else len(norms))]
+        if validate:
+            held_out = held_out[:validate]
+        assert (clipped, taken) == (int((held_out > summary.recommended_max_norm).sum()), len(held_out))
+    assert all(c is not None for c in policy.checks()[:3]) and policy.checks()[3] is None
+
+
 def test_drift_is_flagged_only_when_the_tau_intervals_separate():
     """Over 10 seeds: a stationary trace rarely separates two 95% intervals; a ×3 jump always does."""
     false_alarms, caught = 0, 0
