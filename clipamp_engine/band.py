@@ -93,8 +93,9 @@ class BandCheck:
 
 
 def check_band(tau: float, predicted: float, clipped: int, steps: int, band: tuple[float, float],
-               confidence: float = CONFIDENCE) -> BandCheck:
-    """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much)."""
+               confidence: float = CONFIDENCE, *, repeating: bool = False) -> BandCheck:
+    """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
+    ``repeating``: the run already re-calibrates (``calibrate.every``), which the next action accounts for."""
     low, high = validate_band(band)
     if steps < 1:
         raise ValueError("no validation step was taken: raise calibrate.validate or steps")
@@ -110,15 +111,15 @@ def check_band(tau: float, predicted: float, clipped: int, steps: int, band: tup
                 else f"drifted: {realised / predicted:.2g}× the prediction" if predicted > 0
                 else "drifted: the window predicted no clipping")
     return BandCheck(tau, (low, high), predicted, clipped, steps, realised, lo, hi, inside, consistent, within,
-                     verdict, _action(tau, predicted, realised, steps, (low, high), inside, consistent))
+                     verdict, _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating))
 
 
 def _action(tau: float, predicted: float, realised: float, steps: int, band: tuple[float, float],
-            inside: bool, consistent: bool) -> str:
+            inside: bool, consistent: bool, repeating: bool = False) -> str:
     low, high = band
     if inside:
         return (f"keep clip.max_norm={tau:.4g}; re-check when the LR, data mixture or sequence length change "
-                f"(calibrate.every)")
+                f"({'the later windows do' if repeating else 'calibrate.every'})")
     if consistent and low <= predicted <= high:
         need = math.ceil(20 / max(predicted, 1e-9))
         return (f"too few validation steps to tell the ratio from the band: raise calibrate.validate "
@@ -127,7 +128,9 @@ def _action(tau: float, predicted: float, realised: float, steps: int, band: tup
         return (f"the window itself predicts {predicted:.1%}, outside the band: aim at the band with "
                 f"calibrate.quantile=null (τ = Quantile_{band_quantile(band):.3f})")
     if realised > predicted:
-        return ("the norms rose after the window: re-calibrate later or repeatedly (calibrate.every) or with a "
-                "longer window; clipping that stays above the band after warm-up points at the LR or loss scale")
+        again = ("see whether the later windows' τ moved (drift) or the rise was a burst; a longer window"
+                 if repeating else "re-calibrate later or repeatedly (calibrate.every) or with a longer window")
+        return (f"the norms rose after the window: {again}; clipping that stays above the band after warm-up "
+                "points at the LR or loss scale")
     return ("the norms fell after the window, which caught a transient: start it later (calibrate.start=auto "
             "or a larger N) or lengthen it")

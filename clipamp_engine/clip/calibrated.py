@@ -182,7 +182,7 @@ class CalibratedClip(ClipPolicy):
     def checks(self) -> list[BandCheck | None]:
         """Per closed window: its τ judged on its validation steps so far (None: none taken yet)."""
         return [check_band(s.recommended_max_norm, s.predicted_clip_ratio, clipped, taken, self.band,
-                           self.confidence) if taken else None
+                           self.confidence, repeating=bool(self.every)) if taken else None
                 for s, (clipped, taken) in zip(self.summaries, self.validation)]
 
     def drift(self) -> list[bool]:

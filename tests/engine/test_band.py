@@ -55,7 +55,9 @@ def test_norms_that_fell_after_the_window_are_drift_down():
 def test_norms_that_rose_after_the_window_are_drift_up():
     c = check_band(1.0, predicted=0.02, clipped=30, steps=100, band=(0.01, 0.05))
     assert not c.consistent and c.factor == pytest.approx(15.0) and "15× the prediction" in c.verdict
-    assert "rose after the window" in c.action
+    assert "rose after the window" in c.action and "calibrate.every" in c.action
+    again = check_band(1.0, predicted=0.02, clipped=30, steps=100, band=(0.01, 0.05), repeating=True)
+    assert "later windows" in again.action and "calibrate.every" not in again.action  # the run already repeats
 
 
 def test_a_prediction_outside_the_band_points_at_the_band_quantile():
