@@ -20,6 +20,13 @@ __all__ = ["QuantileClip", "ZScoreClip"]
 
 # -- AutoClip (quantile) ---------------------------------------------------------------------
 
+def _float_tensor(value: Any) -> torch.Tensor:
+    """A checkpointed value as a tensor that keeps an fp64 dtype (lists and other dtypes: fp32)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+        return value.detach().clone()
+    return torch.as_tensor(value, dtype=torch.float32)
+
+
 class QuantileClip(ClipPolicy):
     """AutoClip: clip at the q-quantile of the pre-clip norms seen so far.
 
@@ -70,10 +77,11 @@ class QuantileClip(ClipPolicy):
         self.seen = 0  # norms observed in total
         self._tau: torch.Tensor | None = None
 
-    def _ensure(self, device: torch.device) -> torch.Tensor:
-        if self._buf is None or self._buf.device != device:
+    def _ensure(self, pre: torch.Tensor) -> torch.Tensor:
+        """The history buffer on ``pre``'s device, in its dtype (fp32, or fp64 for an fp64 model)."""
+        if self._buf is None or self._buf.device != pre.device or self._buf.dtype != pre.dtype:
             old = self._buf
-            self._buf = torch.zeros(self.history, dtype=torch.float32, device=device)
+            self._buf = torch.zeros(self.history, dtype=pre.dtype, device=pre.device)
             if old is not None:
                 self._buf.copy_(old)
         return self._buf
@@ -84,7 +92,7 @@ class QuantileClip(ClipPolicy):
         self.seen += 1
 
     def clip_(self, params, grads, pre, step):
-        buf = self._ensure(pre.device)
+        buf = self._ensure(pre)
         if self.include_current:
             self._record(buf, pre)
         kept = min(self._filled, self.history)
@@ -116,14 +124,14 @@ class QuantileClip(ClipPolicy):
                 "tau": None if self._tau is None else self._tau.detach().cpu()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        norms = torch.as_tensor(state["norms"], dtype=torch.float32).flatten()[-self.history:]
+        norms = _float_tensor(state["norms"]).flatten()[-self.history:]
         device = self._buf.device if self._buf is not None else norms.device
-        self._buf = torch.zeros(self.history, dtype=torch.float32, device=device)
+        self._buf = torch.zeros(self.history, dtype=norms.dtype, device=device)
         self._buf[: len(norms)] = norms.to(device)
         self._filled = len(norms)
         self.seen = int(state.get("seen", len(norms)))
         tau = state.get("tau")
-        self._tau = None if tau is None else torch.as_tensor(tau, dtype=torch.float32, device=device)
+        self._tau = None if tau is None else _float_tensor(tau).to(device)
 
 
 # -- ZClip (z-score) -------------------------------------------------------------------------
@@ -205,9 +213,9 @@ class ZScoreClip(ClipPolicy):
     def clip_(self, params, grads, pre, step):
         if self.mean is None:
             if self._warm is None:
-                self._warm = torch.zeros(self.warmup_steps, dtype=torch.float32, device=pre.device)
-            elif self._warm.device != pre.device:  # restored from a CPU checkpoint
-                self._warm = self._warm.to(pre.device)
+                self._warm = torch.zeros(self.warmup_steps, dtype=pre.dtype, device=pre.device)
+            elif self._warm.device != pre.device or self._warm.dtype != pre.dtype:  # restored from a checkpoint
+                self._warm = self._warm.to(pre.device, pre.dtype)
             self._warm[self._n_warm] = pre
             self._n_warm += 1
             if self._n_warm == self.warmup_steps:
@@ -257,15 +265,15 @@ class ZScoreClip(ClipPolicy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def tensor(v):
-            return None if v is None else torch.as_tensor(v, dtype=torch.float32)
+            return None if v is None else _float_tensor(v)
         self.mean, self.var = tensor(state["mean"]), tensor(state["var"])
         if (self.mean is None) != (self.var is None):
             raise ValueError("zscore state: mean and var must both be set or both be None")
-        warm = torch.as_tensor(state.get("warmup_norms", []), dtype=torch.float32).flatten()
+        warm = _float_tensor(state.get("warmup_norms", [])).flatten()
         if self.mean is None and len(warm):
             if len(warm) >= self.warmup_steps:
                 raise ValueError(f"zscore state holds {len(warm)} warm-up norms but warmup_steps={self.warmup_steps}")
-            self._warm = torch.zeros(self.warmup_steps, dtype=torch.float32)
+            self._warm = torch.zeros(self.warmup_steps, dtype=warm.dtype)
             self._warm[: len(warm)] = warm
             self._n_warm = len(warm)
         else:

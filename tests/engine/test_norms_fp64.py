@@ -11,6 +11,7 @@ References (the behaviour these tests hold clipamp to):
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from torch import nn
 from clipamp_engine import AmpTrainState, clip_global_l2_norm, has_non_finite_grad, total_norm
 from clipamp_engine.clip import CLIP_MODES, make_clip_policy
 
-from .clip.helpers import MODE_OPTIONS
+from .clip.helpers import MODE_OPTIONS, _clip
 
 inf, nan = math.inf, math.nan
 NORM_TYPES = [0.5, 1.0, 2.0, 4.0, inf]
@@ -245,3 +246,31 @@ def test_an_fp64_model_with_a_fused_optimizer_takes_the_default_path():
     with pytest.raises(ValueError, match="fused=True: the fused path cannot run: fp64 parameters"):
         AmpTrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
                       nn.functional.cross_entropy, dtype="fp32", max_norm=0.5, fused=True)
+
+
+def test_autoclip_and_zclip_keep_an_fp64_models_norms_in_fp64():
+    """Norms beyond the fp32 range (1e40) that differ only at 1e-12: AutoClip's τ is numpy's fp64
+    quantile of the history (the paper's code takes ``np.percentile`` of the float64 norms) and
+    ZClip's warm-up statistics are numpy's mean and population variance (the authors' ZClip
+    takes them with ``torch.tensor(...).mean()/.var(unbiased=False)`` of the norms it was
+    handed); both survive a checkpoint in fp64."""
+    norms = [1e40 * (1 + k * 1e-12) for k in range(8)]
+    quantile = make_clip_policy("quantile", quantile=0.5, history=100)
+    zscore = make_clip_policy("zscore", warmup_steps=len(norms), z_thresh=2.5)
+    for t, n in enumerate(norms, start=1):
+        for policy in (quantile, zscore):
+            p = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+            p.grad = torch.tensor([n], dtype=torch.float64)
+            _clip(policy, [p], step=t)
+        assert quantile.threshold == np.quantile(norms[:t], 0.5)  # exact: linear interpolation in fp64
+    assert float(zscore.mean) == pytest.approx(np.mean(norms), rel=1e-15)
+    assert float(zscore.var) == pytest.approx(np.var(norms), rel=1e-6) and float(zscore.var) > 0  # fp32: 0 or inf
+    for policy in (quantile, zscore):
+        state = policy.state_dict()
+        again = make_clip_policy(policy.mode, **({"quantile": 0.5, "history": 100} if policy.mode == "quantile"
+                                                  else {"warmup_steps": len(norms)}))
+        again.load_state_dict(state)
+        assert again.state_dict().keys() == state.keys()
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.numel():
+                assert again.state_dict()[k].dtype == torch.float64 and torch.equal(again.state_dict()[k], v)
