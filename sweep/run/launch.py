@@ -120,10 +120,14 @@ class Launch:
         return model
 
     def run(self, fn: Callable[[], T]) -> T:
-        """``fn()``, then leave the group. Under torchrun a failure other than a user mistake becomes a
-        ``RankFailed``: this rank's own (recorded for rank 0), or another rank's."""
+        """``fn()``, then leave the group (together with the other ranks when ``fn`` returned). Under
+        torchrun a failure other than a user mistake becomes a ``RankFailed``: this rank's own
+        (recorded for rank 0), or another rank's."""
+        done = False
         try:
-            return fn()
+            result = fn()
+            done = True
+            return result
         except (UserError, RankFailed):
             raise
         except Exception as e:
@@ -131,15 +135,26 @@ class Launch:
                 raise
             raise self.diagnose(e) from None
         finally:
-            self.close()
+            self.close(together=done)
 
     def diagnose(self, e: BaseException) -> RankFailed:
         """The failure ``e`` means for the job: this rank's own (recorded for rank 0) or another rank's."""
         return diagnose(e, self.store, self.rank, self.world)
 
-    def close(self) -> None:
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, together: bool = False) -> None:
+        """Leave the process group. ``together``: first wait at a barrier until every rank has finished,
+        so that no rank tears its end of the connections down while rank 0 still ends the run (a gloo
+        rank that left early aborted at exit once in some 70 runs here; PyTorch's own distributed
+        tests put a barrier before ``destroy_process_group`` against such flakes, pytorch#11391). A
+        rank that failed meanwhile breaks the barrier: its own report says so, this one just leaves."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        if together:
+            try:
+                dist.barrier(group=self.group)
+            except Exception:  # noqa: BLE001 - another rank failed; it reports itself
+                pass
+        dist.destroy_process_group()
 
 
 def _cuda(device: str) -> bool:
