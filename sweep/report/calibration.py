@@ -115,6 +115,21 @@ def tables(clip: "CalibratedClip") -> list[Any]:
         out += [f"[{colour}]validation:[/] {check.verdict}", f"next: {check.action}"]
     drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
     if len(clip.summaries) > 1:
+        out.append(_drift_table(clip))
         out.append(f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
                    f"from the previous one" + (f" (from step {drifted[0].start_step})" if drifted else ""))
     return out
+
+
+def _drift_table(clip: "CalibratedClip") -> Table:
+    """Every window's τ with its interval, its ratio to the previous one and its own validation."""
+    t = Table(title="Windows (calibrate.every)")
+    for col in ("window", "τ", "95% interval", "τ / previous", "separate?", "validation"):
+        t.add_column(col, justify="right")
+    prev = None
+    for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
+        t.add_row(f"{s.start_step}–{s.end_step}", _f(s.recommended_max_norm), _interval(s.tau_ci),
+                  f"{s.recommended_max_norm / prev:.2f}" if prev else "—", "drift" if d else "no",
+                  f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—")
+        prev = s.recommended_max_norm
+    return t

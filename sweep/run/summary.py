@@ -22,6 +22,8 @@ def window_metrics(summary: CalibrationSummary, first: CalibrationSummary) -> di
     """What a closing window logs at its last step: its quantiles, its τ and τ / the first window's τ."""
     out = {f"window_{k}": v for k, v in summary.quantiles.items()}
     out["window_recommended_max_norm"] = summary.recommended_max_norm
+    ci = summary.tau_ci  # its interval, where the window bounds it
+    out.update({f"window_tau_ci_{side}": v for side, v in (("low", ci.low), ("high", ci.high)) if math.isfinite(v)})
     out["window_drift"] = summary.recommended_max_norm / first.recommended_max_norm
     return out
 

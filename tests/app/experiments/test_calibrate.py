@@ -130,14 +130,20 @@ def test_train_smoke_each_task(store, model, data):
     assert len(pd.read_csv(result.csv_path)) == 4
 
 
-def test_repeated_windows_report_drift(store):
+def test_repeated_windows_report_drift(store, capsys):
     cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=30", "calibrate.window=5", "calibrate.every=10",
                       "calibrate.start=0", "eval_every=10", f"tracking.uri={store}")
     result = app.run(cfg)
+    printed = capsys.readouterr().out
+    assert "Windows (calibrate.every)" in printed  # each window's τ and interval in the terminal
+    assert all(f"{w.start_step}–{w.end_step}" in printed for w in result.windows)
     assert [(w.start_step, w.end_step) for w in result.windows] == [(1, 5), (11, 15), (21, 25)]
     client = MlflowClient(store)
     drift = client.get_metric_history(result.run_id, "window_drift")
     assert sorted(h.step for h in drift) == [5, 15, 25] and drift[0].value == pytest.approx(1.0)
+    lows = {h.step: h.value for h in client.get_metric_history(result.run_id, "window_tau_ci_low")}
+    assert lows and lows == {w.end_step: pytest.approx(w.tau_ci.low) for w in result.windows
+                             if math.isfinite(w.tau_ci.low)}
     taus = [w.recommended_max_norm for w in result.windows]
     assert result.metrics["drift"] == pytest.approx(taus[-1] / taus[0])
     df = pd.read_csv(result.csv_path)
