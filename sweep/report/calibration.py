@@ -72,13 +72,7 @@ def markdown(clip: "CalibratedClip") -> list[str]:
         lines += ["## Drift across windows", "",
                   "| window | τ | 95% interval | τ / previous | interval separate? | validation |",
                   "|---|---|---|---|---|---|"]
-        prev = None
-        for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
-            ratio = f"{s.recommended_max_norm / prev:.2f}" if prev else "—"
-            held = f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—"
-            lines.append(f"| {s.start_step}–{s.end_step} | {_f(s.recommended_max_norm)} | {_interval(s.tau_ci)} "
-                         f"| {ratio} | {'**drift**' if d else 'no'} | {held} |")
-            prev = s.recommended_max_norm
+        lines += ["| " + " | ".join(row) + " |" for row in _window_rows(clip, drift="**drift**")]
         lines.append("")
     return lines
 
@@ -126,10 +120,17 @@ def _drift_table(clip: "CalibratedClip") -> Table:
     t = Table(title="Windows (calibrate.every)")
     for col in ("window", "τ", "95% interval", "τ / previous", "separate?", "validation"):
         t.add_column(col, justify="right")
-    prev = None
-    for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
-        t.add_row(f"{s.start_step}–{s.end_step}", _f(s.recommended_max_norm), _interval(s.tau_ci),
-                  f"{s.recommended_max_norm / prev:.2f}" if prev else "—", "drift" if d else "no",
-                  f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—")
-        prev = s.recommended_max_norm
+    for row in _window_rows(clip, drift="drift"):
+        t.add_row(*row)
     return t
+
+
+def _window_rows(clip: "CalibratedClip", drift: str) -> list[tuple[str, ...]]:
+    """Per window: its steps, τ, τ's interval, τ / the previous τ, ``drift`` or "no", its validation."""
+    rows, prev = [], None
+    for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
+        rows.append((f"{s.start_step}–{s.end_step}", _f(s.recommended_max_norm), _interval(s.tau_ci),
+                     f"{s.recommended_max_norm / prev:.2f}" if prev else "—", drift if d else "no",
+                     f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—"))
+        prev = s.recommended_max_norm
+    return rows
