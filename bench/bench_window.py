@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clipamp_engine.calibration import min_window, quantile_ci  # noqa: E402
+from clipamp_engine.calibration import min_window, quantile_ci, window_for_width  # noqa: E402
 from clipamp_engine.placement import auto_window_start  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def measure(trace, short_len: int, args, figure: Path | None) -> float:
     half = args.long // 2
     first, second = window_ci(trace, s, half, q), window_ci(trace, s + half, half, q)
     if not ok:
-        needed = math.ceil(long_.n * (long_.rel_width / 0.30) ** 2)  # the 1/√n law (window_for_width, unclamped)
+        needed = window_for_width(long_.n, long_.rel_width, 0.30, minimum=1)  # the 1/√n law, down or up
         why = (f"drift: the {args.long}-step window's halves have separate intervals, τ {first.estimate:.3g} "
                f"[{first.low:.3g}, {first.high:.3g}] then {second.estimate:.3g} [{second.low:.3g}, {second.high:.3g}]"
                if not first.overlaps(second) else

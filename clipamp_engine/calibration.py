@@ -90,17 +90,19 @@ def min_window(q: float, confidence: float = CONFIDENCE) -> int:
     return math.ceil(math.log(half) / math.log(max(q, 1.0 - q)) - 1e-12)
 
 
-def window_for_width(n: int, rel_width: float, target: float) -> int | None:
+def window_for_width(n: int, rel_width: float, target: float, minimum: int | None = None) -> int | None:
     """Window length for a relative interval width ``target``, extrapolated from ``n`` norms.
 
     An order-statistic interval's width shrinks like 1/√n (its ranks sit ±z·√(n q (1−q)) around
     q·n, and the width is that rank spread over the density at ξ_q), so
     n_needed ≈ n · (rel_width / target)². An estimate from one window: it assumes the norms stay
     stationary while the window grows. ``None`` when the current width is unknown (unbounded).
+    ``minimum``: the shortest answer (default ``n``: a window already narrow enough needs no more;
+    1 extrapolates down to a shorter window too).
     """
     if not (math.isfinite(rel_width) and target > 0):
         return None
-    return max(n, math.ceil(n * (rel_width / target) ** 2))
+    return max(n if minimum is None else minimum, math.ceil(n * (rel_width / target) ** 2))
 
 
 @dataclass(frozen=True)

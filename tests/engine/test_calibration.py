@@ -83,6 +83,8 @@ def test_window_for_width_extrapolates_like_one_over_sqrt_n():
     widths = [quantile_ci(list(rng.lognormal(0.0, 0.5, need)), 0.9).rel_width for _ in range(20)]
     assert np.median(widths) == pytest.approx(ci.rel_width / 2, rel=0.35)
     assert window_for_width(100, math.nan, 0.1) is None
+    assert window_for_width(400, 0.2, 0.4) == 400  # already narrow enough: no more norms needed
+    assert window_for_width(400, 0.2, 0.4, minimum=1) == 100  # the 1/√n law extrapolated down
 
 
 def _log(step, norm, skipped=False):

@@ -19,7 +19,7 @@ from torch import nn
 from clipamp_engine import AmpTrainState, clip_global_l2_norm, has_non_finite_grad, total_norm
 from clipamp_engine.clip import CLIP_MODES, make_clip_policy
 
-from .clip.helpers import MODE_OPTIONS, _clip
+from .clip.helpers import _batches, _clip, _state
 
 inf, nan = math.inf, math.nan
 NORM_TYPES = [0.5, 1.0, 2.0, 4.0, inf]
@@ -203,20 +203,14 @@ def test_every_clip_mode_trains_an_fp64_model(mode):
     fp64 and finite, and the recorded pre-clip norm of step 1 equals
     ``torch.nn.utils.get_total_norm`` over the gradients of a plain fp64 backward on a copy of
     the model (dpsgd records its own per-example quantity, so only its dtype and finiteness)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 8, generator=gen, dtype=torch.float64) * 3, torch.randint(0, 3, (8,), generator=gen))
-               for _ in range(3)]
-    ref = copy.deepcopy(model)
+    state = _state(mode, fp64=True)
+    batches = _batches(3, fp64=True)
+    ref = copy.deepcopy(state.model)
     nn.functional.cross_entropy(ref(batches[0][0]), batches[0][1]).backward()
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=1e-2)
-    clip = make_clip_policy(mode, named_params=model, optimizer=opt, **MODE_OPTIONS[mode])
-    state = AmpTrainState(model, opt, nn.functional.cross_entropy, dtype="fp32", clip=clip)
     records = [state.step(x, y) for x, y in batches]
     assert not any(r.skipped for r in records)
-    assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in model.parameters())
+    assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in state.model.parameters())
     assert all(math.isfinite(r.grad_l2_pre_clip) and r.grad_l2_post_clip <= r.grad_l2_pre_clip * (1 + 1e-6)
                for r in records)
     if mode != "dpsgd":

@@ -36,15 +36,20 @@ MODE_OPTIONS = {
 }
 
 
-def _state(mode, **kw):
+def _state(mode, fp64=False, **kw):
+    """A small two-group MLP in ``AmpTrainState`` with clip mode ``mode``: bf16 autocast, or an fp64
+    model without autocast (``fp64``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = model.double() if fp64 else model
     opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}],
                             lr=1e-2, weight_decay=0.1)
     clip = make_clip_policy(mode, named_params=model, optimizer=opt, **MODE_OPTIONS[mode])
-    return AmpTrainState(model, opt, nn.functional.cross_entropy, dtype="bf16", clip=clip, **kw)
+    return AmpTrainState(model, opt, nn.functional.cross_entropy, dtype="fp32" if fp64 else "bf16", clip=clip, **kw)
 
 
-def _batches(n):
+def _batches(n, fp64=False):
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 8, generator=gen) * 3, torch.randint(0, 3, (8,), generator=gen)) for _ in range(n)]
+    dtype = torch.float64 if fp64 else torch.float32
+    return [(torch.randn(8, 8, generator=gen, dtype=dtype) * 3, torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(n)]
