@@ -14,25 +14,20 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.app.helpers import TINY, run_cli
+from tests.system import system_program
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
 SECRET = "hunter2pg"
 
 
-def _pg_bin(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
-    return str(candidates[-1]) if candidates else None
+def _pg_bin(name: str) -> str:
+    return system_program(name, package="postgresql", search=f"/usr/lib/postgresql/*/bin/{name}")
 
 
 @pytest.fixture(scope="module")
 def postgres():
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not (initdb and pg_ctl):
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
     as_user = [] if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--"]  # postgres refuses root
     root = Path(tempfile.mkdtemp(prefix="clipamp-pg-"))  # not under pytest's 0700 root-only folders
     data, pwfile = root / "data", root / "pw"
