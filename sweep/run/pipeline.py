@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,11 +22,12 @@ import torch
 from clipamp_engine import CalibratedClip, StepCSVWriter, StepLog
 from clipamp_engine.calibration import CalibrationError, CalibrationSummary
 
-from sweep.config.convert import as_yaml, flat_params
+from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.run.build import build_state
-from sweep.run.calibration import calibration_metrics, calibration_payload
+from sweep.run.artifacts import logged_params, write_data_artifacts
+from sweep.run.calibration import calibration_metrics
 from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
 from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
                                   release_run, remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
@@ -35,7 +35,7 @@ from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
-from sweep.run.tracking import RunTracker, SilentTracker, Store, param_text, redact_text, source_tags
+from sweep.run.tracking import RunTracker, SilentTracker, Store, source_tags
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 
 
@@ -196,11 +196,6 @@ class _NoCSV(contextlib.nullcontext):
         pass
 
 
-def logged_params(cfg: Config) -> dict[str, str]:
-    """The config's params as the run logged them (the values a resume compares against)."""
-    return {k: param_text(v) for k, v in flat_params(cfg).items()}
-
-
 @dataclass
 class _ActiveRun:
     """The parts of a run while it trains: engine, CSV, faults, records."""
@@ -332,17 +327,9 @@ class _ActiveRun:
         self.tracker.set_tags(tau_tags(self.records.rows))
         csv_path = self.tracker.artifact_path("steps.csv")
         result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records, calibration=cal)
-        write_data_artifacts(self.cfg, self.tracker, result)
+        write_data_artifacts(self.cfg, self.tracker, result.metrics, result.windows, result.calibration)
         if self.hooks.artifacts is not None:
             self.hooks.artifacts(self.cfg, self.tracker, result)
         remove_checkpoint(self.ckpt_file)
         return result
 
-
-def write_data_artifacts(cfg: Config, tracker: RunTracker, result: RunResult) -> None:
-    """config.yaml (passwords redacted) and quantiles.json (the summary metrics and every window)."""
-    tracker.artifact_path("config.yaml").write_text(redact_text(as_yaml(cfg)))
-    payload = {"metrics": result.metrics, "windows": [w.as_dict() for w in result.windows]}
-    if result.calibration is not None:
-        payload["calibration"] = calibration_payload(result.calibration)
-    tracker.artifact_path("quantiles.json").write_text(json.dumps(payload, indent=2, default=float))

@@ -21,7 +21,6 @@ from mlflow import MlflowClient
 from sweep.errors import UserError
 from sweep.run.tracking import Store
 
-from tests.app.conftest import store, store_template  # noqa: F401  (fixtures)
 from tests.app.helpers import REPO, TINY
 from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 

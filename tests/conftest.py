@@ -1,4 +1,4 @@
-"""Shared fixtures: a temporary MLflow store (helpers for configs and the CLI are in helpers.py)."""
+"""Fixtures shared by the app and reliability suites: a temporary MLflow store (see helpers.py for the rest)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,32 @@
+"""What a run records of its config and results: the params as logged, config.yaml, quantiles.json."""
+
+from __future__ import annotations
+
+import json
+
+from clipamp_engine import CalibratedClip
+from clipamp_engine.calibration import CalibrationSummary
+from sweep.config.convert import as_yaml, flat_params
+from sweep.config.schema import Config
+from sweep.run.calibration import calibration_payload
+from sweep.run.tracking import RunTracker, param_text, redact_text
+
+
+def logged_params(cfg: Config) -> dict[str, str]:
+    """The config's params as the run logged them (the values a resume compares against)."""
+    return {k: param_text(v) for k, v in flat_params(cfg).items()}
+
+
+def write_data_artifacts(
+    cfg: Config,
+    tracker: RunTracker,
+    metrics: dict[str, float],
+    windows: list[CalibrationSummary],
+    calibration: CalibratedClip | None,
+) -> None:
+    """config.yaml (passwords redacted) and quantiles.json (the summary metrics, every window, the calibration)."""
+    tracker.artifact_path("config.yaml").write_text(redact_text(as_yaml(cfg)))
+    payload = {"metrics": metrics, "windows": [w.as_dict() for w in windows]}
+    if calibration is not None:
+        payload["calibration"] = calibration_payload(calibration)
+    tracker.artifact_path("quantiles.json").write_text(json.dumps(payload, indent=2, default=float))
