@@ -30,16 +30,21 @@ from clipamp_engine.distributed import GlobalBatchLoss, Replicas
 SCALE = 2.0**16
 MAX_NORM = 1.0
 ARMS = ("a", "b", "c", "d", "e")
-NAMES = {"a": "canonical (unscale + clip_grad_norm_ + foreach AdamW)", "b": "canonical + fused AdamW",
-         "c": "floor: _foreach_norm + fused AdamW(grad_scale, found_inf)", "d": "AmpTrainState fused path",
-         "e": "AmpTrainState default path"}
+NAMES = {
+    "a": "canonical (unscale + clip_grad_norm_ + foreach AdamW)",
+    "b": "canonical + fused AdamW",
+    "c": "floor: _foreach_norm + fused AdamW(grad_scale, found_inf)",
+    "d": "AmpTrainState fused path",
+    "e": "AmpTrainState default path",
+}
 
 
 def make_params(numel: int, dtype: torch.dtype) -> nn.ParameterList:
     """Square weights of 1M elements plus 1K biases, ``numel`` elements in all."""
     n = max(1, round(numel / 1_001_000))
-    return nn.ParameterList([nn.Parameter(torch.randn(*shape, dtype=dtype) * 0.02)
-                             for _ in range(n) for shape in ((1000, 1000), (1000,))])
+    return nn.ParameterList(
+        [nn.Parameter(torch.randn(*shape, dtype=dtype) * 0.02) for _ in range(n) for shape in ((1000, 1000), (1000,))]
+    )
 
 
 def hand_arm(params, fused: bool, scaling: bool):
@@ -52,6 +57,7 @@ def hand_arm(params, fused: bool, scaling: bool):
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
         scaler.step(opt)
         scaler.update()
+
     return run
 
 
@@ -66,13 +72,21 @@ def floor_arm(params, scaling: bool):
         opt.grad_scale, opt.found_inf = (1.0 / inv) / coef, (~torch.isfinite(pre)).float()
         opt.step()
         del opt.grad_scale, opt.found_inf
+
     return run
 
 
 def engine_arm(module, fused: bool, scaling: bool):
     opt = torch.optim.AdamW(module.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
-    state = AmpTrainState(module, opt, None, dtype="fp16" if scaling else "bf16", max_norm=MAX_NORM,
-                          init_scale=SCALE, growth_interval=10**9)
+    state = AmpTrainState(
+        module,
+        opt,
+        None,
+        dtype="fp16" if scaling else "bf16",
+        max_norm=MAX_NORM,
+        init_scale=SCALE,
+        growth_interval=10**9,
+    )
     assert state.pipeline == ("fused" if fused else "default")
     state.scaler.scale(torch.ones(()))  # the scale exists, as after a scaled backward
     loss = torch.tensor(2.5)
@@ -83,12 +97,14 @@ def engine_arm(module, fused: bool, scaling: bool):
         state.step_count += 1
         if fused:
             scale = state.scaler.scale_tensor()
-            state._fused_update(loss, None, None, opt.param_groups[0]["lr"],
-                                scale.clone() if scale is not None else 1.0)
+            state._fused_update(
+                loss, None, None, opt.param_groups[0]["lr"], scale.clone() if scale is not None else 1.0
+            )
         else:
             lr, scale = float(opt.param_groups[0]["lr"]), state.scaler.get_scale()
             state._ready.append(state._update(acc, lr, scale))
         state.flush()
+
     return run
 
 
@@ -100,9 +116,13 @@ def bench_variant(name: str, dtype: torch.dtype, scaling: bool, args) -> dict[st
     for p, g in zip(params, pristine):
         p.grad = g.clone()
     live = [p.grad for p in params]
-    runs = {"a": hand_arm(params, False, scaling), "b": hand_arm(params, True, scaling),
-            "c": floor_arm(params, scaling), "d": engine_arm(module, True, scaling),
-            "e": engine_arm(module, False, scaling)}
+    runs = {
+        "a": hand_arm(params, False, scaling),
+        "b": hand_arm(params, True, scaling),
+        "c": floor_arm(params, scaling),
+        "d": engine_arm(module, True, scaling),
+        "e": engine_arm(module, False, scaling),
+    }
 
     def timed(arm: str) -> float:
         total = 0.0
@@ -119,12 +139,14 @@ def bench_variant(name: str, dtype: torch.dtype, scaling: bool, args) -> dict[st
         timed(arm)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for r in range(args.rounds):
-        order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+        order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
         for arm in order:
             times[arm].append(timed(arm))
     numel = sum(p.numel() for p in params)
-    print(f"\n{name}: {numel / 1e6:.1f}M {str(dtype).removeprefix('torch.')} gradients, loss scaling "
-          f"{'on' if scaling else 'off'}, {args.rounds} rounds x {args.iters} calls, {torch.get_num_threads()} threads")
+    print(
+        f"\n{name}: {numel / 1e6:.1f}M {str(dtype).removeprefix('torch.')} gradients, loss scaling "
+        f"{'on' if scaling else 'off'}, {args.rounds} rounds x {args.iters} calls, {torch.get_num_threads()} threads"
+    )
     for arm in ARMS:
         print(f"  ({arm}) {NAMES[arm]:58s} {statistics.median(times[arm]) * 1e3:8.2f} ms")
 
@@ -132,8 +154,10 @@ def bench_variant(name: str, dtype: torch.dtype, scaling: bool, args) -> dict[st
         return statistics.median(a / b for a, b in zip(times[x], times[y]))
 
     ratios = {"a/d": paired("a", "d"), "b/d": paired("b", "d"), "e/d": paired("e", "d"), "d/c": paired("d", "c")}
-    print(f"  speed-up of (d) over (a): {ratios['a/d']:.3f}x (goal >= 1.3)   over (b): {ratios['b/d']:.3f}x   "
-          f"over (e): {ratios['e/d']:.3f}x")
+    print(
+        f"  speed-up of (d) over (a): {ratios['a/d']:.3f}x (goal >= 1.3)   over (b): {ratios['b/d']:.3f}x   "
+        f"over (e): {ratios['e/d']:.3f}x"
+    )
     print(f"  (d) / floor (c): {ratios['d/c']:.3f} (goal <= 1.05)")
     del runs, module, params, pristine, live
     gc.collect()

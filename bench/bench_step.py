@@ -103,14 +103,18 @@ def main() -> None:
     writer.close()
     ref_med, eng_med = statistics.median(ref_times), statistics.median(eng_times)
     params = sum(p.numel() for p in base.parameters())
-    print(f"model: {params / 1e6:.2f}M params, batch {args.batch}x{args.seq}, {args.dtype}, "
-          f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"AdamW {'fused' if args.fused else 'foreach'}, engine path {state.pipeline}")
+    print(
+        f"model: {params / 1e6:.2f}M params, batch {args.batch}x{args.seq}, {args.dtype}, "
+        f"{args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"AdamW {'fused' if args.fused else 'foreach'}, engine path {state.pipeline}"
+    )
     print(f"canonical loop : {ref_med * 1e3:8.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.1f}' for t in ref_times)})")
     print(f"AmpTrainState  : {eng_med * 1e3:8.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.1f}' for t in eng_times)})")
     paired = statistics.median(e / r for e, r in zip(eng_times, ref_times))
-    print(f"ratio engine/canonical: {paired:.3f} median of per-round pairs, {eng_med / ref_med:.3f} "
-          f"ratio of medians  (goal <= 1.03)")
+    print(
+        f"ratio engine/canonical: {paired:.3f} median of per-round pairs, {eng_med / ref_med:.3f} "
+        f"ratio of medians  (goal <= 1.03)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,15 @@ def main() -> None:
         start = state.step_count
         t = time.perf_counter()
         with writer:
-            run_steps(state, cycle(), range(start + 1, start + n + 1), writer=writer, tracker=tracker,
-                      records=RunRecords(), progress=False)
+            run_steps(
+                state,
+                cycle(),
+                range(start + 1, start + n + 1),
+                writer=writer,
+                tracker=tracker,
+                records=RunRecords(),
+                progress=False,
+            )
         elapsed = (time.perf_counter() - t) / n
         tracker.end()
         return elapsed
@@ -78,8 +85,10 @@ def main() -> None:
     print(f"bare AmpTrainState.step : {ma * 1e3:7.2f} ms/step  ({', '.join(f'{x * 1e3:.1f}' for x in a)})")
     print(f"tracked (CSV + MLflow)  : {mb * 1e3:7.2f} ms/step  ({', '.join(f'{x * 1e3:.1f}' for x in b)})")
     paired = statistics.median(y / x for x, y in zip(a, b))  # each round's pair ran back to back
-    print(f"tracking overhead: {(paired - 1) * 100:+.1f}% of step time, median of per-round pairs "
-          f"(ratio of medians {(mb / ma - 1) * 100:+.1f}%; goal <= 5%)")
+    print(
+        f"tracking overhead: {(paired - 1) * 100:+.1f}% of step time, median of per-round pairs "
+        f"(ratio of medians {(mb / ma - 1) * 100:+.1f}%; goal <= 5%)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,19 @@ from clipamp_engine.placement import auto_window_start  # noqa: E402
 
 def train_trace(steps: int, workdir: Path, seed: int = 0) -> Path:
     """Run the default task without clipping; return its steps.csv."""
-    cmd = [sys.executable, "-m", "sweep", "+experiment=train", "clip=none", f"steps={steps}", f"seed={seed}",
-           "progress=false",
-           "tracking.plots=false", f"tracking.uri=sqlite:///{workdir}/mlflow.db", "checkpoint_every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sweep",
+        "+experiment=train",
+        "clip=none",
+        f"steps={steps}",
+        f"seed={seed}",
+        "progress=false",
+        "tracking.plots=false",
+        f"tracking.uri=sqlite:///{workdir}/mlflow.db",
+        "checkpoint_every=0",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout
     return Path(re.search(r"steps\.csv: (\S+)", out).group(1))
@@ -47,15 +57,19 @@ def train_trace(steps: int, workdir: Path, seed: int = 0) -> Path:
 def read_trace(path: Path) -> list[tuple[int, float, float]]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    return [(int(r["step"]), float(r["lr"]),
-             float(r["grad_l2_pre_clip"]) if r["skipped"] != "True" else math.inf) for r in rows]
+    return [
+        (int(r["step"]), float(r["lr"]), float(r["grad_l2_pre_clip"]) if r["skipped"] != "True" else math.inf)
+        for r in rows
+    ]
 
 
 def window_ci(trace, start: int, length: int, q: float):
     norms = [n for s, _, n in trace if start <= s < start + length and math.isfinite(n)]
     if len(norms) < length * 0.9:
-        raise SystemExit(f"error: the trace has {len(trace)} steps; a {length}-step window from step {start} "
-                         f"needs ≥ {start + length - 1}: raise --steps")
+        raise SystemExit(
+            f"error: the trace has {len(trace)} steps; a {length}-step window from step {start} "
+            f"needs ≥ {start + length - 1}: raise --steps"
+        )
     return quantile_ci(norms, q)
 
 
@@ -82,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
         for n, rs in ratios.items():
             inside = sum(abs(r - 1) <= 0.15 for r in rs)
-            print(f"τ({n}) / τ({args.long}) over {len(rs)} traces: " + ", ".join(f"{r:.3f}" for r in rs)
-                  + f"; {inside} of {len(rs)} within 15%")
+            print(
+                f"τ({n}) / τ({args.long}) over {len(rs)} traces: "
+                + ", ".join(f"{r:.3f}" for r in rs)
+                + f"; {inside} of {len(rs)} within 15%"
+            )
     return 0
 
 
@@ -96,27 +113,37 @@ def measure(trace, short_len: int, args, figure: Path | None) -> float:
     short, long_ = window_ci(trace, s, short_len, q), window_ci(trace, s, args.long, q)
     step1 = window_ci(trace, 1, short_len, q)
     ratio = short.estimate / long_.estimate
-    for name, ci in ((f"{short_len} steps from {s}", short), (f"{args.long} steps from {s}", long_),
-                     (f"{short_len} steps from 1 (start=0)", step1)):
+    for name, ci in (
+        (f"{short_len} steps from {s}", short),
+        (f"{args.long} steps from {s}", long_),
+        (f"{short_len} steps from 1 (start=0)", step1),
+    ):
         bounds = f"[{ci.low:.4g}, {ci.high:.4g}]" if ci.bounded else f"[{ci.low:.4g}, no upper bound]"
         print(f"τ=p{q * 100:g} of {name:28s}: {ci.estimate:.4g}  95% CI {bounds}  (n={ci.n})")
     ok = abs(ratio - 1) <= 0.15
-    print(f"τ({short_len}) / τ({args.long}) = {ratio:.3f}: {'within' if ok else 'NOT within'} 15%"
-          f" (start=0 instead: {step1.estimate / long_.estimate:.3f})")
+    print(
+        f"τ({short_len}) / τ({args.long}) = {ratio:.3f}: {'within' if ok else 'NOT within'} 15%"
+        f" (start=0 instead: {step1.estimate / long_.estimate:.3f})"
+    )
     pieces = [window_ci(trace, a, short_len, q) for a in range(s, s + args.long - short_len + 1, short_len)]
     print(f"τ of consecutive {short_len}-step windows: " + ", ".join(f"{p.estimate:.3g}" for p in pieces))
     half = args.long // 2
     first, second = window_ci(trace, s, half, q), window_ci(trace, s + half, half, q)
     if not ok:
         needed = window_for_width(long_.n, long_.rel_width, 0.30, minimum=1)  # the 1/√n law, down or up
-        why = (f"drift: the {args.long}-step window's halves have separate intervals, τ {first.estimate:.3g} "
-               f"[{first.low:.3g}, {first.high:.3g}] then {second.estimate:.3g} [{second.low:.3g}, {second.high:.3g}]"
-               if not first.overlaps(second) else
-               f"noise: the halves of the {args.long}-step window agree (their intervals overlap); "
-               + (f"a {short_len}-step window's interval is {short.rel_width:.0%} wide" if short.bounded else
-                  f"{short_len} norms cannot bound p{q * 100:g} from above (it needs ≥ {min_window(q)})")
-               + f"; a ±15% interval needs ≈ {needed} norms "
-               f"(extrapolated from the {args.long}-step interval, {long_.rel_width:.0%} wide)")
+        why = (
+            f"drift: the {args.long}-step window's halves have separate intervals, τ {first.estimate:.3g} "
+            f"[{first.low:.3g}, {first.high:.3g}] then {second.estimate:.3g} [{second.low:.3g}, {second.high:.3g}]"
+            if not first.overlaps(second)
+            else f"noise: the halves of the {args.long}-step window agree (their intervals overlap); "
+            + (
+                f"a {short_len}-step window's interval is {short.rel_width:.0%} wide"
+                if short.bounded
+                else f"{short_len} norms cannot bound p{q * 100:g} from above (it needs ≥ {min_window(q)})"
+            )
+            + f"; a ±15% interval needs ≈ {needed} norms "
+            f"(extrapolated from the {args.long}-step interval, {long_.rel_width:.0%} wide)"
+        )
         print(f"why: {why}")
     if figure:
         plot(trace, s, short_len, args, short, long_, step1, pieces, figure)
@@ -138,26 +165,36 @@ def plot(trace, s, short_len, args, short, long_, step1, pieces, figure: Path) -
     a.axvspan(s, s + short_len - 1, color="tab:orange", alpha=0.25, label=f"{short_len}-step window")
     a.axhline(long_.estimate, color="tab:blue", ls="--", lw=1, label=f"τ({args.long}) = {long_.estimate:.3g}")
     a.axhline(short.estimate, color="tab:orange", ls="--", lw=1, label=f"τ({short_len}) = {short.estimate:.3g}")
-    a.axhline(step1.estimate, color="tab:red", ls=":", lw=1,
-              label=f"τ, {short_len} steps from step 1 = {step1.estimate:.3g}")
+    a.axhline(
+        step1.estimate, color="tab:red", ls=":", lw=1, label=f"τ, {short_len} steps from step 1 = {step1.estimate:.3g}"
+    )
     a.set_xlabel("step")
     a.set_ylabel("‖g‖")
     a.legend(fontsize=7)
     xs = [s + i * short_len for i in range(len(pieces))]
     tops = [max(n for st, _, n in trace if a <= st < a + short_len and math.isfinite(n)) for a in xs]
-    b.errorbar(xs, [p.estimate for p in pieces],
-               yerr=[[p.estimate - p.low if math.isfinite(p.low) else 0 for p in pieces],
-                     [p.high - p.estimate if math.isfinite(p.high) else t - p.estimate for p, t in zip(pieces, tops)]],
-               fmt="o", color="tab:orange", capsize=3,
-               label=f"τ of each {short_len}-step window, 95% CI\n(n < {min_window(args.quantile)}: no upper "
-                     f"bound; bar to the window max)")
+    b.errorbar(
+        xs,
+        [p.estimate for p in pieces],
+        yerr=[
+            [p.estimate - p.low if math.isfinite(p.low) else 0 for p in pieces],
+            [p.high - p.estimate if math.isfinite(p.high) else t - p.estimate for p, t in zip(pieces, tops)],
+        ],
+        fmt="o",
+        color="tab:orange",
+        capsize=3,
+        label=f"τ of each {short_len}-step window, 95% CI\n(n < {min_window(args.quantile)}: no upper "
+        f"bound; bar to the window max)",
+    )
     b.axhspan(long_.low, long_.high, color="tab:blue", alpha=0.15, label=f"τ({args.long}) 95% CI")
     b.axhline(long_.estimate, color="tab:blue", ls="--", lw=1)
     b.set_xlabel("window start step")
     b.set_ylabel(f"τ = p{args.quantile * 100:g}")
     b.legend(fontsize=6, loc="upper left")
-    fig.suptitle(f"Window efficiency on the default task: τ({short_len}) / τ({args.long}) = "
-                 f"{short.estimate / long_.estimate:.2f}")
+    fig.suptitle(
+        f"Window efficiency on the default task: τ({short_len}) / τ({args.long}) = "
+        f"{short.estimate / long_.estimate:.2f}"
+    )
     fig.tight_layout()
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=110)

@@ -92,8 +92,16 @@ class BandCheck:
         return {**asdict(self), "band": list(self.band), "factor": self.factor}
 
 
-def check_band(tau: float, predicted: float, clipped: int, steps: int, band: tuple[float, float],
-               confidence: float = CONFIDENCE, *, repeating: bool = False) -> BandCheck:
+def check_band(
+    tau: float,
+    predicted: float,
+    clipped: int,
+    steps: int,
+    band: tuple[float, float],
+    confidence: float = CONFIDENCE,
+    *,
+    repeating: bool = False,
+) -> BandCheck:
     """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
     ``repeating``: the run already re-calibrates (``calibrate.every``), which the next action accounts for."""
     low, high = validate_band(band)
@@ -105,32 +113,72 @@ def check_band(tau: float, predicted: float, clipped: int, steps: int, band: tup
     consistent = lo <= predicted <= hi
     within = predicted / 2 <= realised <= 2 * predicted
     side = "inside" if inside else "above" if realised > high else "below"
-    verdict = (f"realised {realised:.1%} ({clipped}/{steps} steps, {confidence:.0%} interval {lo:.1%}–{hi:.1%}) "
-               f"vs predicted {predicted:.1%}: {side} the band [{low:.0%}, {high:.0%}]; ")
-    verdict += (f"consistent with the window" if consistent
-                else f"drifted: {realised / predicted:.2g}× the prediction" if predicted > 0
-                else "drifted: the window predicted no clipping")
-    return BandCheck(tau, (low, high), predicted, clipped, steps, realised, lo, hi, inside, consistent, within,
-                     verdict, _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating))
+    verdict = (
+        f"realised {realised:.1%} ({clipped}/{steps} steps, {confidence:.0%} interval {lo:.1%}–{hi:.1%}) "
+        f"vs predicted {predicted:.1%}: {side} the band [{low:.0%}, {high:.0%}]; "
+    )
+    verdict += (
+        f"consistent with the window"
+        if consistent
+        else f"drifted: {realised / predicted:.2g}× the prediction"
+        if predicted > 0
+        else "drifted: the window predicted no clipping"
+    )
+    return BandCheck(
+        tau,
+        (low, high),
+        predicted,
+        clipped,
+        steps,
+        realised,
+        lo,
+        hi,
+        inside,
+        consistent,
+        within,
+        verdict,
+        _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating),
+    )
 
 
-def _action(tau: float, predicted: float, realised: float, steps: int, band: tuple[float, float],
-            inside: bool, consistent: bool, repeating: bool = False) -> str:
+def _action(
+    tau: float,
+    predicted: float,
+    realised: float,
+    steps: int,
+    band: tuple[float, float],
+    inside: bool,
+    consistent: bool,
+    repeating: bool = False,
+) -> str:
     low, high = band
     if inside:
-        return (f"keep clip.max_norm={tau:.4g}; re-check when the LR, data mixture or sequence length change "
-                f"({'the later windows do' if repeating else 'calibrate.every'})")
+        return (
+            f"keep clip.max_norm={tau:.4g}; re-check when the LR, data mixture or sequence length change "
+            f"({'the later windows do' if repeating else 'calibrate.every'})"
+        )
     if consistent and low <= predicted <= high:
         need = math.ceil(20 / max(predicted, 1e-9))
-        return (f"too few validation steps to tell the ratio from the band: raise calibrate.validate "
-                f"(≈{need} steps see ~20 clips at {predicted:.1%})")
+        return (
+            f"too few validation steps to tell the ratio from the band: raise calibrate.validate "
+            f"(≈{need} steps see ~20 clips at {predicted:.1%})"
+        )
     if consistent:
-        return (f"the window itself predicts {predicted:.1%}, outside the band: aim at the band with "
-                f"calibrate.quantile=null (τ = Quantile_{band_quantile(band):.3f})")
+        return (
+            f"the window itself predicts {predicted:.1%}, outside the band: aim at the band with "
+            f"calibrate.quantile=null (τ = Quantile_{band_quantile(band):.3f})"
+        )
     if realised > predicted:
-        again = ("see whether the later windows' τ moved (drift) or the rise was a burst; a longer window"
-                 if repeating else "re-calibrate later or repeatedly (calibrate.every) or with a longer window")
-        return (f"the norms rose after the window: {again}; clipping that stays above the band after warm-up "
-                "points at the LR or loss scale")
-    return ("the norms fell after the window, which caught a transient: start it later (calibrate.start=auto "
-            "or a larger N) or lengthen it")
+        again = (
+            "see whether the later windows' τ moved (drift) or the rise was a burst; a longer window"
+            if repeating
+            else "re-calibrate later or repeatedly (calibrate.every) or with a longer window"
+        )
+        return (
+            f"the norms rose after the window: {again}; clipping that stays above the band after warm-up "
+            "points at the LR or loss scale"
+        )
+    return (
+        "the norms fell after the window, which caught a transient: start it later (calibrate.start=auto "
+        "or a larger N) or lengthen it"
+    )

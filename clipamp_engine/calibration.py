@@ -53,8 +53,9 @@ def quantiles(values: Sequence[float], qs: Iterable[float]) -> list[float]:
 def _binomial_cdf(n: int, q: float) -> torch.Tensor:
     """P(B ≤ k) for k = 0..n, B ~ Binomial(n, q), in float64."""
     k = torch.arange(n + 1, dtype=torch.float64)
-    dist = torch.distributions.Binomial(total_count=torch.tensor(float(n), dtype=torch.float64),
-                                        probs=torch.tensor(q, dtype=torch.float64))
+    dist = torch.distributions.Binomial(
+        total_count=torch.tensor(float(n), dtype=torch.float64), probs=torch.tensor(q, dtype=torch.float64)
+    )
     return dist.log_prob(k).exp().cumsum(0).clamp(max=1.0)
 
 
@@ -139,12 +140,21 @@ class QuantileCI:
 
     def as_dict(self) -> dict:
         """Plain values; a missing bound (and so the width) is ``None`` (JSON null), never NaN."""
+
         def value(x: float) -> float | None:
             return x if math.isfinite(x) else None
 
-        return {"q": self.q, "estimate": self.estimate, "low": value(self.low), "high": value(self.high),
-                "confidence": self.confidence, "n": self.n, "coverage": self.coverage,
-                "rel_width": value(self.rel_width), "min_window": min_window(self.q, self.confidence)}
+        return {
+            "q": self.q,
+            "estimate": self.estimate,
+            "low": value(self.low),
+            "high": value(self.high),
+            "confidence": self.confidence,
+            "n": self.n,
+            "coverage": self.coverage,
+            "rel_width": value(self.rel_width),
+            "min_window": min_window(self.q, self.confidence),
+        }
 
 
 def quantile_ci(values: Sequence[float], q: float, confidence: float = CONFIDENCE) -> QuantileCI:
@@ -165,10 +175,12 @@ def short_window_warning(ci: QuantileCI) -> str | None:
     if ci.bounded:
         return None
     need = min_window(ci.q, ci.confidence)
-    return (f"{_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
-            f"{'upper' if math.isnan(ci.high) else 'lower'} confidence bound (it needs ≥ {need} norms); "
-            f"{'it is essentially the window maximum' if ci.q > 0.5 else 'it is essentially the window minimum'}: "
-            f"lengthen calibrate.window to ≥ {need} or use a lower calibrate.quantile")
+    return (
+        f"{_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
+        f"{'upper' if math.isnan(ci.high) else 'lower'} confidence bound (it needs ≥ {need} norms); "
+        f"{'it is essentially the window maximum' if ci.q > 0.5 else 'it is essentially the window minimum'}: "
+        f"lengthen calibrate.window to ≥ {need} or use a lower calibrate.quantile"
+    )
 
 
 @dataclass
@@ -199,11 +211,15 @@ class CalibrationSummary:
 
     def as_dict(self) -> dict:
         return {
-            "start_step": self.start_step, "end_step": self.end_step,
-            "n_finite": self.n_finite, "n_skipped": self.n_skipped,
-            "quantiles": self.quantiles, "token_normalised_quantiles": self.token_quantiles,
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "n_finite": self.n_finite,
+            "n_skipped": self.n_skipped,
+            "quantiles": self.quantiles,
+            "token_normalised_quantiles": self.token_quantiles,
             "confidence_intervals": {k: ci.as_dict() for k, ci in self.cis.items()},
-            "quantile": self.quantile, "recommended_max_norm": self.recommended_max_norm,
+            "quantile": self.quantile,
+            "recommended_max_norm": self.recommended_max_norm,
             "predicted_clip_ratio": self.predicted_clip_ratio,
             "candidate_clip_ratios": {f"{k:g}": v for k, v in self.candidate_clip_ratios.items()},
             "warnings": list(self.warnings),
@@ -232,8 +248,9 @@ class NormCalibrator:
         confidence: level of the quantiles' order-statistic intervals.
     """
 
-    def __init__(self, quantile: float = 0.95, candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0),
-                 confidence: float = CONFIDENCE) -> None:
+    def __init__(
+        self, quantile: float = 0.95, candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0), confidence: float = CONFIDENCE
+    ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
         self.quantile = quantile
@@ -254,8 +271,12 @@ class NormCalibrator:
             self.token_norms.append(log.grad_l2_pre_clip * math.sqrt(log.token_count))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": list(self.norms), "token_norms": list(self.token_norms), "steps": list(self.steps),
-                "n_skipped": self.n_skipped}
+        return {
+            "norms": list(self.norms),
+            "token_norms": list(self.token_norms),
+            "steps": list(self.steps),
+            "n_skipped": self.n_skipped,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norms, self.token_norms = list(state["norms"]), list(state["token_norms"])
@@ -271,7 +292,8 @@ class NormCalibrator:
         if not self.norms:
             raise CalibrationError(
                 f"calibration window (steps {self.steps[0] if self.steps else '?'}-"
-                f"{self.steps[-1] if self.steps else '?'}) has no finite norm: every step was skipped")
+                f"{self.steps[-1] if self.steps else '?'}) has no finite norm: every step was skipped"
+            )
         qs = list(REPORTED_QUANTILES)
         values = quantiles(self.norms, qs + [self.quantile])
         named = {_label(q): v for q, v in zip(qs, values)}
@@ -285,10 +307,18 @@ class NormCalibrator:
         cis = {_label(q): quantile_ci(self.norms, q, self.confidence) for q in dict.fromkeys(qs + [self.quantile])}
         warning = short_window_warning(cis[_label(self.quantile)])
         return CalibrationSummary(
-            start_step=self.steps[0], end_step=self.steps[-1], n_finite=len(self.norms),
-            n_skipped=self.n_skipped, quantiles=named, token_quantiles=tok, quantile=self.quantile,
-            recommended_max_norm=tau, candidate_clip_ratios={t: self.clip_ratio_at(t) for t in thresholds},
-            cis=cis, warnings=[warning] if warning else [])
+            start_step=self.steps[0],
+            end_step=self.steps[-1],
+            n_finite=len(self.norms),
+            n_skipped=self.n_skipped,
+            quantiles=named,
+            token_quantiles=tok,
+            quantile=self.quantile,
+            recommended_max_norm=tau,
+            candidate_clip_ratios={t: self.clip_ratio_at(t) for t in thresholds},
+            cis=cis,
+            warnings=[warning] if warning else [],
+        )
 
 
 class CalibrationWindows:
@@ -346,4 +376,3 @@ class CalibrationWindows:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-

@@ -78,8 +78,9 @@ class StepCSVWriter:
         kept = []
         for n, row in enumerate(body, 1):
             if len(row) != len(header):
-                raise ValueError(f"{self.path}: data row {n} has {len(row)} fields, the header {len(header)}; "
-                                 f"fix or remove that row")
+                raise ValueError(
+                    f"{self.path}: data row {n} has {len(row)} fields, the header {len(header)}; fix or remove that row"
+                )
             step = int(row[0])
             if truncate_after is not None and step > truncate_after:
                 break

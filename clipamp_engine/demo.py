@@ -40,8 +40,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _line(log) -> str:
     tag = "SKIP" if log.skipped else "STEP"
-    text = (f"{tag} {log.step:3d}  lr={log.lr:.2e}  pre={log.grad_l2_pre_clip:.4g}  "
-            f"post={log.grad_l2_post_clip:.4g}  loss={log.loss:.4g}  scale={log.scaler_scale:g}")
+    text = (
+        f"{tag} {log.step:3d}  lr={log.lr:.2e}  pre={log.grad_l2_pre_clip:.4g}  "
+        f"post={log.grad_l2_post_clip:.4g}  loss={log.loss:.4g}  scale={log.scaler_scale:g}"
+    )
     return text + (f"  reason={log.skip_reason}" if log.skipped else ("  clipped" if log.clipped else ""))
 
 
@@ -63,7 +65,7 @@ def _open_csv(path: str) -> StepCSVWriter | str:
         if p.is_file() and p.stat().st_size:
             with open(p, encoding="utf-8", errors="replace") as f:
                 header = f.readline().strip().split(",")
-            if tuple(header[:len(CANONICAL_COLUMNS)]) != CANONICAL_COLUMNS:
+            if tuple(header[: len(CANONICAL_COLUMNS)]) != CANONICAL_COLUMNS:
                 return f"--csv {path} exists and is not a clipamp steps CSV: pass a new path"
             p.unlink()
         return StepCSVWriter(p)
@@ -86,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fail_window = min(100, args.steps)
     state = AmpTrainState(
-        model, optimizer, F.mse_loss, dtype="bf16" if args.bf16 else "fp16", max_norm=args.max_norm,
-        skip_monitor=SkipRateMonitor(fail_window=fail_window, fail_above=args.max_skip_rate))
+        model,
+        optimizer,
+        F.mse_loss,
+        dtype="bf16" if args.bf16 else "fp16",
+        max_norm=args.max_norm,
+        skip_monitor=SkipRateMonitor(fail_window=fail_window, fail_above=args.max_skip_rate),
+    )
     pending = {}
     model.weight.register_hook(lambda g: g + pending.pop("inf") if "inf" in pending else g)
     try:
@@ -112,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         if writer:
             writer.close()
     m = state.skip_monitor.long
-    print(f"done: {m.total} steps, {m.hits} skipped ({m.hits / m.total:.0%}), "
-          f"clipped {state.clip_monitor.hits}, final scale {state.scaler.get_scale():g}")
+    print(
+        f"done: {m.total} steps, {m.hits} skipped ({m.hits / m.total:.0%}), "
+        f"clipped {state.clip_monitor.hits}, final scale {state.scaler.get_scale():g}"
+    )
     return 0
 
 

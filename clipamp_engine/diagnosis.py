@@ -35,8 +35,16 @@ from .records import StepLog
 
 __all__ = ["FINDING_KINDS", "SEVERITIES", "Finding", "diagnose", "format_findings"]
 
-FINDING_KINDS = ("nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped", "sustained_clipping",
-                 "scale_oscillating", "scale_at_floor")
+FINDING_KINDS = (
+    "nonfinite",
+    "zero_norm",
+    "spikes",
+    "slow_growth",
+    "always_clipped",
+    "sustained_clipping",
+    "scale_oscillating",
+    "scale_at_floor",
+)
 SEVERITIES = ("info", "warning", "error")
 _CAUSES = {
     "nonfinite": "overflow, an invalid loss or bad input; clipping does not fix NaNs",
@@ -44,12 +52,12 @@ _CAUSES = {
     "spikes": "bad samples, long sequences or label bugs",
     "slow_growth": "LR too high, instability accumulating",
     "always_clipped": "τ too low, or the LR / loss scale / loss normalisation is wrong: clipping should catch "
-                      "spikes, not set the step length",
+    "spikes, not set the step length",
     "sustained_clipping": "clipping has become the normal step length after warm-up (seed 004's warning sign "
-                          "for pretraining): the LR, the loss scale or τ from a window that missed a change",
+    "for pretraining): the LR, the loss scale or τ from a window that missed a change",
     "scale_oscillating": "overflows recur soon after every growth; the scale never settles",
     "scale_at_floor": "gradients overflow even at the smallest loss scale: check the loss, the LR, fp16 ranges "
-                      "(or use bf16)",
+    "(or use bf16)",
 }
 
 
@@ -65,6 +73,7 @@ class Finding:
 
 
 # -- reading rows ----------------------------------------------------------------------------
+
 
 def _float(v: Any) -> float:
     if v is None or v == "":
@@ -118,6 +127,7 @@ class _Trace:
 
 # -- the patterns ----------------------------------------------------------------------------
 
+
 def _nonfinite(t: _Trace) -> Finding | None:
     bad = t.skipped | ~np.isfinite(t.pre)
     n = int(bad.sum())
@@ -127,10 +137,14 @@ def _nonfinite(t: _Trace) -> Finding | None:
     reasons = Counter(t.reason[i] or "nonfinite_norm" for i in np.flatnonzero(bad))
     severity = "error" if rate > 0.05 else "warning" if rate > 0.01 else "info"
     steps = t.step[bad].tolist()
-    return Finding("nonfinite", severity,
-                   f"{n} of {len(bad)} steps ({rate:.1%}) had a non-finite loss or gradient "
-                   f"({', '.join(f'{k}: {v}' for k, v in reasons.most_common())}); likely {_CAUSES['nonfinite']}",
-                   steps, {"count": n, "rate": rate, "reasons": dict(reasons), "first_step": steps[0]})
+    return Finding(
+        "nonfinite",
+        severity,
+        f"{n} of {len(bad)} steps ({rate:.1%}) had a non-finite loss or gradient "
+        f"({', '.join(f'{k}: {v}' for k, v in reasons.most_common())}); likely {_CAUSES['nonfinite']}",
+        steps,
+        {"count": n, "rate": rate, "reasons": dict(reasons), "first_step": steps[0]},
+    )
 
 
 def _zero_norm(t: _Trace) -> Finding | None:
@@ -140,9 +154,13 @@ def _zero_norm(t: _Trace) -> Finding | None:
         return None
     taken = int(t.taken.sum())
     severity = "error" if n == taken else "warning"
-    return Finding("zero_norm", severity,
-                   f"{n} of {taken} taken steps had a gradient norm of exactly 0; likely {_CAUSES['zero_norm']}",
-                   t.step[zero].tolist(), {"count": n, "rate": n / taken})
+    return Finding(
+        "zero_norm",
+        severity,
+        f"{n} of {taken} taken steps had a gradient norm of exactly 0; likely {_CAUSES['zero_norm']}",
+        t.step[zero].tolist(),
+        {"count": n, "rate": n / taken},
+    )
 
 
 def _spikes(t: _Trace, window: int, factor: float, min_history: int) -> Finding | None:
@@ -166,10 +184,19 @@ def _spikes(t: _Trace, window: int, factor: float, min_history: int) -> Finding 
     steps = t.step[rows].tolist()
     ratios = [float(norms[j] / m) for j, m in zip(hits, medians)]
     evidence: dict[str, Any] = {
-        "count": len(hits), "rate": len(hits) / len(norms), "norms": norms[hits].tolist(),
-        "window_medians": medians, "ratios": ratios, "max_ratio": max(ratios), "factor": factor, "window": window}
-    message = (f"{len(hits)} norm spike(s) above {factor:g}× the median of the previous {window} steps "
-               f"(worst {max(ratios):.1f}× at step {steps[int(np.argmax(ratios))]})")
+        "count": len(hits),
+        "rate": len(hits) / len(norms),
+        "norms": norms[hits].tolist(),
+        "window_medians": medians,
+        "ratios": ratios,
+        "max_ratio": max(ratios),
+        "factor": factor,
+        "window": window,
+    }
+    message = (
+        f"{len(hits)} norm spike(s) above {factor:g}× the median of the previous {window} steps "
+        f"(worst {max(ratios):.1f}× at step {steps[int(np.argmax(ratios))]})"
+    )
     sources = [t.source[i] for i in rows]
     if any(sources):
         spike_counts = Counter(sources)
@@ -208,14 +235,24 @@ def _slow_growth(t: _Trace, min_steps: int, min_rho: float, min_ratio: float) ->
         return None
     slope = float(np.polyfit(steps.astype(float), np.log(norms), 1)[0])  # log-norm per step
     per_1000 = math.exp(slope * 1000)
-    return Finding("slow_growth", "warning",
-                   f"the gradient norm rises steadily over {n} steps (Spearman ρ={rho:.2f}; last-quarter median "
-                   f"{last:.3g} is {ratio:.1f}× the first-quarter {first:.3g}; ×{per_1000:.3g} per 1000 steps); "
-                   f"likely {_CAUSES['slow_growth']}",
-                   [int(steps[0]), int(steps[-1])],
-                   {"spearman_rho": rho, "t_stat": tstat, "first_quarter_median": first,
-                    "last_quarter_median": last, "ratio": ratio, "log_slope_per_step": slope,
-                    "growth_per_1000_steps": per_1000, "steps": n})
+    return Finding(
+        "slow_growth",
+        "warning",
+        f"the gradient norm rises steadily over {n} steps (Spearman ρ={rho:.2f}; last-quarter median "
+        f"{last:.3g} is {ratio:.1f}× the first-quarter {first:.3g}; ×{per_1000:.3g} per 1000 steps); "
+        f"likely {_CAUSES['slow_growth']}",
+        [int(steps[0]), int(steps[-1])],
+        {
+            "spearman_rho": rho,
+            "t_stat": tstat,
+            "first_quarter_median": first,
+            "last_quarter_median": last,
+            "ratio": ratio,
+            "log_slope_per_step": slope,
+            "growth_per_1000_steps": per_1000,
+            "steps": n,
+        },
+    )
 
 
 def _always_clipped(t: _Trace, max_ratio: float, min_steps: int) -> Finding | None:
@@ -229,13 +266,22 @@ def _always_clipped(t: _Trace, max_ratio: float, min_steps: int) -> Finding | No
     norms = t.pre[idx]
     p50, p95 = (float(v) for v in np.percentile(norms, [50, 95]))
     taus = t.max_norm[idx][np.isfinite(t.max_norm[idx])]
-    evidence = {"clip_ratio": ratio, "steps": len(idx), "norm_p50": p50, "norm_p95": p95,
-                "max_norm_median": float(np.median(taus)) if len(taus) else None}
+    evidence = {
+        "clip_ratio": ratio,
+        "steps": len(idx),
+        "norm_p50": p50,
+        "norm_p95": p95,
+        "max_norm_median": float(np.median(taus)) if len(taus) else None,
+    }
     tau_txt = f" τ≈{evidence['max_norm_median']:.3g} vs" if len(taus) else ""
-    return Finding("always_clipped", "error" if ratio > 0.9 else "warning",
-                   f"{ratio:.0%} of {len(idx)} taken steps were clipped ({tau_txt} median norm {p50:.3g}, "
-                   f"p95 {p95:.3g}); likely {_CAUSES['always_clipped']}",
-                   t.step[idx][clipped].tolist(), evidence)
+    return Finding(
+        "always_clipped",
+        "error" if ratio > 0.9 else "warning",
+        f"{ratio:.0%} of {len(idx)} taken steps were clipped ({tau_txt} median norm {p50:.3g}, "
+        f"p95 {p95:.3g}); likely {_CAUSES['always_clipped']}",
+        t.step[idx][clipped].tolist(),
+        evidence,
+    )
 
 
 def _min_clips_above(window: int, above: float) -> int:
@@ -261,14 +307,23 @@ def _sustained_clipping(t: _Trace, window: int, above: float) -> Finding | None:
         return None
     ends = t.step[idx][over + window - 1]  # the step each over-band rolling window ends at
     worst = int(np.argmax(rolling))
-    return Finding("sustained_clipping", "warning",
-                   f"after the LR warm-up (step {int(t.step[0]) + end - 1}) the clipping ratio over {window} steps "
-                   f"exceeded {above:.0%} beyond sampling noise in {len(over)} windows ending at steps "
-                   f"{int(ends[0])}–{int(ends[-1])} "
-                   f"(peak {rolling[worst]:.0%}, steps {int(t.step[idx][worst])}–{int(t.step[idx][worst + window - 1])}); "
-                   f"likely {_CAUSES['sustained_clipping']}",
-                   ends.tolist(), {"window": window, "above": above, "peak_ratio": float(rolling[worst]),
-                                   "windows_over": int(len(over)), "warmup_end": int(t.step[0]) + end - 1})
+    return Finding(
+        "sustained_clipping",
+        "warning",
+        f"after the LR warm-up (step {int(t.step[0]) + end - 1}) the clipping ratio over {window} steps "
+        f"exceeded {above:.0%} beyond sampling noise in {len(over)} windows ending at steps "
+        f"{int(ends[0])}–{int(ends[-1])} "
+        f"(peak {rolling[worst]:.0%}, steps {int(t.step[idx][worst])}–{int(t.step[idx][worst + window - 1])}); "
+        f"likely {_CAUSES['sustained_clipping']}",
+        ends.tolist(),
+        {
+            "window": window,
+            "above": above,
+            "peak_ratio": float(rolling[worst]),
+            "windows_over": int(len(over)),
+            "warmup_end": int(t.step[0]) + end - 1,
+        },
+    )
 
 
 def _scale_changes(t: _Trace) -> tuple[list[int], list[int]]:
@@ -292,13 +347,22 @@ def _scale_oscillating(t: _Trace, min_reversals: int, max_period: int) -> Findin
     if period > max_period:
         return None
     finite = t.scale[np.isfinite(t.scale)]
-    return Finding("scale_oscillating", "warning",
-                   f"the loss scale reversed direction {len(rev)} times in {span} steps (one reversal every "
-                   f"{period:.0f} steps, between {finite.min():g} and {finite.max():g}); likely "
-                   f"{_CAUSES['scale_oscillating']}; consider a longer growth_interval or hysteresis",
-                   t.step[rev].tolist(),
-                   {"reversals": len(rev), "ups": dirs.count(1), "downs": dirs.count(-1), "period_steps": period,
-                    "min_scale_seen": float(finite.min()), "max_scale_seen": float(finite.max())})
+    return Finding(
+        "scale_oscillating",
+        "warning",
+        f"the loss scale reversed direction {len(rev)} times in {span} steps (one reversal every "
+        f"{period:.0f} steps, between {finite.min():g} and {finite.max():g}); likely "
+        f"{_CAUSES['scale_oscillating']}; consider a longer growth_interval or hysteresis",
+        t.step[rev].tolist(),
+        {
+            "reversals": len(rev),
+            "ups": dirs.count(1),
+            "downs": dirs.count(-1),
+            "period_steps": period,
+            "min_scale_seen": float(finite.min()),
+            "max_scale_seen": float(finite.max()),
+        },
+    )
 
 
 def _scale_at_floor(t: _Trace, min_scale: float) -> Finding | None:
@@ -309,18 +373,33 @@ def _scale_at_floor(t: _Trace, min_scale: float) -> Finding | None:
         return None
     steps = t.step[floor].tolist()
     overflows_at_floor = int((floor & t.skipped).sum())
-    return Finding("scale_at_floor", "error",
-                   f"the loss scale sat at its floor (≤ {min_scale:g}) on {len(steps)} steps from step {steps[0]}, "
-                   f"{overflows_at_floor} of them overflowing; {_CAUSES['scale_at_floor']}",
-                   steps, {"first_step": steps[0], "count": len(steps), "min_scale": min_scale,
-                           "overflows_at_floor": overflows_at_floor})
+    return Finding(
+        "scale_at_floor",
+        "error",
+        f"the loss scale sat at its floor (≤ {min_scale:g}) on {len(steps)} steps from step {steps[0]}, "
+        f"{overflows_at_floor} of them overflowing; {_CAUSES['scale_at_floor']}",
+        steps,
+        {"first_step": steps[0], "count": len(steps), "min_scale": min_scale, "overflows_at_floor": overflows_at_floor},
+    )
 
 
-def diagnose(records: Iterable[StepLog | Mapping[str, Any]], *, spike_window: int = 50, spike_factor: float = 5.0,
-             spike_min_history: int = 10, growth_min_steps: int = 40, growth_min_rho: float = 0.5,
-             growth_min_ratio: float = 2.0, clip_ratio_above: float = 0.5, clip_min_steps: int = 20,
-             sustained_window: int = 50, sustained_above: float = 0.05,
-             scale_min_reversals: int = 4, scale_max_period: int = 200, min_scale: float = 1.0) -> list[Finding]:
+def diagnose(
+    records: Iterable[StepLog | Mapping[str, Any]],
+    *,
+    spike_window: int = 50,
+    spike_factor: float = 5.0,
+    spike_min_history: int = 10,
+    growth_min_steps: int = 40,
+    growth_min_rho: float = 0.5,
+    growth_min_ratio: float = 2.0,
+    clip_ratio_above: float = 0.5,
+    clip_min_steps: int = 20,
+    sustained_window: int = 50,
+    sustained_above: float = 0.05,
+    scale_min_reversals: int = 4,
+    scale_max_period: int = 200,
+    min_scale: float = 1.0,
+) -> list[Finding]:
     """Name the norm patterns in a run's records (empty list: nothing to report).
 
     Args:

@@ -168,4 +168,5 @@ def replicas_of(model: nn.Module) -> Replicas:
     raise ValueError(
         f"torch.distributed runs {dist.get_world_size()} ranks but the model is a plain "
         f"{type(model).__name__}: wrap it in DistributedDataParallel or apply fully_shard to its root module, "
-        "so that gradients are reduced across ranks")
+        "so that gradients are reduced across ranks"
+    )

@@ -52,9 +52,16 @@ class StepForensics:
         decoupled_weight_decay: ``None`` detects AdamW-style decay per group; a bool forces it.
     """
 
-    def __init__(self, named_params: NamedParams | None = None, *, update_norm: bool = True,
-                 param_norm: bool = True, top_k: int = 3, zero_grads: bool = True,
-                 decoupled_weight_decay: bool | None = None) -> None:
+    def __init__(
+        self,
+        named_params: NamedParams | None = None,
+        *,
+        update_norm: bool = True,
+        param_norm: bool = True,
+        top_k: int = 3,
+        zero_grads: bool = True,
+        decoupled_weight_decay: bool | None = None,
+    ) -> None:
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 turns the column off)")
         self.names = param_names(named_params)
@@ -81,8 +88,9 @@ class StepForensics:
             self._labels = [self.names.get(id(p), f"param{i}") for i, p in enumerate(params)]
         return self._trainable
 
-    def before_step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-                    optimizer: torch.optim.Optimizer) -> None:
+    def before_step(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer
+    ) -> None:
         """After clipping, before the update: grad statistics and the parameter snapshot."""
         self._pending = {}
         if self.top_k or self.zero_grads:
@@ -129,7 +137,7 @@ class StepForensics:
         pos = 0
         values: dict[str, list[float]] = {}
         for name, t in parts:
-            values[name] = flat[pos: pos + t.numel()]
+            values[name] = flat[pos : pos + t.numel()]
             pos += t.numel()
         if "update_norm" in values:
             out["update_norm"] = values["update_norm"][0]

@@ -48,8 +48,14 @@ from .clip.fixed import GlobalNormClip, NoClip
 from .norms import clip_coefficient
 from .records import SkipLog, StepLog
 
-__all__ = ["DeviceLambdaLR", "RecordBuffer", "fused_optimizer_step", "fused_path_refusal", "global_coefficient",
-           "is_fusable"]
+__all__ = [
+    "DeviceLambdaLR",
+    "RecordBuffer",
+    "fused_optimizer_step",
+    "fused_path_refusal",
+    "global_coefficient",
+    "is_fusable",
+]
 
 #: Policies whose clip is one global scalar coefficient (exact types: subclasses may add state).
 FUSABLE_POLICIES: tuple[type[ClipPolicy], ...] = (GlobalNormClip, NoClip)
@@ -157,8 +163,16 @@ class RecordBuffer:
     def add(self, step: int, max_norm: float | None, values: Sequence[torch.Tensor | float]) -> None:
         """Queue one row (``ROW`` order); floats become device scalars without a host transfer."""
         device = next(v.device for v in values if isinstance(v, torch.Tensor))
-        self.rows.append(torch.stack([v.to(device).float().reshape(()) if isinstance(v, torch.Tensor)
-                                      else torch.full((), v, device=device) for v in values]))
+        self.rows.append(
+            torch.stack(
+                [
+                    v.to(device).float().reshape(())
+                    if isinstance(v, torch.Tensor)
+                    else torch.full((), v, device=device)
+                    for v in values
+                ]
+            )
+        )
         self.meta.append((step, max_norm))
 
     def drain(self) -> list[StepLog]:
@@ -172,11 +186,20 @@ class RecordBuffer:
 
 def _record(step: int, max_norm: float | None, v: dict[str, Any]) -> StepLog:
     tokens = None if math.isnan(v["tokens"]) else int(v["tokens"])
-    common = dict(step=step, lr=v["lr"], grad_l2_pre_clip=v["pre"], loss=v["loss"], scaler_scale=v["scale"],
-                  token_count=tokens, max_norm=max_norm, pipeline="fused")
+    common = dict(
+        step=step,
+        lr=v["lr"],
+        grad_l2_pre_clip=v["pre"],
+        loss=v["loss"],
+        scaler_scale=v["scale"],
+        token_count=tokens,
+        max_norm=max_norm,
+        pipeline="fused",
+    )
     if v["skipped"]:
         reason = "nonfinite_grad" if v["loss_finite"] else "nonfinite_loss"
         pre = v["pre"] if reason == "nonfinite_grad" else float("nan")
-        return SkipLog(**{**common, "grad_l2_pre_clip": pre}, grad_l2_post_clip=float("nan"), clipped=False,
-                       skip_reason=reason)
+        return SkipLog(
+            **{**common, "grad_l2_pre_clip": pre}, grad_l2_post_clip=float("nan"), clipped=False, skip_reason=reason
+        )
     return StepLog(**common, grad_l2_post_clip=v["post"], clipped=v["post"] < v["pre"])

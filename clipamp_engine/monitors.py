@@ -50,8 +50,13 @@ class RollingRate:
         return self._in_window / len(self._events) if self._events else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "events": list(self._events), "total": self.total,
-                "hits": self.hits, "streak": self.streak}
+        return {
+            "window": self.window,
+            "events": list(self._events),
+            "total": self.total,
+            "hits": self.hits,
+            "streak": self.streak,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.__init__(state["window"])
@@ -72,8 +77,9 @@ class SkipRateMonitor:
             full window), the skip rate exceeds this; ``None`` disables fail-fast.
     """
 
-    def __init__(self, window: int = 1000, warn_above: float = 0.05, fail_window: int = 100,
-                 fail_above: float | None = None) -> None:
+    def __init__(
+        self, window: int = 1000, warn_above: float = 0.05, fail_window: int = 100, fail_above: float | None = None
+    ) -> None:
         for name, value in (("warn_above", warn_above), ("fail_above", fail_above)):
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}={value} must be a rate in [0, 1]")
@@ -90,14 +96,16 @@ class SkipRateMonitor:
             warnings.warn(
                 f"skip rate {self.long.rate:.1%} over the last {self.long.count} steps exceeds "
                 f"{self.warn_above:.1%} (step {step}): the loop is skipping too many updates",
-                SkipRateWarning, stacklevel=3)
+                SkipRateWarning,
+                stacklevel=3,
+            )
         self.alarm = over
-        if (self.fail_above is not None and self.short.count == self.short.window
-                and self.short.rate > self.fail_above):
+        if self.fail_above is not None and self.short.count == self.short.window and self.short.rate > self.fail_above:
             raise SkipRateExceeded(
                 f"skip rate {self.short.rate:.1%} over the last {self.short.window} steps exceeds "
                 f"the fail-fast threshold {self.fail_above:.1%} at step {step} "
-                f"({self.long.hits} skipped of {self.long.total}); check dtype, loss scale and data")
+                f"({self.long.hits} skipped of {self.long.total}); check dtype, loss scale and data"
+            )
 
     @property
     def rate(self) -> float:

@@ -43,15 +43,27 @@ class Placement:
     reason: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {"start": self.start, "warmup_end": self.warmup_end, "settled_at": self.settled_at,
-                "median": self.median, "rule": self.rule, "reason": self.reason}
+        return {
+            "start": self.start,
+            "warmup_end": self.warmup_end,
+            "settled_at": self.settled_at,
+            "median": self.median,
+            "rule": self.rule,
+            "reason": self.reason,
+        }
 
 
 def fixed_placement(skip: int) -> Placement:
     """``calibrate.start=N``: the window starts after ``N`` steps (``0``: at step 1, as before)."""
-    return Placement(skip + 1, None, None, None, "fixed",
-                     f"calibrate.start={skip}: the window starts at step {skip + 1}"
-                     + (" (it includes any LR warm-up)" if skip == 0 else ""))
+    return Placement(
+        skip + 1,
+        None,
+        None,
+        None,
+        "fixed",
+        f"calibrate.start={skip}: the window starts at step {skip + 1}"
+        + (" (it includes any LR warm-up)" if skip == 0 else ""),
+    )
 
 
 def _not_rising(previous: float, lr: float) -> bool:
@@ -92,10 +104,15 @@ class StartDetector:
         if len(self._medians) == self.patience and self._in_band():
             m = self._medians[-1]
             self.placement = Placement(
-                step + 1, self.warmup_end, step, m, "auto",
+                step + 1,
+                self.warmup_end,
+                step,
+                m,
+                "auto",
                 f"LR warm-up over at step {self.warmup_end} (the LR stopped rising); the rolling median of "
                 f"{self.span} norms varied by at most {self.band:.0%} over the {self.patience} steps to step {step} "
-                f"(median {m:.3g}): the window starts at step {step + 1}")
+                f"(median {m:.3g}): the window starts at step {step + 1}",
+            )
         elif self.latest is not None and step + 1 >= self.latest:
             self.placement = self._deadline(step)
         return self.placement
@@ -105,19 +122,33 @@ class StartDetector:
         return lo > 0 and hi / lo <= 1 + self.band
 
     def _deadline(self, step: int) -> Placement:
-        why = ("the LR was still rising" if self.warmup_end is None
-               else f"the rolling median of the norms still varied by more than {self.band:.0%} "
-                    f"(warm-up over at step {self.warmup_end})")
+        why = (
+            "the LR was still rising"
+            if self.warmup_end is None
+            else f"the rolling median of the norms still varied by more than {self.band:.0%} "
+            f"(warm-up over at step {self.warmup_end})"
+        )
         m = self._medians[-1] if self._medians else None
-        return Placement(step + 1, self.warmup_end, None, m, "deadline",
-                         f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
-                         f"leaves room for the window and its validation steps: its quantiles may still include "
-                         f"a transient (use a longer run or calibrate.start=N)")
+        return Placement(
+            step + 1,
+            self.warmup_end,
+            None,
+            m,
+            "deadline",
+            f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
+            f"leaves room for the window and its validation steps: its quantiles may still include "
+            f"a transient (use a longer run or calibrate.start=N)",
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"warmup_end": self.warmup_end, "last_lr": self._last_lr, "norms": list(self._norms),
-                "medians": list(self._medians), "latest": self.latest,
-                "placement": self.placement.as_dict() if self.placement else None}
+        return {
+            "warmup_end": self.warmup_end,
+            "last_lr": self._last_lr,
+            "norms": list(self._norms),
+            "medians": list(self._medians),
+            "latest": self.latest,
+            "placement": self.placement.as_dict() if self.placement else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.warmup_end, self._last_lr, self.latest = state["warmup_end"], state["last_lr"], state["latest"]

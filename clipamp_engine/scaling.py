@@ -99,18 +99,36 @@ class HysteresisScaler(LossScaler):
         max_scale: the cap (≥ init_scale; may be inf: the fp32 range caps it anyway).
     """
 
-    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, min_scale: float = 1.0,
-                 max_scale: float = 2.0**24) -> None:
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+    ) -> None:
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
         if not isinstance(hysteresis, int) or hysteresis < 1:
             raise ValueError(f"hysteresis={hysteresis!r} must be an integer >= 1 (1 = back off on every overflow)")
         if not min_scale > 0:
             raise ValueError(f"min_scale={min_scale!r} must be > 0")
         if not min_scale <= init_scale <= max_scale:
-            raise ValueError(f"need min_scale <= init_scale <= max_scale, got {min_scale} <= {init_scale} <= {max_scale}")
+            raise ValueError(
+                f"need min_scale <= init_scale <= max_scale, got {min_scale} <= {init_scale} <= {max_scale}"
+            )
         if not init_scale <= FP32_MAX:
             raise ValueError(f"init_scale={init_scale!r} must fit in fp32 (<= {FP32_MAX:.4g}), where the scale is kept")
         self.hysteresis = hysteresis
@@ -166,7 +184,10 @@ class HysteresisScaler(LossScaler):
             warnings.warn(
                 f"loss scale reached its floor min_scale={self.min_scale:g} after {self.overflows} overflows: "
                 "gradients overflow even at the smallest scale; check the loss, the LR and fp16 ranges "
-                "(or use bf16)", LossScaleFloorWarning, stacklevel=3)
+                "(or use bf16)",
+                LossScaleFloorWarning,
+                stacklevel=3,
+            )
         self.at_floor = floor
 
     # -- GradScaler interface ---------------------------------------------------------------
@@ -178,9 +199,11 @@ class HysteresisScaler(LossScaler):
             super().update(new_scale)
             return
         _scale, _tracker = self._check_scale_growth_tracker("update")
-        found_infs = [found_inf.float().to(_scale.device)
-                      for state in self._per_optimizer_states.values()
-                      for found_inf in state["found_inf_per_device"].values()]
+        found_infs = [
+            found_inf.float().to(_scale.device)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
         # sync: the rule branches on the overflow flag (GradScaler.step already synced it)
@@ -197,17 +220,33 @@ class HysteresisScaler(LossScaler):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if state:
-            state.update(hysteresis=self.hysteresis, hysteresis_left=self.hysteresis_left,
-                         consecutive_hysteresis=self.consecutive_hysteresis, min_scale=self.min_scale,
-                         max_scale=self.max_scale, at_floor=self.at_floor, overflows=self.overflows,
-                         overflow_streak=self.overflow_streak, backoffs=self.backoffs)
+            state.update(
+                hysteresis=self.hysteresis,
+                hysteresis_left=self.hysteresis_left,
+                consecutive_hysteresis=self.consecutive_hysteresis,
+                min_scale=self.min_scale,
+                max_scale=self.max_scale,
+                at_floor=self.at_floor,
+                overflows=self.overflows,
+                overflow_streak=self.overflow_streak,
+                backoffs=self.backoffs,
+            )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
-        for key in ("hysteresis", "hysteresis_left", "consecutive_hysteresis", "min_scale", "max_scale",
-                    "at_floor", "overflows", "overflow_streak", "backoffs"):
+        for key in (
+            "hysteresis",
+            "hysteresis_left",
+            "consecutive_hysteresis",
+            "min_scale",
+            "max_scale",
+            "at_floor",
+            "overflows",
+            "overflow_streak",
+            "backoffs",
+        ):
             if key in state_dict:
                 setattr(self, key, state_dict[key])

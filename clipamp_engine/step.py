@@ -26,8 +26,14 @@ from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
-from .fused import (DeviceLambdaLR, RecordBuffer, fused_optimizer_step, fused_path_refusal, global_coefficient,
-                    is_fusable)
+from .fused import (
+    DeviceLambdaLR,
+    RecordBuffer,
+    fused_optimizer_step,
+    fused_path_refusal,
+    global_coefficient,
+    is_fusable,
+)
 from .micro_batches import batch_size as _batch_size, split as _split
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
@@ -114,32 +120,50 @@ class AmpTrainState:
         if device_type is not None and device_type != model_device:
             raise ValueError(
                 f"device_type={device_type!r} disagrees with the model's parameters on {model_device!r}: "
-                f"autocast must run on the optimizer's device (pass device_type={model_device!r} or move the model)")
+                f"autocast must run on the optimizer's device (pass device_type={model_device!r} or move the model)"
+            )
         self.device_type = model_device
         if dtype != "fp32" and not torch.amp.is_autocast_available(model_device):
             raise ValueError(f"dtype={dtype!r}: autocast is not available on device {model_device!r}; use dtype='fp32'")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an integer >= 1")
         if scaler is not None and not isinstance(scaler, LossScaler):
-            raise ValueError("scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)")
+            raise ValueError(
+                "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
+            )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
         if self.clip.per_sample and (accumulation_steps != 1 or dtype == "fp16"):
-            raise ValueError(f"clip mode {self.clip.mode!r} computes per-example gradients: it needs "
-                             f"accumulation_steps=1 and dtype bf16 or fp32 (got {accumulation_steps}, {dtype!r})")
+            raise ValueError(
+                f"clip mode {self.clip.mode!r} computes per-example gradients: it needs "
+                f"accumulation_steps=1 and dtype bf16 or fp32 (got {accumulation_steps}, {dtype!r})"
+            )
         self.replicas = replicas_of(model)
         if self.clip.per_sample and self.replicas.size > 1:
-            raise ValueError(f"clip mode {self.clip.mode!r} computes per-example gradients outside backward, so "
-                             f"{self.replicas.kind} never reduces them: run it in one process")
+            raise ValueError(
+                f"clip mode {self.clip.mode!r} computes per-example gradients outside backward, so "
+                f"{self.replicas.kind} never reduces them: run it in one process"
+            )
         if self.replicas.kind == "fsdp2" and (self.clip.mode in UNSHARDED_ONLY or forensics is not None):
             what = f"clip mode {self.clip.mode!r}" if self.clip.mode in UNSHARDED_ONLY else "forensics"
-            raise ValueError(f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
-                             f"or a clip mode other than {', '.join(UNSHARDED_ONLY)} without forensics")
+            raise ValueError(
+                f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
+                f"or a clip mode other than {', '.join(UNSHARDED_ONLY)} without forensics"
+            )
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
-        self.scaler = scaler if scaler is not None else LossScaler(
-            model_device, init_scale=init_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=dtype == "fp16")
+        self.scaler = (
+            scaler
+            if scaler is not None
+            else LossScaler(
+                model_device,
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                enabled=dtype == "fp16",
+            )
+        )
         self.skip_monitor = skip_monitor if skip_monitor is not None else SkipRateMonitor()
         self.clip_monitor = ClipRatioMonitor(clip_window)
         self.forensics = forensics if forensics is not None else NoForensics()
@@ -150,8 +174,9 @@ class AmpTrainState:
     def _init_pipeline(self, fused: bool | None, log_every: int | None, forensics: bool) -> None:
         refusal = fused_path_refusal(self.optimizer, self.clip, forensics)
         if refusal is None and self.replicas.size > 1:
-            refusal = (f"{self.replicas.kind} over {self.replicas.size} ranks: the default path agrees on "
-                       "skips and records")
+            refusal = (
+                f"{self.replicas.kind} over {self.replicas.size} ranks: the default path agrees on skips and records"
+            )
         if fused and refusal is not None:
             raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
         self.pipeline = "fused" if fused is not False and refusal is None else "default"
@@ -221,8 +246,10 @@ class AmpTrainState:
         try:
             if self.pipeline == "fused":
                 if not is_fusable(self.clip):
-                    raise ValueError(f"clip mode {self.clip.mode!r} was set after the fused path was chosen and "
-                                     "needs the default path: build AmpTrainState with fused=False")
+                    raise ValueError(
+                        f"clip mode {self.clip.mode!r} was set after the fused path was chosen and "
+                        "needs the default path: build AmpTrainState with fused=False"
+                    )
                 self._fused_step(inputs, targets)
             else:
                 lr = float(self.optimizer.param_groups[0]["lr"])
@@ -302,13 +329,27 @@ class AmpTrainState:
             self.scheduler.step()
         self.scaler.update()
         names = list(clip_extra)
-        values = torch.stack([pre, post, *(full_tensor(torch.as_tensor(clip_extra[n], dtype=torch.float32))
-                                           .to(pre.device) for n in names)]).tolist()  # sync: the record
+        values = torch.stack(
+            [
+                pre,
+                post,
+                *(full_tensor(torch.as_tensor(clip_extra[n], dtype=torch.float32)).to(pre.device) for n in names),
+            ]
+        ).tolist()  # sync: the record
         pre_f, post_f = values[:2]
         extra = {**dict(zip(names, values[2:])), **extra}
-        return StepLog(step=self.step_count, lr=lr, grad_l2_pre_clip=pre_f, grad_l2_post_clip=post_f,
-                       loss=acc.loss, scaler_scale=scale, clipped=post_f < pre_f, token_count=acc.token_count,
-                       max_norm=self.clip.threshold, extra=extra)
+        return StepLog(
+            step=self.step_count,
+            lr=lr,
+            grad_l2_pre_clip=pre_f,
+            grad_l2_post_clip=post_f,
+            loss=acc.loss,
+            scaler_scale=scale,
+            clipped=post_f < pre_f,
+            token_count=acc.token_count,
+            max_norm=self.clip.threshold,
+            extra=extra,
+        )
 
     def _fused_step(self, inputs: Any, targets: Any) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
@@ -317,8 +358,14 @@ class AmpTrainState:
         scale = self.scaler.scale_tensor()
         self._fused_update(loss_acc, tokens, ref, lr, scale.clone() if scale is not None else 1.0)
 
-    def _fused_update(self, loss_acc: torch.Tensor, tokens: torch.Tensor | None, ref: torch.Tensor | None,
-                      lr: float | torch.Tensor, scale: float | torch.Tensor) -> None:
+    def _fused_update(
+        self,
+        loss_acc: torch.Tensor,
+        tokens: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        lr: float | torch.Tensor,
+        scale: float | torch.Tensor,
+    ) -> None:
         """Norm of the scaled gradients → skip flag and clip coefficient on the device → one fused
         optimizer pass that unscales, clips and steps (or skips) → scaler and schedule, no sync."""
         params = [p for p in self.params if p.grad is not None]
@@ -341,20 +388,32 @@ class AmpTrainState:
             self._device_lr.advance(found_inf)
         elif self.scheduler is not None and not bool(found_inf):  # sync: only LambdaLR runs on the device
             self.scheduler.step()
-        self._pending.add(self.step_count, self.clip.threshold,
-                          [lr, pre, pre * coef, mean_loss, self._tokens_or_nan(tokens, norm.device), scale,
-                           found_inf, loss_finite])
+        self._pending.add(
+            self.step_count,
+            self.clip.threshold,
+            [lr, pre, pre * coef, mean_loss, self._tokens_or_nan(tokens, norm.device), scale, found_inf, loss_finite],
+        )
 
     @staticmethod
     def _tokens_or_nan(tokens: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
         return tokens.float() if tokens is not None else torch.full((), float("nan"), device=device)
 
-    def _skip(self, reason: str, lr: float, scale: float, acc: GlobalBatchLoss,
-              pre: torch.Tensor | None = None) -> SkipLog:
+    def _skip(
+        self, reason: str, lr: float, scale: float, acc: GlobalBatchLoss, pre: torch.Tensor | None = None
+    ) -> SkipLog:
         pre_f = float("nan") if pre is None else float(pre)  # sync: the record
-        return SkipLog(step=self.step_count, lr=lr, grad_l2_pre_clip=pre_f, grad_l2_post_clip=float("nan"),
-                       loss=acc.loss, scaler_scale=scale, clipped=False, token_count=acc.token_count,
-                       max_norm=self.clip.threshold, skip_reason=reason)
+        return SkipLog(
+            step=self.step_count,
+            lr=lr,
+            grad_l2_pre_clip=pre_f,
+            grad_l2_post_clip=float("nan"),
+            loss=acc.loss,
+            scaler_scale=scale,
+            clipped=False,
+            token_count=acc.token_count,
+            max_norm=self.clip.threshold,
+            skip_reason=reason,
+        )
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

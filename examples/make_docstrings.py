@@ -4,6 +4,7 @@ made from the running Python, nothing downloaded).
 
     .venv/bin/python examples/make_docstrings.py [OUT]
 """
+
 import ast
 import json
 import sys

@@ -69,24 +69,40 @@ def main(cfg: DictConfig) -> None:
         if rank_from_env() != 0:
             sys.exit(130)
         if e.finished is not None:
-            print(f"interrupted ({e}) during the end-of-run phase: " + (
-                "it completed first; the run ended FINISHED with its summary and artifacts" if e.finished else
-                "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
-                "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"),
-                file=sys.stderr)
+            print(
+                f"interrupted ({e}) during the end-of-run phase: "
+                + (
+                    "it completed first; the run ended FINISHED with its summary and artifacts"
+                    if e.finished
+                    else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
+                    "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
+                ),
+                file=sys.stderr,
+            )
         elif cfg.get("run") == "sweep":
-            print(f"interrupted ({e}): the trial ended KILLED; re-run the same command to resume the study",
-                  file=sys.stderr)
+            print(
+                f"interrupted ({e}): the trial ended KILLED; re-run the same command to resume the study",
+                file=sys.stderr,
+            )
         else:
-            print(f"interrupted ({e}): checkpoint written, run ended KILLED, steps.csv keeps every "
-                  f"completed step; continue with the same command plus resume=true", file=sys.stderr)
+            print(
+                f"interrupted ({e}): checkpoint written, run ended KILLED, steps.csv keeps every "
+                f"completed step; continue with the same command plus resume=true",
+                file=sys.stderr,
+            )
         sys.exit(130)
     except KeyboardInterrupt:
         if rank_from_env() != 0:
             sys.exit(130)
-        print("interrupted: run ended KILLED, steps.csv keeps every completed step; "
-              + ("re-run the same command to resume the study" if cfg.get("run") == "sweep"
-                 else "resume=true continues from the last checkpoint"), file=sys.stderr)
+        print(
+            "interrupted: run ended KILLED, steps.csv keeps every completed step; "
+            + (
+                "re-run the same command to resume the study"
+                if cfg.get("run") == "sweep"
+                else "resume=true continues from the last checkpoint"
+            ),
+            file=sys.stderr,
+        )
         sys.exit(130)
     except RankFailed as e:  # under torchrun: rank 0 reports the failure of whichever rank failed
         line = e.report(rank_from_env())
@@ -97,8 +113,10 @@ def main(cfg: DictConfig) -> None:
         if torchrun_world() is None:
             raise  # one process: a bug keeps its traceback
         # under torchrun before the ranks could agree (joining the process group): each failing rank says so
-        print(f"error: {redact_text(f'rank {rank_from_env()} of {torchrun_world()} failed: {one_line(e)}')}",
-              file=sys.stderr)
+        print(
+            f"error: {redact_text(f'rank {rank_from_env()} of {torchrun_world()} failed: {one_line(e)}')}",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

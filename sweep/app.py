@@ -17,9 +17,11 @@ def experiment(name: str):
     """The entry point of ``+experiment=name``; the sweep (Optuna) and the spike are imported only when run."""
     if name == "sweep":
         from sweep.experiments.study.sweep import run_sweep
+
         return run_sweep
     if name == "spike":
         from sweep.experiments.spike.experiment import run_spike
+
         return run_spike
     return run_single
 
@@ -32,8 +34,9 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
     """
     validate(cfg)
     trials_own = cfg.run == "sweep" and cfg.study.nproc_per_trial > 1  # dist.strategy is for the trials' jobs
-    launch = ranks.start("auto" if trials_own else cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device,
-                         cfg.dist.timeout_s)
+    launch = ranks.start(
+        "auto" if trials_own else cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device, cfg.dist.timeout_s
+    )
 
     def go() -> object:
         store = open_store(cfg, overrides, launch, base_dir or Path.cwd())

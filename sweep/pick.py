@@ -20,8 +20,22 @@ PICK_RULES = """\
    eval loss) — rule ``nearest-band``;
 3. no COMPLETE trial: no pick (rule ``none``). Pruned and failed trials are never picked."""
 
-TABLE_COLUMNS = ("trial", "state", "dtype", "max_norm", "eval_loss", "clip_ratio", "skip_ratio", "final_loss",
-                 "steps_run", "wall_s", "in_band", "pareto", "run_id", "parent_run_id")
+TABLE_COLUMNS = (
+    "trial",
+    "state",
+    "dtype",
+    "max_norm",
+    "eval_loss",
+    "clip_ratio",
+    "skip_ratio",
+    "final_loss",
+    "steps_run",
+    "wall_s",
+    "in_band",
+    "pareto",
+    "run_id",
+    "parent_run_id",
+)
 
 
 @dataclass(frozen=True)
@@ -48,8 +62,11 @@ def pareto_mask(losses: list[float], ratios: list[float]) -> list[bool]:
 
 def completed(df: pd.DataFrame) -> pd.DataFrame:
     """The COMPLETE trials with a finite eval loss and clipping ratio: the candidates of the pick."""
-    ok = (df["state"] == "COMPLETE") & np.isfinite(df["eval_loss"].astype(float)) \
+    ok = (
+        (df["state"] == "COMPLETE")
+        & np.isfinite(df["eval_loss"].astype(float))
         & np.isfinite(df["clip_ratio"].astype(float))
+    )
     return df[ok]
 
 
@@ -77,13 +94,24 @@ def pick_trial(df: pd.DataFrame, band: tuple[float, float]) -> Pick | None:
     if len(in_band):
         best = in_band.sort_values(["eval_loss", "clip_ratio", "trial"]).iloc[0]
         rule = "in-band-min-loss"
-        reason = (f"lowest eval loss among the {len(in_band)} of {len(done)} completed trials whose clipping "
-                  f"ratio is in [{low:g}, {high:g}]")
+        reason = (
+            f"lowest eval loss among the {len(in_band)} of {len(done)} completed trials whose clipping "
+            f"ratio is in [{low:g}, {high:g}]"
+        )
     else:
         dist = (low - ratio).clip(lower=0) + (ratio - high).clip(lower=0)
         best = done.assign(_dist=dist).sort_values(["_dist", "eval_loss", "trial"]).iloc[0]
         rule = "nearest-band"
-        reason = (f"none of the {len(done)} completed trials clips within [{low:g}, {high:g}]; "
-                  f"the one whose clipping ratio is nearest to the band (ties: lower eval loss)")
-    return Pick(int(best["trial"]), str(best["dtype"]), float(best["max_norm"]), float(best["eval_loss"]),
-                float(best["clip_ratio"]), rule, reason)
+        reason = (
+            f"none of the {len(done)} completed trials clips within [{low:g}, {high:g}]; "
+            f"the one whose clipping ratio is nearest to the band (ties: lower eval loss)"
+        )
+    return Pick(
+        int(best["trial"]),
+        str(best["dtype"]),
+        float(best["max_norm"]),
+        float(best["eval_loss"]),
+        float(best["clip_ratio"]),
+        rule,
+        reason,
+    )

@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if not pending.is_file():
         fail(f"{pending} does not exist: pass the folder that the run's warning named")
     try:
-        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or json.loads(pending.read_text())["tracking_uri"]
+        uri = (
+            args.tracking_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or json.loads(pending.read_text())["tracking_uri"]
+        )
         client = open_client(uri)
         box, status = read_pending(args.folder, client, say=lambda line: None)
         count = len(box.metrics)
@@ -39,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, TypeError) as e:
         fail(f"{pending} cannot be read ({type(e).__name__}: {e}); it is written by a run whose server was away")
     shutil.rmtree(args.folder)
-    print(f"sent {count} metric values, the artifacts and the end ({status}) of run {box.run_id} to {redact(uri)}; "
-          f"removed {args.folder}")
+    print(
+        f"sent {count} metric values, the artifacts and the end ({status}) of run {box.run_id} to {redact(uri)}; "
+        f"removed {args.folder}"
+    )
     return 0
 
 

@@ -13,8 +13,11 @@ import re
 #: ``scheme://user:`` (``\\:`` and ``\\//`` as Hydra escapes them), then the secret up to ``@``.
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.-]*\\?:(?:\\?/){2}[^\s:/@\\]*\\?:)(?P<secret>[^@\s/]+)(?=@)")
 #: ``?password=SECRET`` or ``&password=SECRET`` (also token, secret, api_key …), any case.
-_QUERY = re.compile(r"(?P<head>[?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey)=)"
-                    r"(?P<secret>[^&\s#'\",\]]+)", re.IGNORECASE)
+_QUERY = re.compile(
+    r"(?P<head>[?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey)=)"
+    r"(?P<secret>[^&\s#'\",\]]+)",
+    re.IGNORECASE,
+)
 ENV_PREFIX = "CLIPAMP_SECRET_"
 
 

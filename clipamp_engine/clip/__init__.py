@@ -15,7 +15,21 @@ from .registry import CLIP_MODES, clip_mode_options, make_clip_policy
 from .update import UpdateNormClip
 
 __all__ = [
-    "CLIP_MODES", "AdaptiveGradClip", "CalibratedClip", "ClipPolicy", "DPSGDClip", "GlobalNormClip", "NoClip",
-    "PerGroupClip", "QuantileClip", "StagedNormClip", "UpdateNormClip", "ValueClip", "ZScoreClip",
-    "clip_mode_options", "dp_sgd_grads", "make_clip_policy", "unitwise_norm",
+    "CLIP_MODES",
+    "AdaptiveGradClip",
+    "CalibratedClip",
+    "ClipPolicy",
+    "DPSGDClip",
+    "GlobalNormClip",
+    "NoClip",
+    "PerGroupClip",
+    "QuantileClip",
+    "StagedNormClip",
+    "UpdateNormClip",
+    "ValueClip",
+    "ZScoreClip",
+    "clip_mode_options",
+    "dp_sgd_grads",
+    "make_clip_policy",
+    "unitwise_norm",
 ]

@@ -20,6 +20,7 @@ __all__ = ["QuantileClip", "ZScoreClip"]
 
 # -- AutoClip (quantile) ---------------------------------------------------------------------
 
+
 def _float_tensor(value: Any) -> torch.Tensor:
     """A checkpointed value as a tensor that keeps an fp64 dtype (lists and other dtypes: fp32)."""
     if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
@@ -69,8 +70,10 @@ class QuantileClip(ClipPolicy):
         if int(history) != history or int(history) < 1:
             raise ValueError(f"history={history!r} must be an integer >= 1")
         if include_current not in (True, False):
-            raise ValueError(f"include_current={include_current!r} must be true (the paper's rule) "
-                             "or false (the autoclip package's: previous norms only)")
+            raise ValueError(
+                f"include_current={include_current!r} must be true (the paper's rule) "
+                "or false (the autoclip package's: previous norms only)"
+            )
         self.quantile, self.history, self.include_current = q, int(history), bool(include_current)
         self._buf: torch.Tensor | None = None
         self._filled = 0  # entries written into the ring buffer (position = _filled % history)
@@ -119,12 +122,17 @@ class QuantileClip(ClipPolicy):
         return torch.roll(self._buf[:n], -start).cpu() if n else torch.zeros(0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"quantile": self.quantile, "history": self.history, "include_current": self.include_current,
-                "norms": self.norms(), "seen": self.seen,
-                "tau": None if self._tau is None else self._tau.detach().cpu()}
+        return {
+            "quantile": self.quantile,
+            "history": self.history,
+            "include_current": self.include_current,
+            "norms": self.norms(),
+            "seen": self.seen,
+            "tau": None if self._tau is None else self._tau.detach().cpu(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        norms = _float_tensor(state["norms"]).flatten()[-self.history:]
+        norms = _float_tensor(state["norms"]).flatten()[-self.history :]
         device = self._buf.device if self._buf is not None else norms.device
         self._buf = torch.zeros(self.history, dtype=norms.dtype, device=device)
         self._buf[: len(norms)] = norms.to(device)
@@ -188,8 +196,15 @@ class ZScoreClip(ClipPolicy):
 
     mode = "zscore"
 
-    def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 25,
-                 clip_option: str = "adaptive_scaling", max_norm: float | None = None, eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.97,
+        z_thresh: float = 2.5,
+        warmup_steps: int = 25,
+        clip_option: str = "adaptive_scaling",
+        max_norm: float | None = None,
+        eps: float = 1e-6,
+    ) -> None:
         self.alpha = float(alpha)
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha={alpha!r} must be in (0, 1)")
@@ -236,7 +251,7 @@ class ZScoreClip(ClipPolicy):
         z = (pre - mean) / spread
         spike = z > self.z_thresh
         if self.clip_option == "adaptive_scaling":
-            target = mean + (self.z_thresh ** 2 / z) * std
+            target = mean + (self.z_thresh**2 / z) * std
         else:
             target = mean
         bound = torch.where(spike, target, torch.full_like(target, math.inf))  # only spikes are clipped
@@ -260,12 +275,14 @@ class ZScoreClip(ClipPolicy):
     def state_dict(self) -> dict[str, Any]:
         def cpu(t):
             return None if t is None else t.detach().cpu().clone()
+
         warm = self._warm[: self._n_warm] if self._warm is not None else torch.zeros(0)
         return {"mean": cpu(self.mean), "var": cpu(self.var), "warmup_norms": cpu(warm), "tau": cpu(self._tau)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def tensor(v):
             return None if v is None else _float_tensor(v)
+
         self.mean, self.var = tensor(state["mean"]), tensor(state["var"])
         if (self.mean is None) != (self.var is None):
             raise ValueError("zscore state: mean and var must both be set or both be None")

@@ -65,8 +65,15 @@ class AdaptiveGradClip(ClipPolicy):
 
     mode = "agc"
 
-    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude: Sequence[str] | None = None,
-                 exclude_1d: bool = True, *, named_params: NamedParams | None = None) -> None:
+    def __init__(
+        self,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        exclude: Sequence[str] | None = None,
+        exclude_1d: bool = True,
+        *,
+        named_params: NamedParams | None = None,
+    ) -> None:
         self.clip_factor = positive("clip_factor", clip_factor)
         self.eps = positive("eps", eps)
         self.exclude_1d = bool(exclude_1d)
@@ -80,8 +87,10 @@ class AdaptiveGradClip(ClipPolicy):
             patterns = tuple(exclude)
             self._excluded_ids = set()
             if patterns and named_params is None:
-                raise ValueError("agc exclude patterns match parameter names: pass "
-                                 "named_params=model.named_parameters() (or the model), or exclude=[]")
+                raise ValueError(
+                    "agc exclude patterns match parameter names: pass "
+                    "named_params=model.named_parameters() (or the model), or exclude=[]"
+                )
         regexes = compile_patterns(patterns, "agc exclude")
         self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
         self._key: tuple | None = None
@@ -90,9 +99,11 @@ class AdaptiveGradClip(ClipPolicy):
     def _select(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[int]:
         key = tuple(map(id, params))
         if key != self._key:
-            self._selected = [i for i, (p, g) in enumerate(zip(params, grads))
-                              if id(p) not in self._excluded_ids and not g.is_sparse
-                              and not (self.exclude_1d and p.ndim <= 1)]
+            self._selected = [
+                i
+                for i, (p, g) in enumerate(zip(params, grads))
+                if id(p) not in self._excluded_ids and not g.is_sparse and not (self.exclude_1d and p.ndim <= 1)
+            ]
             self._key = key
         return self._selected
 

@@ -42,8 +42,9 @@ class ClipPolicy:
     #: The extra record columns ``after_step`` returns.
     columns: tuple[str, ...] = ()
 
-    def clip_(self, params: list[torch.Tensor], grads: list[torch.Tensor], pre: torch.Tensor,
-              step: int) -> torch.Tensor:
+    def clip_(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], pre: torch.Tensor, step: int
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -80,6 +81,7 @@ class ClipPolicy:
 
 # -- option checks and record values ---------------------------------------------------------
 
+
 def positive(name: str, value: Any) -> float:
     """``value`` as a finite float > 0, else a ``ValueError`` naming the option."""
     try:
@@ -96,6 +98,7 @@ def host_float(t: torch.Tensor | None) -> float | None:
 
 
 # -- tensor-list helpers (fused, no host sync) ----------------------------------------------
+
 
 def scale_each_(tensors: Sequence[torch.Tensor], factors: Sequence[torch.Tensor]) -> None:
     """Multiply tensor i in place by ``factors[i]`` (a tensor broadcastable to it; fused)."""
@@ -116,6 +119,7 @@ def coefficient_above(norm: torch.Tensor, tau: torch.Tensor | float, eps: float 
 
 # -- naming and optimizer structure ---------------------------------------------------------
 
+
 def param_names(named_params: NamedParams | None) -> dict[int, str]:
     """``id(param) → name`` from a module, a ``{name: param}`` mapping or ``(name, param)`` pairs."""
     if named_params is None:
@@ -131,7 +135,8 @@ def param_names(named_params: NamedParams | None) -> dict[int, str]:
         if not isinstance(name, str) or not isinstance(p, torch.Tensor):
             raise ValueError(
                 "named_params must be a module, a {name: parameter} mapping or (name, parameter) pairs "
-                "such as model.named_parameters()")
+                "such as model.named_parameters()"
+            )
         names.setdefault(id(p), name)
     return names
 

@@ -73,18 +73,29 @@ class CalibratedClip(ClipPolicy):
 
     mode = "calibrated"
 
-    def __init__(self, window: int = 100, every: int = 0, quantile: float | None = 0.95,
-                 candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0), cap: float | None = None,
-                 start: int | str = 0, validate: int = 0, target_clip: Sequence[float] = PRETRAINING_BAND,
-                 confidence: float = CONFIDENCE, *, total_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        window: int = 100,
+        every: int = 0,
+        quantile: float | None = 0.95,
+        candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0),
+        cap: float | None = None,
+        start: int | str = 0,
+        validate: int = 0,
+        target_clip: Sequence[float] = PRETRAINING_BAND,
+        confidence: float = CONFIDENCE,
+        *,
+        total_steps: int | None = None,
+    ) -> None:
         self.band = validate_band(target_clip)
         self.quantile = band_quantile(self.band) if quantile is None else quantile
         self.candidates, self.confidence = tuple(candidates), confidence
         NormCalibrator(self.quantile, self.candidates, confidence)  # validates quantile
         self.cap = None if cap is None else positive("cap", cap)
         if not (start == "auto" or (isinstance(start, int) and not isinstance(start, bool) and start >= 0)):
-            raise ValueError(f"start={start!r} must be 'auto' or a number of steps >= 0 (0: the window starts "
-                             f"at step 1)")
+            raise ValueError(
+                f"start={start!r} must be 'auto' or a number of steps >= 0 (0: the window starts at step 1)"
+            )
         if not isinstance(validate, int) or validate < 0:
             raise ValueError(f"validate={validate!r} must be a number of steps >= 0 (0: every step after the window)")
         self.start, self.validate, self.total_steps = start, validate, total_steps
@@ -94,10 +105,16 @@ class CalibratedClip(ClipPolicy):
         self.detector = StartDetector(latest=latest) if start == "auto" else None
         self.placement: Placement | None = None if start == "auto" else fixed_placement(start)
         if start == "auto" and latest == 1:  # no room to wait: the window and its validation fill the run
-            self.placement = Placement(1, None, None, None, "deadline",
-                                       f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
-                                       f"before a {window}-step window and its validation: the window starts at "
-                                       f"step 1 (raise steps to let calibrate.start=auto wait)")
+            self.placement = Placement(
+                1,
+                None,
+                None,
+                None,
+                "deadline",
+                f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
+                f"before a {window}-step window and its validation: the window starts at "
+                f"step 1 (raise steps to let calibrate.start=auto wait)",
+            )
         self.windows = self._windows()
         self.summaries: list[CalibrationSummary] = []
         self.validation: list[list[int]] = []  # per closed window: [clipped, taken] over its validation steps
@@ -149,8 +166,11 @@ class CalibratedClip(ClipPolicy):
             self.placement = self.detector.update(record.step, record.lr, record.grad_l2_pre_clip, record.skipped)
             self.windows = self._windows()
             return
-        if self.validation and not record.skipped and (
-                not self.validate or record.step - self.summaries[-1].end_step <= self.validate):
+        if (
+            self.validation
+            and not record.skipped
+            and (not self.validate or record.step - self.summaries[-1].end_step <= self.validate)
+        ):
             self.validation[-1][0] += bool(record.clipped)  # a held-out step clipped (or not) at the latest τ
             self.validation[-1][1] += 1
         window = self.windows.window_at(record.step)
@@ -172,18 +192,31 @@ class CalibratedClip(ClipPolicy):
     def _adopt(self, summary: CalibrationSummary) -> None:
         tau = summary.recommended_max_norm
         if not tau > 0:
-            raise CalibrationError(f"calibration window (steps {summary.start_step}-{summary.end_step}) recommends "
-                                   f"max_norm={tau!r}: its gradient norms are zero (a detached graph or frozen "
-                                   f"parameters?)")
+            raise CalibrationError(
+                f"calibration window (steps {summary.start_step}-{summary.end_step}) recommends "
+                f"max_norm={tau!r}: its gradient norms are zero (a detached graph or frozen "
+                f"parameters?)"
+            )
         self.summaries.append(summary)
         self.validation.append([0, 0])
         self._active = GlobalNormClip(tau)
 
     def checks(self) -> list[BandCheck | None]:
         """Per closed window: its τ judged on its validation steps so far (None: none taken yet)."""
-        return [check_band(s.recommended_max_norm, s.predicted_clip_ratio, clipped, taken, self.band,
-                           self.confidence, repeating=bool(self.every)) if taken else None
-                for s, (clipped, taken) in zip(self.summaries, self.validation)]
+        return [
+            check_band(
+                s.recommended_max_norm,
+                s.predicted_clip_ratio,
+                clipped,
+                taken,
+                self.band,
+                self.confidence,
+                repeating=bool(self.every),
+            )
+            if taken
+            else None
+            for s, (clipped, taken) in zip(self.summaries, self.validation)
+        ]
 
     def drift(self) -> list[bool]:
         """Per closed window: whether its τ interval is separate from the previous window's (False for the first)."""
@@ -192,11 +225,13 @@ class CalibratedClip(ClipPolicy):
     def state_dict(self) -> dict[str, Any]:
         """Placement (or the detector deciding it), the open window's norms, every closed window's summary
         and validation counts (the last summary's τ is in force)."""
-        return {"placement": self.placement.as_dict() if self.placement else None,
-                "detector": self.detector.state_dict() if self.detector else None,
-                "calibrator": None if self._calibrator is None else self._calibrator.state_dict(),
-                "summaries": [s.as_state() for s in self.summaries],
-                "validation": [list(v) for v in self.validation]}
+        return {
+            "placement": self.placement.as_dict() if self.placement else None,
+            "detector": self.detector.state_dict() if self.detector else None,
+            "calibrator": None if self._calibrator is None else self._calibrator.state_dict(),
+            "summaries": [s.as_state() for s in self.summaries],
+            "validation": [list(v) for v in self.validation],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.detector is not None and state.get("detector") is not None:

@@ -27,9 +27,17 @@ from .base import ClipPolicy
 __all__ = ["DPSGDClip", "dp_sgd_grads"]
 
 
-def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], inputs: torch.Tensor,
-                 targets: torch.Tensor, *, max_norm: float | Sequence[float], noise_multiplier: float,
-                 per_layer: bool = False, generator: torch.Generator | None = None) -> dict[str, float]:
+def dp_sgd_grads(
+    model: nn.Module,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    max_norm: float | Sequence[float],
+    noise_multiplier: float,
+    per_layer: bool = False,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
     """Compute DP-SGD gradients for one batch and write them to every trainable ``.grad``.
 
     For each example i (``torch.func.vmap`` over ``grad`` of the one-example loss)::
@@ -75,8 +83,10 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.
         if not per_layer and len(bounds) != 1:
             raise ValueError(f"max_norm has {len(bounds)} values: a list of bounds needs per_layer=True")
         if per_layer and len(bounds) != len(named):
-            raise ValueError(f"max_norm has {len(bounds)} values but the model has {len(named)} trainable "
-                             f"parameter tensors ({', '.join(named)})")
+            raise ValueError(
+                f"max_norm has {len(bounds)} values but the model has {len(named)} trainable "
+                f"parameter tensors ({', '.join(named)})"
+            )
     if not all(c > 0 and math.isfinite(c) for c in bounds):
         raise ValueError(f"max_norm={max_norm!r} must be finite and > 0")
     batch = inputs.shape[0]
@@ -90,7 +100,8 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.
         return loss_fn(functional_call(model, (p, b), (x.unsqueeze(0),)), y.unsqueeze(0))
 
     per_sample = vmap(grad(example_loss), in_dims=(None, None, 0, 0), randomness="different")(
-        params, buffers, inputs, targets)
+        params, buffers, inputs, targets
+    )
     grads = [per_sample[n] for n in named]
     layer_sq = torch.stack([g.flatten(1).float().pow(2).sum(1) for g in grads])  # (L, B), one reduction per tensor
     sample_norm = layer_sq.sum(0).sqrt()  # (B,)
@@ -109,12 +120,18 @@ def dp_sgd_grads(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.
         for (name, p), g, k in zip(named.items(), grads, coef):
             summed = torch.tensordot(k.to(g.dtype), g, dims=1)  # Σ_i coef_i g_i
             if noise_std > 0:
-                summed = summed + noise_std * torch.randn(summed.shape, generator=generator, device=summed.device,
-                                                          dtype=summed.dtype)
+                summed = summed + noise_std * torch.randn(
+                    summed.shape, generator=generator, device=summed.device, dtype=summed.dtype
+                )
             p.grad = (summed / batch).to(p.dtype)
     stats = torch.stack([clipped.float().mean(), sample_norm.mean(), sample_norm.max()]).tolist()  # sync: the stats
-    return {"batch_size": batch, "clip_fraction": stats[0], "mean_sample_norm": stats[1],
-            "max_sample_norm": stats[2], "noise_std": noise_std}
+    return {
+        "batch_size": batch,
+        "clip_fraction": stats[0],
+        "mean_sample_norm": stats[1],
+        "max_sample_norm": stats[2],
+        "noise_std": noise_std,
+    }
 
 
 class DPSGDClip(ClipPolicy):
@@ -130,8 +147,9 @@ class DPSGDClip(ClipPolicy):
     per_sample = True
     columns = ("dp_clip_fraction",)
 
-    def __init__(self, max_norm: float = 1.0, noise_multiplier: float = 1.0, per_layer: bool = False,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, max_norm: float = 1.0, noise_multiplier: float = 1.0, per_layer: bool = False, seed: int = 0
+    ) -> None:
         if not max_norm > 0 or noise_multiplier < 0:
             raise ValueError(f"max_norm={max_norm!r} must be > 0 and noise_multiplier={noise_multiplier!r} >= 0")
         self.max_norm, self.noise_multiplier, self.per_layer = float(max_norm), float(noise_multiplier), per_layer
@@ -144,9 +162,16 @@ class DPSGDClip(ClipPolicy):
             return result[0] / result[1] if isinstance(result, tuple) else result
 
         gen = self.generator if next(model.parameters()).device.type == "cpu" else None
-        self.last_stats = dp_sgd_grads(model, example_loss, inputs, targets, max_norm=self.max_norm,
-                                       noise_multiplier=self.noise_multiplier, per_layer=self.per_layer,
-                                       generator=gen)
+        self.last_stats = dp_sgd_grads(
+            model,
+            example_loss,
+            inputs,
+            targets,
+            max_norm=self.max_norm,
+            noise_multiplier=self.noise_multiplier,
+            per_layer=self.per_layer,
+            generator=gen,
+        )
 
     def clip_(self, params, grads, pre, step):
         return pre

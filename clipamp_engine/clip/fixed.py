@@ -25,6 +25,7 @@ __all__ = ["GlobalNormClip", "NoClip", "PerGroupClip", "StagedNormClip", "ValueC
 
 # -- norm / none -----------------------------------------------------------------------------
 
+
 class GlobalNormClip(ClipPolicy):
     """Global L2 clipping at a fixed τ: ``g ← g · min(1, τ / (‖g‖ + 1e-6))`` (projection on the τ-ball)."""
 
@@ -56,6 +57,7 @@ class NoClip(ClipPolicy):
 
 # -- value ---------------------------------------------------------------------------------
 
+
 class ValueClip(ClipPolicy):
     """Per-coordinate clamp ``g_i ← clip(g_i, −c, c)``.
 
@@ -85,6 +87,7 @@ class ValueClip(ClipPolicy):
 
 # -- staged --------------------------------------------------------------------------------
 
+
 class StagedNormClip(ClipPolicy):
     """Global-norm clipping whose τ depends on the step: stage-wise thresholds.
 
@@ -108,16 +111,20 @@ class StagedNormClip(ClipPolicy):
                 parsed.append((int(start), positive("stages max_norm", tau)))
         except (TypeError, ValueError) as e:
             detail = f" ({e})" if str(e) else ""
-            raise ValueError(f"stages={stages!r} must be [[start_step, max_norm], ...] with integer "
-                             f"start_step >= 0 and max_norm > 0{detail}") from None
+            raise ValueError(
+                f"stages={stages!r} must be [[start_step, max_norm], ...] with integer "
+                f"start_step >= 0 and max_norm > 0{detail}"
+            ) from None
         if not parsed:
             raise ValueError("stages=[] is empty: give at least [[0, max_norm]]")
         starts = [s for s, _ in parsed]
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"stages={stages!r}: start steps must be strictly increasing")
         if starts[0] > 1:
-            raise ValueError(f"stages={stages!r}: the first stage must start at step 0 or 1 "
-                             f"(steps before {starts[0]} would have no threshold)")
+            raise ValueError(
+                f"stages={stages!r}: the first stage must start at step 0 or 1 "
+                f"(steps before {starts[0]} would have no threshold)"
+            )
         self.stages = parsed
         self._starts = starts
         self._tau = parsed[0][1]
@@ -138,6 +145,7 @@ class StagedNormClip(ClipPolicy):
 
 
 # -- per group -----------------------------------------------------------------------------
+
 
 class PerGroupClip(ClipPolicy):
     """Each optimizer param group, or each name pattern, is clipped to its own τ_j.
@@ -163,14 +171,22 @@ class PerGroupClip(ClipPolicy):
 
     mode = "per_group"
 
-    def __init__(self, max_norms: Sequence[float] = (1.0,), patterns: Mapping[str, float] | None = None,
-                 rest_max_norm: float | None = None, *, named_params: NamedParams | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        max_norms: Sequence[float] = (1.0,),
+        patterns: Mapping[str, float] | None = None,
+        rest_max_norm: float | None = None,
+        *,
+        named_params: NamedParams | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         self._unit_of: dict[int, int] = {}
         if patterns:
             if named_params is None:
-                raise ValueError("per_group patterns select parameters by name: pass "
-                                 "named_params=model.named_parameters() (or the model)")
+                raise ValueError(
+                    "per_group patterns select parameters by name: pass "
+                    "named_params=model.named_parameters() (or the model)"
+                )
             if not isinstance(patterns, Mapping):
                 raise ValueError(f"patterns={patterns!r} must be a mapping {{regex: max_norm}}")
             regexes = compile_patterns(patterns, "per_group patterns")
@@ -181,8 +197,10 @@ class PerGroupClip(ClipPolicy):
             self.max_norms = [*taus, rest]
         else:
             if optimizer is None:
-                raise ValueError("per_group max_norms are by optimizer param-group index: pass optimizer=..., "
-                                 "or use patterns={regex: max_norm} with named_params")
+                raise ValueError(
+                    "per_group max_norms are by optimizer param-group index: pass optimizer=..., "
+                    "or use patterns={regex: max_norm} with named_params"
+                )
             if isinstance(max_norms, (int, float)):
                 max_norms = [max_norms]
             taus = [positive("max_norms[]", v) for v in max_norms]
@@ -190,8 +208,10 @@ class PerGroupClip(ClipPolicy):
             if len(taus) == 1:
                 taus = taus * n
             elif len(taus) != n:
-                raise ValueError(f"max_norms has {len(taus)} values but the optimizer has {n} param groups: "
-                                 f"give one value per group or a single value for all")
+                raise ValueError(
+                    f"max_norms has {len(taus)} values but the optimizer has {n} param groups: "
+                    f"give one value per group or a single value for all"
+                )
             for j, group in enumerate(optimizer.param_groups):
                 for p in group["params"]:
                     self._unit_of.setdefault(id(p), j)
@@ -206,8 +226,10 @@ class PerGroupClip(ClipPolicy):
             try:
                 units = [self._unit_of[id(p)] for p in params]
             except KeyError:
-                raise ValueError("per_group: a parameter with a gradient is not among named_params / the "
-                                 "optimizer's param groups given at construction") from None
+                raise ValueError(
+                    "per_group: a parameter with a gradient is not among named_params / the "
+                    "optimizer's param groups given at construction"
+                ) from None
             self._index = torch.tensor(units, dtype=torch.long, device=device)
             self._tau = torch.tensor(self.max_norms, dtype=torch.float32, device=device)
             self._index_key = key

@@ -63,9 +63,11 @@ def clip_mode_options(mode: str) -> dict[str, Any]:
     """The config options of ``mode`` with their defaults (context objects excluded)."""
     cls = _mode_class(mode)
     sig = inspect.signature(cls.__init__)
-    return {name: _plain(p.default) for name, p in sig.parameters.items()
-            if name != "self" and name not in CONTEXT_ARGS
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {
+        name: _plain(p.default)
+        for name, p in sig.parameters.items()
+        if name != "self" and name not in CONTEXT_ARGS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -82,9 +84,14 @@ def _mode_class(mode: str) -> type[ClipPolicy]:
         raise ValueError(f"clip mode {mode!r} is not one of {', '.join(CLIP_MODES)}") from None
 
 
-def make_clip_policy(mode: str = "norm", *, named_params: NamedParams | None = None,
-                     optimizer: torch.optim.Optimizer | None = None, total_steps: int | None = None,
-                     **options: Any) -> ClipPolicy:
+def make_clip_policy(
+    mode: str = "norm",
+    *,
+    named_params: NamedParams | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    total_steps: int | None = None,
+    **options: Any,
+) -> ClipPolicy:
     """Build the policy for ``mode`` with its options.
 
     Args:
@@ -106,8 +113,10 @@ def make_clip_policy(mode: str = "norm", *, named_params: NamedParams | None = N
     valid = clip_mode_options(mode)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(f"clip mode {mode!r} has no option {', '.join(map(repr, unknown))}; "
-                         f"its options are: {', '.join(valid) or '(none)'}")
+        raise ValueError(
+            f"clip mode {mode!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(valid) or '(none)'}"
+        )
     accepted = inspect.signature(cls.__init__).parameters
     given = {"named_params": named_params, "optimizer": optimizer, "total_steps": total_steps}
     context = {k: v for k, v in given.items() if k in accepted and v is not None}

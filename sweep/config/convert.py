@@ -30,8 +30,10 @@ def to_config(node: Any) -> Config:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     extra = [k for k in (model.keys() if model is not None else ()) if k not in known]
     if extra and model.get("name") != "custom":
-        raise UserError(f"model.{extra[0]} is not a key of model={model.get('name')} (see its keys with --cfg job): "
-                        f"drop it, or pass model=custom model._target_=… whose constructor takes {extra[0]}")
+        raise UserError(
+            f"model.{extra[0]} is not a key of model={model.get('name')} (see its keys with --cfg job): "
+            f"drop it, or pass model=custom model._target_=… whose constructor takes {extra[0]}"
+        )
     if extra:
         plain = OmegaConf.to_container(model, resolve=False)  # interpolations stay for to_object
         kwargs = plain["kwargs"]
@@ -83,5 +85,7 @@ def with_overrides(cfg: Config, overrides: Sequence[str], key: str) -> Config:
         merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(merged)
     except Exception as e:  # OmegaConf validation errors
-        raise UserError(f"{key}={list(overrides)}: {' '.join(str(e).split()).split(' full_key:')[0]}; "
-                        f"pass KEY=VALUE items of the config, e.g. model.d_model=32") from None
+        raise UserError(
+            f"{key}={list(overrides)}: {' '.join(str(e).split()).split(' full_key:')[0]}; "
+            f"pass KEY=VALUE items of the config, e.g. model.d_model=32"
+        ) from None

@@ -248,8 +248,15 @@ class StudyConfig:
 #: The fp16 spike variant's sizes: fp16 matmuls have no fast CPU kernel (the default GPT takes ~1.7 s
 #: a step in fp16), so it runs a smaller GPT (20–40 ms a step). ``amp.growth_interval=20`` lets the
 #: loss scale climb to its ceiling within the run, where a long fp16 run sits (2^17–2^18 here).
-FP16_OVERRIDES = ["model.d_model=32", "model.n_layer=2", "model.n_head=2", "model.block_size=64",
-                  "data.batch_size=8", "data.seq_len=64", "amp.growth_interval=20"]
+FP16_OVERRIDES = [
+    "model.d_model=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.block_size=64",
+    "data.batch_size=8",
+    "data.seq_len=64",
+    "amp.growth_interval=20",
+]
 
 
 @dataclass
@@ -275,7 +282,7 @@ class FaultsConfig:
     nan_grad: List[int] = field(default_factory=list)
     nan_loss: List[int] = field(default_factory=list)
     loss_spike: List[int] = field(default_factory=list)  # float targets × spike_factor (the seed's
-    spike_factor: float = 1e8                             # exercise), else the loss × spike_factor
+    spike_factor: float = 1e8  # exercise), else the loss × spike_factor
     overflow: List[int] = field(default_factory=list)
     overflow_factor: float = 1e5
     nan_input: List[int] = field(default_factory=list)
@@ -331,7 +338,15 @@ def calibrated(cfg: Config) -> Config:
     c = copy.deepcopy(cfg)
     k = cfg.calibrate
     q = k.quantile if k.quantile is not None else band_quantile(k.target_clip)  # null: aim at the band
-    c.clip = ClipConfig(mode="calibrated", window=k.window, every=k.every, quantile=q,
-                        candidates=list(k.candidates), cap=k.cap, start=k.start, validate=k.validate,
-                        target_clip=list(k.target_clip))
+    c.clip = ClipConfig(
+        mode="calibrated",
+        window=k.window,
+        every=k.every,
+        quantile=q,
+        candidates=list(k.candidates),
+        cap=k.cap,
+        start=k.start,
+        validate=k.validate,
+        target_clip=list(k.target_clip),
+    )
     return c

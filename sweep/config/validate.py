@@ -37,8 +37,10 @@ def check_choices(node: Any, prefix: str = "") -> None:
             check_choices(value, f"{prefix}{f.name}.")
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
             fix = f.metadata["fix"]
-            raise UserError(f"{prefix}{f.name}={value!r} is not one of {', '.join(f.metadata['choices'])}"
-                            + (f": {fix}" if fix else ""))
+            raise UserError(
+                f"{prefix}{f.name}={value!r} is not one of {', '.join(f.metadata['choices'])}"
+                + (f": {fix}" if fix else "")
+            )
 
 
 def check_common(cfg: Config) -> None:
@@ -97,11 +99,15 @@ def check_numbers(cfg: Config) -> None:
         raise UserError(f"optim.betas={list(betas)} must be two numbers in [0, 1): pass e.g. optim.betas=[0.9,0.95]")
     a = cfg.amp
     if not a.max_scale >= a.min_scale:
-        raise UserError(f"amp.max_scale={a.max_scale} must be >= amp.min_scale={a.min_scale}: "
-                        f"raise amp.max_scale or lower amp.min_scale")
+        raise UserError(
+            f"amp.max_scale={a.max_scale} must be >= amp.min_scale={a.min_scale}: "
+            f"raise amp.max_scale or lower amp.min_scale"
+        )
     if not a.min_scale <= a.init_scale <= a.max_scale:
-        raise UserError(f"amp.init_scale={a.init_scale} must be in [amp.min_scale={a.min_scale}, "
-                        f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={a.max_scale if a.init_scale > a.max_scale else a.min_scale}")
+        raise UserError(
+            f"amp.init_scale={a.init_scale} must be in [amp.min_scale={a.min_scale}, "
+            f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={a.max_scale if a.init_scale > a.max_scale else a.min_scale}"
+        )
     if cfg.progress_every < 1:
         raise UserError(f"progress_every={cfg.progress_every} must be >= 1 (steps between plain progress lines)")
     m = cfg.model
@@ -113,15 +119,18 @@ def check_numbers(cfg: Config) -> None:
 def check_calibrate(cfg: Config) -> None:
     c = cfg.calibrate
     if c.quantile is not None and not 0.0 < c.quantile < 1.0:
-        raise UserError(f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95, or null (aim at "
-                        f"calibrate.target_clip)")
+        raise UserError(
+            f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95, or null (aim at calibrate.target_clip)"
+        )
     if c.window < 2:
         raise UserError(f"calibrate.window={c.window} must be >= 2 steps")
     c.start = calibrate_start(c.start)
     skip = c.start if isinstance(c.start, int) else 0
     if cfg.run == "calibrate" and skip + c.window > cfg.steps:
-        raise UserError(f"calibrate.start={skip} + calibrate.window={c.window} is larger than steps={cfg.steps}: "
-                        f"lower calibrate.window or calibrate.start, or raise steps")
+        raise UserError(
+            f"calibrate.start={skip} + calibrate.window={c.window} is larger than steps={cfg.steps}: "
+            f"lower calibrate.window or calibrate.start, or raise steps"
+        )
     if not isinstance(c.validate, int) or c.validate < 0:
         raise UserError(f"calibrate.validate={c.validate} must be >= 0 steps (0: every step after the window)")
     try:
@@ -140,39 +149,52 @@ def calibrate_start(value: Any) -> int | str:
         value = int(value)
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
-    raise UserError(f"calibrate.start={value!r} must be auto (after the LR warm-up and the norms' transient) or "
-                    f"a number of steps >= 0 (0: the window starts at step 1)")
+    raise UserError(
+        f"calibrate.start={value!r} must be auto (after the LR warm-up and the norms' transient) or "
+        f"a number of steps >= 0 (0: the window starts at step 1)"
+    )
 
 
 def check_study(cfg: Config) -> None:
     """``+experiment=sweep``: the study's ranges, dtypes, anchor and band."""
     s = cfg.study
     if not s.dtypes or len(set(s.dtypes)) != len(s.dtypes) or any(d not in DTYPES for d in s.dtypes):
-        raise UserError(f"study.dtypes={list(s.dtypes)} must be distinct values of {', '.join(DTYPES)}, "
-                        f"e.g. study.dtypes=[fp16,bf16]")
+        raise UserError(
+            f"study.dtypes={list(s.dtypes)} must be distinct values of {', '.join(DTYPES)}, "
+            f"e.g. study.dtypes=[fp16,bf16]"
+        )
     if s.n_trials < len(s.dtypes):
-        raise UserError(f"study.n_trials={s.n_trials} must be >= {len(s.dtypes)} (one trial per dtype in "
-                        f"study.dtypes={list(s.dtypes)} comes first in every sweep)")
+        raise UserError(
+            f"study.n_trials={s.n_trials} must be >= {len(s.dtypes)} (one trial per dtype in "
+            f"study.dtypes={list(s.dtypes)} comes first in every sweep)"
+        )
     for name in ("max_norm", "anchor"):
         low, high = getattr(s, f"{name}_low"), getattr(s, f"{name}_high")
         if not 0 < low < high:
             raise UserError(f"study.{name}_low={low} and study.{name}_high={high} must satisfy 0 < low < high")
     if s.anchor is not None and s.anchor != "window" and not _RUN_ID.match(s.anchor):
-        raise UserError(f"study.anchor={s.anchor!r} is not 'window' or an MLflow run id (32 hex digits): pass "
-                        f"study.anchor=window, the id of a calibrate run, or null for the max_norm_low/high range")
+        raise UserError(
+            f"study.anchor={s.anchor!r} is not 'window' or an MLflow run id (32 hex digits): pass "
+            f"study.anchor=window, the id of a calibrate run, or null for the max_norm_low/high range"
+        )
     if not 0.0 <= s.target_clip_low <= s.target_clip_high <= 1.0:
-        raise UserError(f"study.target_clip_low={s.target_clip_low}, study.target_clip_high={s.target_clip_high} "
-                        f"must satisfy 0 <= low <= high <= 1")
+        raise UserError(
+            f"study.target_clip_low={s.target_clip_low}, study.target_clip_high={s.target_clip_high} "
+            f"must satisfy 0 <= low <= high <= 1"
+        )
     if not 0.0 <= s.prune_warmup < 1.0:
         raise UserError(f"study.prune_warmup={s.prune_warmup} must be in [0, 1)")
     for key, low in (("report_every", 1), ("threads", 0), ("startup_trials", 0)):
         if getattr(s, key) < low:
-            raise UserError(f"study.{key}={getattr(s, key)} must be >= {low}"
-                            + (" (0: torch's default)" if key == "threads" else ""))
+            raise UserError(
+                f"study.{key}={getattr(s, key)} must be >= {low}"
+                + (" (0: torch's default)" if key == "threads" else "")
+            )
     check_nproc_per_trial(cfg)
     if cfg.clip.mode != "norm":
-        raise UserError(f"clip={cfg.clip.mode}: the sweep tunes the global-norm threshold clip.max_norm; "
-                        f"pass clip=norm")
+        raise UserError(
+            f"clip={cfg.clip.mode}: the sweep tunes the global-norm threshold clip.max_norm; pass clip=norm"
+        )
 
 
 def check_nproc_per_trial(cfg: Config) -> None:
@@ -183,15 +205,20 @@ def check_nproc_per_trial(cfg: Config) -> None:
     if n == 1:
         return
     if s.mode == "entangle":
-        raise UserError(f"study.nproc_per_trial={n}: study=entangle runs its grid in the sweep process; "
-                        "drop study.nproc_per_trial")
+        raise UserError(
+            f"study.nproc_per_trial={n}: study=entangle runs its grid in the sweep process; drop study.nproc_per_trial"
+        )
     if s.mode == "constrained" and s.pruner != "none":
-        raise UserError(f"study.nproc_per_trial={n}: a trial runs as a torchrun job whose steps the sweep process "
-                        f"does not see, so study.pruner={s.pruner} cannot stop it; pass study.pruner=none "
-                        "(or study.nproc_per_trial=1)")
+        raise UserError(
+            f"study.nproc_per_trial={n}: a trial runs as a torchrun job whose steps the sweep process "
+            f"does not see, so study.pruner={s.pruner} cannot stop it; pass study.pruner=none "
+            "(or study.nproc_per_trial=1)"
+        )
     if cfg.data.batch_size % n:
-        raise UserError(f"data.batch_size={cfg.data.batch_size} does not split over study.nproc_per_trial={n} "
-                        f"ranks: use a multiple of {n}")
+        raise UserError(
+            f"data.batch_size={cfg.data.batch_size} does not split over study.nproc_per_trial={n} "
+            f"ranks: use a multiple of {n}"
+        )
     if cfg.dist.strategy == "none":
         raise UserError(f"study.nproc_per_trial={n} needs dist.strategy=auto, ddp or fsdp2 for its trials")
 
@@ -200,31 +227,41 @@ def check_spike(cfg: Config) -> None:
     """``+experiment=spike``: byte data, positive sizes, the spike after the window and before the end."""
     s = cfg.spike
     if cfg.calibrate.start != 0:
-        raise UserError(f"calibrate.start={cfg.calibrate.start}: the spike replay times its bad batch after a "
-                        f"window from step 1; pass calibrate.start=0")
+        raise UserError(
+            f"calibrate.start={cfg.calibrate.start}: the spike replay times its bad batch after a "
+            f"window from step 1; pass calibrate.start=0"
+        )
     if cfg.data.name == "synthetic":
-        raise UserError("spike needs byte data (the corrupted batch is a binary blob): "
-                        "pass data=stdlib or data=text, not data=synthetic")
+        raise UserError(
+            "spike needs byte data (the corrupted batch is a binary blob): "
+            "pass data=stdlib or data=text, not data=synthetic"
+        )
     for key, example in (("factor", "20"), ("fixed_max_norm", "1.0"), ("recovery_tolerance", "0.05 (5%)")):
         if not getattr(s, key) > 0:
-            raise UserError(f"spike.{key}={getattr(s, key)} must be > 0, e.g. "
-                            + (f"spike.{key}={example}" if key != "recovery_tolerance" else example))
+            raise UserError(
+                f"spike.{key}={getattr(s, key)} must be > 0, e.g. "
+                + (f"spike.{key}={example}" if key != "recovery_tolerance" else example)
+            )
     if not s.horizons or any(h < 1 for h in s.horizons):
         raise UserError(f"spike.horizons={list(s.horizons)} must be positive step counts, e.g. [1,5,20,100]")
     if s.peak_window < 0:
         raise UserError(f"spike.peak_window={s.peak_window} must be >= 0 (0: the peak since step 1)")
     last = max(s.horizons)
     if not 2 <= s.at_step <= cfg.steps - last:
-        raise UserError(f"spike.at_step={s.at_step} must be in [2, steps - {last}] with steps={cfg.steps} "
-                        f"(the last horizon is +{last}): raise steps to >= {s.at_step + last} or lower spike.at_step")
+        raise UserError(
+            f"spike.at_step={s.at_step} must be in [2, steps - {last}] with steps={cfg.steps} "
+            f"(the last horizon is +{last}): raise steps to >= {s.at_step + last} or lower spike.at_step"
+        )
     _check_spike_windows(cfg)
     _check_fp16_overrides(cfg)
 
 
 #: The ``model.*`` keys that act on a ``model=hf`` model; the others (d_model, n_layer, ...) size the built-in ones.
 HF_MODEL_KEYS = ("config", "pretrained", "freeze", "train_only")
-HF_FP16_EXAMPLE = ("'spike.fp16_overrides=[\"model.config.hidden_size=32\",\"model.config.intermediate_size=64\","
-                   "\"model.config.num_hidden_layers=2\",\"data.seq_len=64\",\"amp.growth_interval=20\"]'")
+HF_FP16_EXAMPLE = (
+    '\'spike.fp16_overrides=["model.config.hidden_size=32","model.config.intermediate_size=64",'
+    '"model.config.num_hidden_layers=2","data.seq_len=64","amp.growth_interval=20"]\''
+)
 
 
 def _check_fp16_overrides(cfg: Config) -> None:
@@ -238,26 +275,35 @@ def _check_fp16_overrides(cfg: Config) -> None:
     if cfg.model.pretrained:
         inert += [k for k in models if k.startswith("model.config.")]
     if inert:
-        fix = ("'spike.fp16_overrides=[\"amp.growth_interval=20\"]' (a pretrained model keeps its size)"
-               if cfg.model.pretrained else f"shrink the model with model.config keys, e.g. {HF_FP16_EXAMPLE}")
-        raise UserError(f"spike.fp16_overrides sets {', '.join(inert)}, which do nothing for model=hf"
-                        f"{' model.pretrained=DIR' if cfg.model.pretrained else ''} (the fp16 pair would run the "
-                        f"full-size model): pass spike.fp16=false, or {fix}")
+        fix = (
+            "'spike.fp16_overrides=[\"amp.growth_interval=20\"]' (a pretrained model keeps its size)"
+            if cfg.model.pretrained
+            else f"shrink the model with model.config keys, e.g. {HF_FP16_EXAMPLE}"
+        )
+        raise UserError(
+            f"spike.fp16_overrides sets {', '.join(inert)}, which do nothing for model=hf"
+            f"{' model.pretrained=DIR' if cfg.model.pretrained else ''} (the fp16 pair would run the "
+            f"full-size model): pass spike.fp16=false, or {fix}"
+        )
 
 
 def _check_spike_windows(cfg: Config) -> None:
     s, windows = cfg.spike, window_ranges(cfg)
     if not windows or windows[0][-1] >= s.at_step:
         w = windows[0] if windows else range(1, 1)
-        raise UserError(f"spike.at_step={s.at_step} must land after the calibration window ends "
-                        f"(calibrate.window={cfg.calibrate.window} ends at step {w[-1] if w else '?'}): "
-                        f"raise spike.at_step or lower calibrate.window")
+        raise UserError(
+            f"spike.at_step={s.at_step} must land after the calibration window ends "
+            f"(calibrate.window={cfg.calibrate.window} ends at step {w[-1] if w else '?'}): "
+            f"raise spike.at_step or lower calibrate.window"
+        )
     late = [w for w in windows if w[-1] >= s.at_step]
     if late:
-        raise UserError(f"calibrate.every={cfg.calibrate.every} opens a calibration window at steps "
-                        f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would turn "
-                        f"clipping off after the spike: use calibrate.every=0, or a larger calibrate.every that "
-                        f"opens no window in steps {s.at_step}–{cfg.steps}")
+        raise UserError(
+            f"calibrate.every={cfg.calibrate.every} opens a calibration window at steps "
+            f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would turn "
+            f"clipping off after the spike: use calibrate.every=0, or a larger calibrate.every that "
+            f"opens no window in steps {s.at_step}–{cfg.steps}"
+        )
 
 
 def _device_available(device: str) -> bool:

@@ -37,6 +37,7 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
 Records and MLflow use the names of ``python -m sweep`` runs (the canonical ``steps.csv``,
 ``grad_norm_p50…p99``, ``recommended_max_norm``, ``clip_ratio``, ``skip_ratio``, ``final_loss``).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,15 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from clipamp_engine import CalibratedClip, NormCalibrator, SkipLog, StepCSVWriter, StepLog, clip_global_l2_norm, total_norm
+from clipamp_engine import (
+    CalibratedClip,
+    NormCalibrator,
+    SkipLog,
+    StepCSVWriter,
+    StepLog,
+    clip_global_l2_norm,
+    total_norm,
+)
 from clipamp_engine.calibration import CalibrationError
 from clipamp_engine.norms import grads_of
 
@@ -74,10 +83,20 @@ class ClipampCallback(TrainerCallback):
         verbose: print the CSV path and the recommendation.
     """
 
-    def __init__(self, *, window: int = 100, quantile: float = 0.95, apply: bool = False,
-                 csv_path: str | Path | None = None, tracking: str | None = "auto", experiment: str = "clipamp",
-                 run_name: str | None = None, skip_nonfinite: bool = True,
-                 candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0), verbose: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        window: int = 100,
+        quantile: float = 0.95,
+        apply: bool = False,
+        csv_path: str | Path | None = None,
+        tracking: str | None = "auto",
+        experiment: str = "clipamp",
+        run_name: str | None = None,
+        skip_nonfinite: bool = True,
+        candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0),
+        verbose: bool = True,
+    ) -> None:
         if not isinstance(window, int) or window < 2:
             raise ValueError(f"window={window!r} must be an integer >= 2 (steps in the calibration window)")
         self.policy = CalibratedClip(window, quantile=quantile, candidates=candidates)  # validates quantile
@@ -93,14 +112,21 @@ class ClipampCallback(TrainerCallback):
     # -- train begin / end ---------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if args.deepspeed or args.fsdp:
-            raise ValueError("ClipampCallback does not support DeepSpeed or FSDP (they clip inside their engines); "
-                             "run without them, or drop the callback")
+            raise ValueError(
+                "ClipampCallback does not support DeepSpeed or FSDP (they clip inside their engines); "
+                "run without them, or drop the callback"
+            )
         self._args, self._user_tau = args, args.max_grad_norm
         self.tau = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         args.max_grad_norm = 0.0  # Trainer measures ‖g‖ without clipping; we clip in on_pre_optimizer_step
         # steps 1..window (cut at the run's end, if shorter); until it closes, clip at the user's τ (apply=True)
-        self.policy = CalibratedClip(self.window, quantile=self.quantile, candidates=self.candidates, cap=self.tau,
-                                     total_steps=state.max_steps if state.max_steps > 0 else None)
+        self.policy = CalibratedClip(
+            self.window,
+            quantile=self.quantile,
+            candidates=self.candidates,
+            cap=self.tau,
+            total_steps=state.max_steps if state.max_steps > 0 else None,
+        )
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._reset()
         if state.is_world_process_zero:
@@ -109,8 +135,9 @@ class ClipampCallback(TrainerCallback):
     def _open(self, args, model) -> None:
         path = Path(self.csv_path) if self.csv_path else Path(args.output_dir) / "clipamp" / "steps.csv"
         if self.tracking is not None:
-            self.tracker = _open_run(self.tracking, self.experiment, self.run_name or f"trainer-{type(model).__name__}",
-                                     args, model, self)
+            self.tracker = _open_run(
+                self.tracking, self.experiment, self.run_name or f"trainer-{type(model).__name__}", args, model, self
+            )
             path = self.tracker.artifact_path("steps.csv")
         self.writer = StepCSVWriter(path, COLUMNS)
         self.say(f"steps.csv: {path}")
@@ -130,16 +157,20 @@ class ClipampCallback(TrainerCallback):
         self.writer.close()
         windows = [self.summary] if self.summary else []
         # the app's summary (it reads cfg.calibrate.quantile only when there is no window)
-        metrics = summary_metrics(SimpleNamespace(calibrate=SimpleNamespace(quantile=self.quantile)), self.records,
-                                  windows)
+        metrics = summary_metrics(
+            SimpleNamespace(calibrate=SimpleNamespace(quantile=self.quantile)), self.records, windows
+        )
         if self.tracker is not None:
             self.tracker.log_metrics(metrics, step=state.global_step)
-            self.tracker.artifact_path("quantiles.json").write_text(json.dumps(
-                {"metrics": metrics, "windows": [w.as_dict() for w in windows]}, indent=2, default=float))
+            self.tracker.artifact_path("quantiles.json").write_text(
+                json.dumps({"metrics": metrics, "windows": [w.as_dict() for w in windows]}, indent=2, default=float)
+            )
             self.tracker.end("FINISHED")
         if windows:
-            self.say(f"clipping ratio after the window at τ={f'{self.tau:.4g}' if self.tau else 'none'}: "
-                     f"{metrics['clip_ratio']:.1%}; skipped steps {metrics['skip_ratio']:.1%}")
+            self.say(
+                f"clipping ratio after the window at τ={f'{self.tau:.4g}' if self.tau else 'none'}: "
+                f"{metrics['clip_ratio']:.1%}; skipped steps {metrics['skip_ratio']:.1%}"
+            )
 
     # -- one optimizer step --------------------------------------------------------------------
     def _reset(self) -> None:
@@ -173,8 +204,9 @@ class ClipampCallback(TrainerCallback):
             grads = grads_of(params)
             pre = total_norm(grads)
             finite = torch.isfinite(pre)  # a non-finite gradient is left as it is (like clip_global_l2_norm)
-            post = torch.where(finite, self.policy.clip_(params, grads, torch.where(finite, pre, 0.0),
-                                                          state.global_step + 1), pre)
+            post = torch.where(
+                finite, self.policy.clip_(params, grads, torch.where(finite, pre, 0.0), state.global_step + 1), pre
+            )
             self.tau = self.policy.threshold
         elif self.tau is None:
             pre = post = total_norm(grads_of(params))
@@ -184,7 +216,8 @@ class ClipampCallback(TrainerCallback):
         loss = nan if self._loss is None else self._loss / (1 if self._loss_is_sum else max(self._micro, 1))
         tokens = nan if self._tokens is None else self._tokens.float()
         self._pre, self._post, self._step_loss, tok = torch.stack(
-            [pre, post, loss.to(pre.device), tokens.to(pre.device)]).tolist()  # sync: the record
+            [pre, post, loss.to(pre.device), tokens.to(pre.device)]
+        ).tolist()  # sync: the record
         self._step_tokens = None if math.isnan(tok) else int(tok)
         if not math.isfinite(self._pre) and self.skip_nonfinite and not self._has_scaler:
             for p in params:  # optimizer.step() skips parameters without a gradient
@@ -197,10 +230,19 @@ class ClipampCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         tok = self._step_tokens
-        common = dict(step=step, lr=self._lr, grad_l2_pre_clip=self._pre, loss=self._step_loss,
-                      scaler_scale=self._scale, token_count=tok, max_norm=self.tau,
-                      extra={"phase": self.policy.phase(step),
-                             "grad_l2_token_normalised": self._pre * math.sqrt(tok) if tok else None})
+        common = dict(
+            step=step,
+            lr=self._lr,
+            grad_l2_pre_clip=self._pre,
+            loss=self._step_loss,
+            scaler_scale=self._scale,
+            token_count=tok,
+            max_norm=self.tau,
+            extra={
+                "phase": self.policy.phase(step),
+                "grad_l2_token_normalised": self._pre * math.sqrt(tok) if tok else None,
+            },
+        )
         if self._skipped:
             log = SkipLog(grad_l2_post_clip=float("nan"), clipped=False, skip_reason="nonfinite_grad", **common)
         else:
@@ -226,14 +268,20 @@ class ClipampCallback(TrainerCallback):
             return
         tau = s.recommended_max_norm
         q = s.quantiles
-        self.say(f"calibration window steps {s.start_step}–{s.end_step} ({s.n_finite} finite, {s.n_skipped} skipped): "
-                 f"‖g‖ p50 {q['p50']:.4g}  p95 {q['p95']:.4g}  p99 {q['p99']:.4g}  max {q['max']:.4g} → "
-                 f"recommended max_grad_norm={tau:.4g} (Quantile_{self.quantile:g}); "
-                 + (f"applied from step {s.end_step + 1}" if self.apply else
-                    f"not applied (ClipampCallback(apply=True) clips at it; max_grad_norm stays {self._user_tau:g})"))
+        self.say(
+            f"calibration window steps {s.start_step}–{s.end_step} ({s.n_finite} finite, {s.n_skipped} skipped): "
+            f"‖g‖ p50 {q['p50']:.4g}  p95 {q['p95']:.4g}  p99 {q['p99']:.4g}  max {q['max']:.4g} → "
+            f"recommended max_grad_norm={tau:.4g} (Quantile_{self.quantile:g}); "
+            + (
+                f"applied from step {s.end_step + 1}"
+                if self.apply
+                else f"not applied (ClipampCallback(apply=True) clips at it; max_grad_norm stays {self._user_tau:g})"
+            )
+        )
         if self.tracker is not None:
-            self.tracker.log_metrics({**{f"window_{k}": v for k, v in q.items()},
-                                      "window_recommended_max_norm": tau}, step=s.end_step)
+            self.tracker.log_metrics(
+                {**{f"window_{k}": v for k, v in q.items()}, "window_recommended_max_norm": tau}, step=s.end_step
+            )
 
     def say(self, message: str) -> None:
         if self.verbose and self.writer is not None:
@@ -250,10 +298,18 @@ def _open_run(tracking: str, experiment: str, run_name: str, args, model, cb: Cl
     store = Store.open(mlflow.get_tracking_uri() if active else None if tracking == "auto" else tracking, experiment)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     tags = {"run": "trainer", "dtype": dtype, "model": type(model).__name__, "device": args.device.type}
-    tracker = RunTracker(store.client, store.experiment_id, run_name, tags=tags,
-                         parent_run_id=active.info.run_id if active else None)
-    tracker.log_params({"calibrate.window": cb.window, "calibrate.quantile": cb.quantile, "apply": cb.apply,
-                        "max_grad_norm": cb._user_tau, "learning_rate": args.learning_rate,
-                        "per_device_train_batch_size": args.per_device_train_batch_size,
-                        "gradient_accumulation_steps": args.gradient_accumulation_steps})
+    tracker = RunTracker(
+        store.client, store.experiment_id, run_name, tags=tags, parent_run_id=active.info.run_id if active else None
+    )
+    tracker.log_params(
+        {
+            "calibrate.window": cb.window,
+            "calibrate.quantile": cb.quantile,
+            "apply": cb.apply,
+            "max_grad_norm": cb._user_tau,
+            "learning_rate": args.learning_rate,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        }
+    )
     return tracker

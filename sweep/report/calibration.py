@@ -27,8 +27,11 @@ def _f(v: float | None) -> str:
 
 
 def _interval(ci) -> str:
-    return f"[{_f(ci.low)}, {_f(ci.high)}]" if ci.bounded else (
-        f"[{_f(ci.low)}, no bound]" if math.isfinite(ci.low) else f"[no bound, {_f(ci.high)}]")
+    return (
+        f"[{_f(ci.low)}, {_f(ci.high)}]"
+        if ci.bounded
+        else (f"[{_f(ci.low)}, no bound]" if math.isfinite(ci.low) else f"[no bound, {_f(ci.high)}]")
+    )
 
 
 def _needs(ci) -> str:
@@ -46,32 +49,48 @@ def markdown(clip: "CalibratedClip") -> list[str]:
     if not clip.summaries:
         return lines + ["No calibration window closed in this run.", ""]
     w = clip.summaries[0]
-    lines += [f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, "
-              f"{w.n_skipped} skipped)", "",
-              "| quantile | ‖g‖ | 95% interval | window for a ±10% interval | ‖g‖·√N_tok |",
-              "|---|---|---|---|---|"]
+    lines += [
+        f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, {w.n_skipped} skipped)",
+        "",
+        "| quantile | ‖g‖ | 95% interval | window for a ±10% interval | ‖g‖·√N_tok |",
+        "|---|---|---|---|---|",
+    ]
     for k, v in w.quantiles.items():
         ci = w.cis.get(k)
-        lines.append(f"| {k} | {_f(v)} | {_interval(ci) if ci else ''} | {_needs(ci) if ci else ''} "
-                     f"| {_f(w.token_quantiles.get(k, math.nan))} |")
+        lines.append(
+            f"| {k} | {_f(v)} | {_interval(ci) if ci else ''} | {_needs(ci) if ci else ''} "
+            f"| {_f(w.token_quantiles.get(k, math.nan))} |"
+        )
     lines += [""] + [f"> warning: {x}" for x in w.warnings] + ([""] if w.warnings else [])
     lines += ["| threshold τ | clipping ratio in the window |", "|---|---|"]
     for t, r in w.candidate_clip_ratios.items():
         lines.append(f"| {t:.4g} | {r:.1%}{' ← recommended' if t == w.recommended_max_norm else ''} |")
-    lines += ["", f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** (τ = Quantile_{w.quantile:.4g} of "
-                  f"the window's finite pre-clip norms, 95% interval {_interval(w.tau_ci)}; target band "
-                  f"[{clip.band[0]:.0%}, {clip.band[1]:.0%}]).", ""]
+    lines += [
+        "",
+        f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** (τ = Quantile_{w.quantile:.4g} of "
+        f"the window's finite pre-clip norms, 95% interval {_interval(w.tau_ci)}; target band "
+        f"[{clip.band[0]:.0%}, {clip.band[1]:.0%}]).",
+        "",
+    ]
     check = clip.checks()[0]
     if check is not None:
-        lines += ["## Validation on held-out steps", "", f"- {check.verdict}",
-                  f"- within 2× of the prediction: {'yes' if check.within_2x else 'no'}",
-                  f"- next: {check.action}", ""]
+        lines += [
+            "## Validation on held-out steps",
+            "",
+            f"- {check.verdict}",
+            f"- within 2× of the prediction: {'yes' if check.within_2x else 'no'}",
+            f"- next: {check.action}",
+            "",
+        ]
     else:
         lines += ["No validation step after the window: raise steps (or lower calibrate.window).", ""]
     if len(clip.summaries) > 1:
-        lines += ["## Drift across windows", "",
-                  "| window | τ | 95% interval | τ / previous | interval separate? | validation |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "## Drift across windows",
+            "",
+            "| window | τ | 95% interval | τ / previous | interval separate? | validation |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += ["| " + " | ".join(row) + " |" for row in _window_rows(clip, drift="**drift**")]
         lines.append("")
     return lines
@@ -85,14 +104,16 @@ def tables(clip: "CalibratedClip") -> list[Any]:
     if not clip.summaries:
         return out
     w = clip.summaries[0]
-    t = Table(title=f"Calibration window, steps {w.start_step}–{w.end_step} "
-                    f"({w.n_finite} finite, {w.n_skipped} skipped)")
+    t = Table(
+        title=f"Calibration window, steps {w.start_step}–{w.end_step} ({w.n_finite} finite, {w.n_skipped} skipped)"
+    )
     for col in ("quantile", "‖g‖", "95% interval", "window for ±10%", "‖g‖·√N_tok"):
         t.add_column(col, justify="right")
     for k, v in w.quantiles.items():
         ci = w.cis.get(k)
-        t.add_row(k, _f(v), _interval(ci) if ci else "", _needs(ci) if ci else "",
-                  _f(w.token_quantiles.get(k, math.nan)))
+        t.add_row(
+            k, _f(v), _interval(ci) if ci else "", _needs(ci) if ci else "", _f(w.token_quantiles.get(k, math.nan))
+        )
     out.append(t)
     out += [f"[yellow]warning:[/] {x}" for x in w.warnings]
     c = Table(title="Candidate thresholds")
@@ -101,8 +122,10 @@ def tables(clip: "CalibratedClip") -> list[Any]:
     for tau, r in w.candidate_clip_ratios.items():
         c.add_row(_f(tau) + (" ←" if tau == w.recommended_max_norm else ""), f"{r:.1%}")
     out.append(c)
-    out.append(f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] (Quantile_{w.quantile:.4g}, "
-               f"95% interval {_interval(w.tau_ci)})")
+    out.append(
+        f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] (Quantile_{w.quantile:.4g}, "
+        f"95% interval {_interval(w.tau_ci)})"
+    )
     check = clip.checks()[0]
     if check is not None:
         colour = "green" if check.inside else "yellow"
@@ -110,8 +133,10 @@ def tables(clip: "CalibratedClip") -> list[Any]:
     drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
     if len(clip.summaries) > 1:
         out.append(_drift_table(clip))
-        out.append(f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
-                   f"from the previous one" + (f" (from step {drifted[0].start_step})" if drifted else ""))
+        out.append(
+            f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
+            f"from the previous one" + (f" (from step {drifted[0].start_step})" if drifted else "")
+        )
     return out
 
 
@@ -129,8 +154,15 @@ def _window_rows(clip: "CalibratedClip", drift: str) -> list[tuple[str, ...]]:
     """Per window: its steps, τ, τ's interval, τ / the previous τ, ``drift`` or "no", its validation."""
     rows, prev = [], None
     for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
-        rows.append((f"{s.start_step}–{s.end_step}", _f(s.recommended_max_norm), _interval(s.tau_ci),
-                     f"{s.recommended_max_norm / prev:.2f}" if prev else "—", drift if d else "no",
-                     f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—"))
+        rows.append(
+            (
+                f"{s.start_step}–{s.end_step}",
+                _f(s.recommended_max_norm),
+                _interval(s.tau_ci),
+                f"{s.recommended_max_norm / prev:.2f}" if prev else "—",
+                drift if d else "no",
+                f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—",
+            )
+        )
         prev = s.recommended_max_norm
     return rows

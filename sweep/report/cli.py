@@ -32,8 +32,13 @@ def search_all(client, experiment_id: str, filter_string: str = "") -> list:
     """Every run of the experiment matching ``filter_string``, oldest first (all pages)."""
     runs, token = [], None
     while True:
-        page = client.search_runs([experiment_id], filter_string=filter_string, max_results=1000,
-                                  page_token=token, order_by=["attributes.start_time ASC"])
+        page = client.search_runs(
+            [experiment_id],
+            filter_string=filter_string,
+            max_results=1000,
+            page_token=token,
+            order_by=["attributes.start_time ASC"],
+        )
         runs.extend(page)
         token = page.token
         if not token:
@@ -54,12 +59,20 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
     for r in search_all(client, exp.experiment_id, "tags.sweep_role = 'trial'"):
         t, m = r.data.tags, r.data.metrics
         state = "RUNNING" if r.info.status == "RUNNING" else _OUTCOME_STATE.get(t.get("outcome", ""), "FAIL")
-        trials.setdefault(t.get("study", "?"), []).append({
-            "trial": int(t.get("trial", -1)), "state": state, "dtype": t.get("dtype", ""),
-            "max_norm": float(r.data.params.get("clip.max_norm", t.get("max_norm", "nan"))),
-            "eval_loss": m.get("eval_loss", math.nan), "clip_ratio": m.get("clip_ratio", math.nan),
-            "skip_ratio": m.get("skip_ratio", math.nan), "final_loss": m.get("final_loss", math.nan),
-            "steps_run": int(m.get("steps_run", 0) or 0), "run_id": r.info.run_id})
+        trials.setdefault(t.get("study", "?"), []).append(
+            {
+                "trial": int(t.get("trial", -1)),
+                "state": state,
+                "dtype": t.get("dtype", ""),
+                "max_norm": float(r.data.params.get("clip.max_norm", t.get("max_norm", "nan"))),
+                "eval_loss": m.get("eval_loss", math.nan),
+                "clip_ratio": m.get("clip_ratio", math.nan),
+                "skip_ratio": m.get("skip_ratio", math.nan),
+                "final_loss": m.get("final_loss", math.nan),
+                "steps_run": int(m.get("steps_run", 0) or 0),
+                "run_id": r.info.run_id,
+            }
+        )
     out = []
     for name, rows in trials.items():
         parent = parents.get(name)
@@ -94,9 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     for name, sdf, pick, band, mode in sweeps:
         console.print(sweep_table(sdf, pick, f"Study {name}" + (f" ({mode})" if mode else "")))
-        console.print(f"band [{band[0]:g}, {band[1]:g}]; " + (
-            f"[bold green]pick: trial {pick.trial}: {pick.override()}[/] ({pick.rule}: {pick.reason})"
-            if pick else "no completed trial: no pick"))
+        console.print(
+            f"band [{band[0]:g}, {band[1]:g}]; "
+            + (
+                f"[bold green]pick: trial {pick.trial}: {pick.override()}[/] ({pick.rule}: {pick.reason})"
+                if pick
+                else "no completed trial: no pick"
+            )
+        )
     if args.out:
         save(args.out, found, sweeps)
     return 0
@@ -108,7 +126,9 @@ def check_out(out: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"--out {out}: cannot create {folder}/ ({e.strerror}): pass a path in a writable folder") from None
+        raise UserError(
+            f"--out {out}: cannot create {folder}/ ({e.strerror}): pass a path in a writable folder"
+        ) from None
     if Path(out).is_dir() or not os.access(folder, os.W_OK):
         raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 

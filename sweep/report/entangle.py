@@ -19,8 +19,10 @@ def plot_entangle(cells, verdict, path: Path, title: str = "") -> Path:
     import numpy as np
 
     lrs = sorted(cells["lr"].unique())
-    taus = [NONE] + sorted((t for t in cells["tau"].unique() if t != NONE),
-                           key=lambda t: -float(cells.loc[cells["tau"] == t, "max_norm"].iloc[0]))
+    taus = [NONE] + sorted(
+        (t for t in cells["tau"].unique() if t != NONE),
+        key=lambda t: -float(cells.loc[cells["tau"] == t, "max_norm"].iloc[0]),
+    )
     grid = np.full((len(taus), len(lrs)), np.nan)
     text = [["" for _ in lrs] for _ in taus]
     for _, r in cells.iterrows():
@@ -31,13 +33,29 @@ def plot_entangle(cells, verdict, path: Path, title: str = "") -> Path:
     im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     for i in range(len(taus)):
         for j in range(len(lrs)):
-            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=8,
-                    color="white" if np.isfinite(grid[i, j]) and grid[i, j] > np.nanmean(grid) else "black")
+            ax.text(
+                j,
+                i,
+                text[i][j],
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if np.isfinite(grid[i, j]) and grid[i, j] > np.nanmean(grid) else "black",
+            )
     marks = ((verdict.best_clipped, "red", "best clipped"), (verdict.match, "orange", "best unclipped, lower LR"))
     for cell, colour, label in marks:
         if cell is not None:
-            ax.add_patch(plt.Rectangle((lrs.index(cell.lr) - 0.5, taus.index(cell.tau) - 0.5), 1, 1, fill=False,
-                                       edgecolor=colour, lw=2.5, label=label))
+            ax.add_patch(
+                plt.Rectangle(
+                    (lrs.index(cell.lr) - 0.5, taus.index(cell.tau) - 0.5),
+                    1,
+                    1,
+                    fill=False,
+                    edgecolor=colour,
+                    lw=2.5,
+                    label=label,
+                )
+            )
     tau_labels = []
     for t in taus:
         v = cells.loc[cells["tau"] == t, "max_norm"].iloc[0]

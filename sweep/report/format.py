@@ -44,8 +44,9 @@ def ui_command(uri: str, experiment_id: str | None = None) -> str:
     page = runs_page(experiment_id)
     if uri.startswith(("http://", "https://")):
         return f"open {uri.rstrip('/')}/{page}"
-    return (f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000"
-            f"  → http://127.0.0.1:5000/{page}")
+    return (
+        f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000  → http://127.0.0.1:5000/{page}"
+    )
 
 
 def print_wide(console: Console, renderable: Any, width: int = 110) -> None:

@@ -26,17 +26,20 @@ def _fit(text: str, limit: int, tail: str) -> str:
     """``text`` cut at a line boundary (with ``tail`` appended) to at most ``limit`` characters."""
     if len(text) <= limit:
         return text
-    return text[:text.rfind("\n", 0, limit - len(tail) - 1)] + "\n" + tail
+    return text[: text.rfind("\n", 0, limit - len(tail) - 1)] + "\n" + tail
 
 
 def run_note(result: "RunResult", report: str) -> str:
     """The answer (recommended τ, p95, τ used per phase, ratios, the validation verdict), then ``report``."""
     m = result.metrics
     taus = tau_tags(result.records.rows)
-    per_phase = ", ".join(f"{k[len('tau.'):]} {v}" for k, v in taus.items() if k.startswith("tau."))
-    lines = [f"**Recommended τ (`clip.max_norm`) = {fmt(m['recommended_max_norm'])}** · p95 = "
-             f"{fmt(m['grad_norm_p95'])} · τ used: {per_phase} · clipped {pct(m['clip_ratio'])} · "
-             f"skipped {pct(m['skip_ratio'])}", ""]
+    per_phase = ", ".join(f"{k[len('tau.') :]} {v}" for k, v in taus.items() if k.startswith("tau."))
+    lines = [
+        f"**Recommended τ (`clip.max_norm`) = {fmt(m['recommended_max_norm'])}** · p95 = "
+        f"{fmt(m['grad_norm_p95'])} · τ used: {per_phase} · clipped {pct(m['clip_ratio'])} · "
+        f"skipped {pct(m['skip_ratio'])}",
+        "",
+    ]
     check = result.calibration.checks()[0] if result.calibration is not None and result.calibration.summaries else None
     if check is not None:
         lines += [f"**Verdict:** {check.verdict}. Next: {check.action}.", ""]
@@ -45,20 +48,29 @@ def run_note(result: "RunResult", report: str) -> str:
 
 def experiment_note(runs) -> str:
     """The newest answer (the newest run with a recommended τ) on one line, then the table of the newest runs."""
-    answered = runs[runs["metrics.recommended_max_norm"].notna()] if "metrics.recommended_max_norm" in runs else runs[:0]
+    answered = (
+        runs[runs["metrics.recommended_max_norm"].notna()] if "metrics.recommended_max_norm" in runs else runs[:0]
+    )
     lines = []
     if len(answered):
         r = answered.iloc[0]
         tau_used = r.get("tags.tau_used") or "—"
-        lines.append(f"Latest: **{r['tags.mlflow.runName']}**: recommended τ (`clip.max_norm`) "
-                     f"**{fmt(r['metrics.recommended_max_norm'])}**, p95 {fmt(r.get('metrics.grad_norm_p95', math.nan))}, "
-                     f"τ used {tau_used}, clipped {pct(r.get('metrics.clip_ratio', math.nan))}")
+        lines.append(
+            f"Latest: **{r['tags.mlflow.runName']}**: recommended τ (`clip.max_norm`) "
+            f"**{fmt(r['metrics.recommended_max_norm'])}**, p95 {fmt(r.get('metrics.grad_norm_p95', math.nan))}, "
+            f"τ used {tau_used}, clipped {pct(r.get('metrics.clip_ratio', math.nan))}"
+        )
     else:
         lines.append("No run with a recommended τ yet.")
-    lines += ["", f"## Threshold report: the {min(len(runs), TABLE_ROWS)} newest of {len(runs)} runs", "",
-              "τ used: the clipping threshold each phase trained at; τ rec.: the recommended `clip.max_norm`; "
-              "clipped/skipped: share of steps. `python -m sweep.report` prints the whole table.", "",
-              frame_markdown(table(runs.head(TABLE_ROWS)))]
+    lines += [
+        "",
+        f"## Threshold report: the {min(len(runs), TABLE_ROWS)} newest of {len(runs)} runs",
+        "",
+        "τ used: the clipping threshold each phase trained at; τ rec.: the recommended `clip.max_norm`; "
+        "clipped/skipped: share of steps. `python -m sweep.report` prints the whole table.",
+        "",
+        frame_markdown(table(runs.head(TABLE_ROWS))),
+    ]
     return _fit("\n".join(lines), EXPERIMENT_NOTE_MAX, "… (`python -m sweep.report` prints every run)")
 
 

@@ -27,14 +27,22 @@ def save(fig, path: Path, dpi: int = 90) -> Path:
     return path
 
 
-def plot_run(rows: list[dict[str, Any]], out_dir: Path, *, quantiles: dict[str, float] | None = None,
-             tau: float | None = None, title: str = "") -> list[Path]:
+def plot_run(
+    rows: list[dict[str, Any]],
+    out_dir: Path,
+    *,
+    quantiles: dict[str, float] | None = None,
+    tau: float | None = None,
+    title: str = "",
+) -> list[Path]:
     """Write ``grad_norm.png``, ``grad_norm_hist.png``, ``scaler_scale.png`` and ``loss.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     quantiles = {k: v for k, v in (quantiles or {}).items() if k != "max"}
     steps = [r["step"] for r in rows]
-    paths = [_grad_norm_trace(rows, quantiles, tau, title, out_dir / "grad_norm.png"),
-             _grad_norm_hist(rows, quantiles, tau, out_dir / "grad_norm_hist.png")]
+    paths = [
+        _grad_norm_trace(rows, quantiles, tau, title, out_dir / "grad_norm.png"),
+        _grad_norm_hist(rows, quantiles, tau, out_dir / "grad_norm_hist.png"),
+    ]
 
     fig, ax = plt.subplots(figsize=(9, 3))
     ax.step(steps, [r["scaler_scale"] for r in rows], where="post")
@@ -54,8 +62,9 @@ def _grad_norm_trace(rows, quantiles: dict[str, float], tau: float | None, title
     steps = [r["step"] for r in rows]
     pre = [r["grad_l2_pre_clip"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4))
-    taken = [(r["step"], r["grad_l2_pre_clip"]) for r in rows
-             if not r["skipped"] and math.isfinite(r["grad_l2_pre_clip"])]
+    taken = [
+        (r["step"], r["grad_l2_pre_clip"]) for r in rows if not r["skipped"] and math.isfinite(r["grad_l2_pre_clip"])
+    ]
     ax.plot([s for s, _ in taken], [p for _, p in taken], lw=0.8, label="pre-clip ‖g‖")
     post = [(r["step"], r["grad_l2_post_clip"]) for r in rows if not r["skipped"]]
     ax.plot([s for s, _ in post], [p for _, p in post], lw=0.8, alpha=0.7, label="post-clip ‖g‖")
@@ -91,8 +100,15 @@ def _grad_norm_hist(rows, quantiles: dict[str, float], tau: float | None, path: 
     return save(fig, path)
 
 
-def plot_sweep(df, pick: Pick | None, path: Path, *, band: tuple[float, float],
-               anchor: dict[str, float] | None = None, title: str = "") -> Path:
+def plot_sweep(
+    df,
+    pick: Pick | None,
+    path: Path,
+    *,
+    band: tuple[float, float],
+    anchor: dict[str, float] | None = None,
+    title: str = "",
+) -> Path:
     """Eval loss vs clipping ratio (Pareto front, band, pick) and vs max_norm, coloured by dtype."""
     done = completed(df)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -102,16 +118,38 @@ def plot_sweep(df, pick: Pick | None, path: Path, *, band: tuple[float, float],
         a.scatter(g["clip_ratio"], g["eval_loss"], color=c, label=dtype, s=36, zorder=3)
         b.scatter(g["max_norm"], g["eval_loss"], color=c, label=dtype, s=36, zorder=3)
         for _, r in g.iterrows():
-            a.annotate(str(int(r["trial"])), (r["clip_ratio"], r["eval_loss"]), fontsize=7,
-                       xytext=(3, 3), textcoords="offset points")
+            a.annotate(
+                str(int(r["trial"])),
+                (r["clip_ratio"], r["eval_loss"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     front = done[done["pareto"]].sort_values("clip_ratio") if "pareto" in done else done.iloc[:0]
     if len(front):
-        a.step(front["clip_ratio"], front["eval_loss"], where="post", color="black", lw=0.8, ls="--",
-               label="Pareto front", zorder=2)
+        a.step(
+            front["clip_ratio"],
+            front["eval_loss"],
+            where="post",
+            color="black",
+            lw=0.8,
+            ls="--",
+            label="Pareto front",
+            zorder=2,
+        )
     if pick is not None:
         for ax, x in ((a, pick.clip_ratio), (b, pick.max_norm)):
-            ax.scatter([x], [pick.eval_loss], marker="*", s=260, facecolor="none", edgecolor="red", lw=1.5,
-                       zorder=4, label=f"pick: trial {pick.trial}")
+            ax.scatter(
+                [x],
+                [pick.eval_loss],
+                marker="*",
+                s=260,
+                facecolor="none",
+                edgecolor="red",
+                lw=1.5,
+                zorder=4,
+                label=f"pick: trial {pick.trial}",
+            )
     for k, v in (anchor or {}).items():
         b.axvline(v, ls=":", lw=0.8, color="gray")
         b.annotate(k, (v, b.get_ylim()[1]), fontsize=7, color="gray", rotation=90, va="top")
@@ -121,7 +159,8 @@ def plot_sweep(df, pick: Pick | None, path: Path, *, band: tuple[float, float],
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     other = df[df["state"] != "COMPLETE"]["state"].value_counts().to_dict()
-    fig.suptitle(f"{title}  ({len(done)} complete" + "".join(f", {v} {k.lower()}" for k, v in other.items())
-                 + ")", fontsize=9)
+    fig.suptitle(
+        f"{title}  ({len(done)} complete" + "".join(f", {v} {k.lower()}" for k, v in other.items()) + ")", fontsize=9
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     return save(fig, path, dpi=110)

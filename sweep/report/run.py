@@ -28,9 +28,14 @@ def write_run_report(cfg: "Config", tracker: "RunTracker", result: "RunResult") 
     report = run_report_markdown(cfg, result)
     tracker.artifact_path("report.md").write_text(report)
     if cfg.tracking.plots and result.records.rows:
-        q = {k[len("grad_norm_"):]: v for k, v in result.metrics.items() if k.startswith("grad_norm_")}
-        plot_run(result.records.rows, tracker.artifact_path("plots/x").parent, quantiles=q,
-                 tau=result.metrics.get("recommended_max_norm"), title=f"({cfg.model.name}, {cfg.amp.dtype})")
+        q = {k[len("grad_norm_") :]: v for k, v in result.metrics.items() if k.startswith("grad_norm_")}
+        plot_run(
+            result.records.rows,
+            tracker.artifact_path("plots/x").parent,
+            quantiles=q,
+            tau=result.metrics.get("recommended_max_norm"),
+            title=f"({cfg.model.name}, {cfg.amp.dtype})",
+        )
     write_notes(tracker, result, report)
 
 
@@ -38,20 +43,27 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
     """The human report of one run: quantiles, candidate thresholds, recommendation, ratios."""
     m = result.metrics
     clip = "calibrated (calibrate.*)" if result.calibration is not None else cfg.clip.mode
-    lines = [f"# clipamp {cfg.run}: {cfg.model.name} on {cfg.data.name}, {cfg.amp.dtype}", "",
-             f"- steps: {cfg.steps}, seed {cfg.seed}, clip: {clip}",
-             f"- skipped steps: {int(m.get('steps_skipped', 0))} (skip ratio {pct(m['skip_ratio'])})",
-             f"- final training loss (last 10 steps): {fmt(m['final_loss'])}, "
-             f"eval loss: {fmt(m.get('eval_loss', math.nan))}", ""]
+    lines = [
+        f"# clipamp {cfg.run}: {cfg.model.name} on {cfg.data.name}, {cfg.amp.dtype}",
+        "",
+        f"- steps: {cfg.steps}, seed {cfg.seed}, clip: {clip}",
+        f"- skipped steps: {int(m.get('steps_skipped', 0))} (skip ratio {pct(m['skip_ratio'])})",
+        f"- final training loss (last 10 steps): {fmt(m['final_loss'])}, "
+        f"eval loss: {fmt(m.get('eval_loss', math.nan))}",
+        "",
+    ]
     if result.calibration is not None:
         lines += calibration.markdown(result.calibration)
-        lines += [f"Clipping ratio realised after the first window (every later step, at the τ in force): "
-                  f"{pct(m['clip_ratio'])}.", ""]
+        lines += [
+            f"Clipping ratio realised after the first window (every later step, at the τ in force): "
+            f"{pct(m['clip_ratio'])}.",
+            "",
+        ]
     elif result.windows:
         lines += _windows_markdown(result)
     else:
         lines += ["## Norm quantiles over the run", ""]
-        lines += [f"- {k[len('grad_norm_'):]}: {fmt(v)}" for k, v in m.items() if k.startswith("grad_norm_")]
+        lines += [f"- {k[len('grad_norm_') :]}: {fmt(v)}" for k, v in m.items() if k.startswith("grad_norm_")]
         lines += [f"- clipping ratio: {pct(m['clip_ratio'])}", ""]
     findings = format_findings(diagnose(result.records.rows))
     if findings:
@@ -61,19 +73,37 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
 
 def _windows_markdown(result: "RunResult") -> list[str]:
     w, m = result.windows[0], result.metrics
-    lines = [f"## Calibration window: steps {w.start_step}–{w.end_step} "
-             f"({w.n_finite} finite norms, {w.n_skipped} skipped)", "",
-             markdown_table(["quantile", "‖g‖", "‖g‖·√N_tok"],
-                            [(k, v, w.token_quantiles.get(k, math.nan)) for k, v in w.quantiles.items()]),
-             markdown_table(["threshold τ", "clipping ratio in the window"],
-                            [(t, f"{r:.1%}" + (" ← recommended" if t == w.recommended_max_norm else ""))
-                             for t, r in w.candidate_clip_ratios.items()]),
-             f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** "
-             f"(τ = Quantile_{w.quantile:g} of the window's finite pre-clip norms).", "",
-             f"Clipping ratio realised after the window at that τ: {pct(m['clip_ratio'])}.", ""]
+    lines = [
+        f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, {w.n_skipped} skipped)",
+        "",
+        markdown_table(
+            ["quantile", "‖g‖", "‖g‖·√N_tok"],
+            [(k, v, w.token_quantiles.get(k, math.nan)) for k, v in w.quantiles.items()],
+        ),
+        markdown_table(
+            ["threshold τ", "clipping ratio in the window"],
+            [
+                (t, f"{r:.1%}" + (" ← recommended" if t == w.recommended_max_norm else ""))
+                for t, r in w.candidate_clip_ratios.items()
+            ],
+        ),
+        f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** "
+        f"(τ = Quantile_{w.quantile:g} of the window's finite pre-clip norms).",
+        "",
+        f"Clipping ratio realised after the window at that τ: {pct(m['clip_ratio'])}.",
+        "",
+    ]
     if len(result.windows) > 1:
-        rows = [(f"{x.start_step}–{x.end_step}", x.quantiles["p50"], x.quantiles["p95"], x.recommended_max_norm,
-                 f"{x.recommended_max_norm / w.recommended_max_norm:.2f}") for x in result.windows]
+        rows = [
+            (
+                f"{x.start_step}–{x.end_step}",
+                x.quantiles["p50"],
+                x.quantiles["p95"],
+                x.recommended_max_norm,
+                f"{x.recommended_max_norm / w.recommended_max_norm:.2f}",
+            )
+            for x in result.windows
+        ]
         lines += ["## Drift across windows", "", markdown_table(["window", "p50", "p95", "τ", "τ / first τ"], rows)]
     return lines
 
@@ -87,8 +117,9 @@ def print_run_summary(result: "RunResult", *, uri: str, experiment_id: str, cons
             console.print(renderable)
     elif result.windows:
         w = result.windows[0]
-        t = Table(title=f"Calibration window, steps {w.start_step}–{w.end_step} "
-                        f"({w.n_finite} finite, {w.n_skipped} skipped)")
+        t = Table(
+            title=f"Calibration window, steps {w.start_step}–{w.end_step} ({w.n_finite} finite, {w.n_skipped} skipped)"
+        )
         for col in ("quantile", "‖g‖", "‖g‖·√N_tok"):
             t.add_column(col, justify="right")
         for k, v in w.quantiles.items():
@@ -100,10 +131,14 @@ def print_run_summary(result: "RunResult", *, uri: str, experiment_id: str, cons
         for tau, r in w.candidate_clip_ratios.items():
             c.add_row(fmt(tau) + (" ←" if tau == w.recommended_max_norm else ""), pct(r))
         console.print(c)
-        console.print(f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] "
-                      f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}")
-    console.print(f"final loss {fmt(m['final_loss'])}, eval loss {fmt(m.get('eval_loss', math.nan))}, "
-                  f"skip ratio {pct(m['skip_ratio'])}")
+        console.print(
+            f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] "
+            f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}"
+        )
+    console.print(
+        f"final loss {fmt(m['final_loss'])}, eval loss {fmt(m.get('eval_loss', math.nan))}, "
+        f"skip ratio {pct(m['skip_ratio'])}"
+    )
     findings = format_findings(diagnose(result.records.rows))
     if findings:
         console.print(findings)

@@ -17,16 +17,29 @@ from sweep.errors import UserError
 from sweep.report.format import fmt, pct
 
 #: (column title, DataFrame column of ``mlflow.search_runs``, how a cell is shown), narrow table.
-NARROW = [("run", "tags.mlflow.runName", str), ("clip", "tags.clip", str), ("dtype", "tags.dtype", str),
-          ("τ used", "tags.tau_used", str), ("τ rec.", "metrics.recommended_max_norm", fmt),
-          ("p95", "metrics.grad_norm_p95", fmt), ("clipped", "metrics.clip_ratio", pct),
-          ("skipped", "metrics.skip_ratio", pct), ("loss", "metrics.final_loss", fmt),
-          ("eval", "metrics.eval_loss", fmt)]
+NARROW = [
+    ("run", "tags.mlflow.runName", str),
+    ("clip", "tags.clip", str),
+    ("dtype", "tags.dtype", str),
+    ("τ used", "tags.tau_used", str),
+    ("τ rec.", "metrics.recommended_max_norm", fmt),
+    ("p95", "metrics.grad_norm_p95", fmt),
+    ("clipped", "metrics.clip_ratio", pct),
+    ("skipped", "metrics.skip_ratio", pct),
+    ("loss", "metrics.final_loss", fmt),
+    ("eval", "metrics.eval_loss", fmt),
+]
 #: Added by ``wide`` (after the run name: id and experiment; at the end: the rest).
 WIDE_FIRST = [("run_id", "run_id", lambda v: str(v)[:8]), ("experiment", "tags.run", str)]
-WIDE_LAST = [("model", "tags.model", str), ("data", "tags.data", str), ("p50", "metrics.grad_norm_p50", fmt),
-             ("p90", "metrics.grad_norm_p90", fmt), ("p99", "metrics.grad_norm_p99", fmt),
-             ("status", "status", str), ("started", "start_time", lambda v: str(v)[:19])]
+WIDE_LAST = [
+    ("model", "tags.model", str),
+    ("data", "tags.data", str),
+    ("p50", "metrics.grad_norm_p50", fmt),
+    ("p90", "metrics.grad_norm_p90", fmt),
+    ("p99", "metrics.grad_norm_p99", fmt),
+    ("status", "status", str),
+    ("started", "start_time", lambda v: str(v)[:19]),
+]
 WIDTH = 100
 NUMERIC = {"τ rec.", "p95", "clipped", "skipped", "loss", "eval", "p50", "p90", "p99"}  # right-aligned
 
@@ -54,8 +67,10 @@ def search(uri: str, experiment: str, last: int | None = None) -> pd.DataFrame:
 
     exp = mlflow.MlflowClient(uri).get_experiment_by_name(experiment)
     if exp is None:
-        raise UserError(f"experiment {experiment!r} not found in the tracking store; run "
-                        f"`python -m sweep +experiment=calibrate` first or pass --experiment NAME")
+        raise UserError(
+            f"experiment {experiment!r} not found in the tracking store; run "
+            f"`python -m sweep +experiment=calibrate` first or pass --experiment NAME"
+        )
     return frame(uri, exp.experiment_id, last)
 
 
@@ -65,8 +80,7 @@ def frame(uri: str, experiment_id: str, last: int | None = None) -> pd.DataFrame
     import mlflow
 
     with tracking_uri(uri):
-        return mlflow.search_runs([experiment_id], order_by=["attributes.start_time DESC"],
-                                  max_results=last or 100_000)
+        return mlflow.search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=last or 100_000)
 
 
 def _cell(value, show) -> str:
@@ -79,8 +93,9 @@ def table(runs: pd.DataFrame, wide: bool = False) -> pd.DataFrame:
     """The runs as text cells, one column per title (``wide``: with ids, experiment, model, data, p50/p90/p99,
     status, start); ratios in percent, numbers to 4 significant digits, a missing value as —."""
     spec = NARROW[:1] + WIDE_FIRST + NARROW[1:] + WIDE_LAST if wide else NARROW
-    cols = {title: [_cell(v, show) for v in (runs[key] if key in runs else [None] * len(runs))]
-            for title, key, show in spec}
+    cols = {
+        title: [_cell(v, show) for v in (runs[key] if key in runs else [None] * len(runs))] for title, key, show in spec
+    }
     return pd.DataFrame(cols, columns=[title for title, _, _ in spec])
 
 
@@ -100,10 +115,12 @@ def text(cells: pd.DataFrame, width: int | None = WIDTH) -> str:
     over = sum(widths.values()) + 2 * (len(widths) - 1) - (width or 10**9)
     if over > 0:
         keep = max(len("run"), widths["run"] - over)
-        cells["run"] = [v if len(v) <= keep else v[:keep - 1] + "…" for v in cells["run"]]
+        cells["run"] = [v if len(v) <= keep else v[: keep - 1] + "…" for v in cells["run"]]
         widths["run"] = keep
+
     def line(values) -> str:
-        return "  ".join(v.rjust(widths[c]) if c in NUMERIC else v.ljust(widths[c])
-                         for c, v in zip(cells.columns, values)).rstrip()
+        return "  ".join(
+            v.rjust(widths[c]) if c in NUMERIC else v.ljust(widths[c]) for c, v in zip(cells.columns, values)
+        ).rstrip()
 
     return "\n".join([line(cells.columns)] + [line(row) for row in cells.itertuples(index=False)])

@@ -32,9 +32,11 @@ def model_size(arm: Arm) -> str:
 
 def table_title(cfg: Config) -> str:
     s = cfg.spike
-    return (f"One corrupted batch at step {s.at_step}: ‖g‖ = {s.factor:g} × the running peak; "
-            f"loss excess over each run's unspiked twin at +H steps; recovery = steps to be back "
-            f"within {s.recovery_tolerance:.0%} for good")
+    return (
+        f"One corrupted batch at step {s.at_step}: ‖g‖ = {s.factor:g} × the running peak; "
+        f"loss excess over each run's unspiked twin at +H steps; recovery = steps to be back "
+        f"within {s.recovery_tolerance:.0%} for good"
+    )
 
 
 def table_rows(arms: Sequence[Arm], cfg: Config) -> list[dict[str, Any]]:
@@ -44,10 +46,14 @@ def table_rows(arms: Sequence[Arm], cfg: Config) -> list[dict[str, Any]]:
         m, row = a.metrics, a.rows[cfg.spike.at_step - 1]
         tau = m["tau_at_spike"]
         rec = int(m["recovery_steps"])
-        d = {"arm": a.name, "dtype": a.family, "τ": f"{tau:.3g}" if math.isfinite(tau) else "none",
-             "‖g‖": f"{row['grad_l2_pre_clip']:.3g}",
-             "×peak": f"{m['spike_ratio']:.1f}" if math.isfinite(m["spike_ratio"]) else "—",
-             "applied": "skipped" if row["skipped"] else f"{row['grad_l2_post_clip']:.3g}"}
+        d = {
+            "arm": a.name,
+            "dtype": a.family,
+            "τ": f"{tau:.3g}" if math.isfinite(tau) else "none",
+            "‖g‖": f"{row['grad_l2_pre_clip']:.3g}",
+            "×peak": f"{m['spike_ratio']:.1f}" if math.isfinite(m["spike_ratio"]) else "—",
+            "applied": "skipped" if row["skipped"] else f"{row['grad_l2_post_clip']:.3g}",
+        }
         d.update({f"+{h}": pct(m[f"loss_excess_{h}"], signed=True) for h in cfg.spike.horizons})
         d["recovery"] = str(rec) if m["recovered"] else f">{rec - 1}"
         d["loss ×k"] = f"{m['spike_loss_multiplier']:.3g}"
@@ -61,7 +67,9 @@ def write_spike_table(tracker: "RunTracker", rows: list[dict[str, Any]], title: 
     """``spike_table.md`` and ``spike_table.csv`` into the parent run's artifacts."""
     tracker.artifact_path("spike_table.md").write_text(
         f"{title}\n\n{markdown_table(list(rows[0]), [list(r.values()) for r in rows])}"
-        + (f"\nfp16: {fp16_outcome}\n" if fp16_outcome else ""), encoding="utf-8")
+        + (f"\nfp16: {fp16_outcome}\n" if fp16_outcome else ""),
+        encoding="utf-8",
+    )
     with open(tracker.artifact_path("spike_table.csv"), "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -89,14 +97,16 @@ def summary_line(pairs: Pairs, cfg: Config) -> str:
             return f"back within {tol} for good after {n} step(s)"
         return f"not back within {tol} in {n - 1} steps"
 
-    return "; ".join(f"{p}: {pct(arm.metrics[f'loss_excess_{last}'], signed=True)} at +{last}, {rec(arm.metrics)}"
-                     for p, (_, arm) in pairs.items())
+    return "; ".join(
+        f"{p}: {pct(arm.metrics[f'loss_excess_{last}'], signed=True)} at +{last}, {rec(arm.metrics)}"
+        for p, (_, arm) in pairs.items()
+    )
 
 
 def _smooth(xs: Sequence[float], w: int = 5) -> list[float]:
     out = []
     for i in range(len(xs)):
-        win = [x for x in xs[max(0, i - w + 1):i + 1] if math.isfinite(x)]
+        win = [x for x in xs[max(0, i - w + 1) : i + 1] if math.isfinite(x)]
         out.append(sum(win) / len(win) if win else math.nan)
     return out
 
@@ -129,16 +139,24 @@ def _plot_pair(ax_loss, ax_ex, ax_norm, twin: Arm, arm: Arm, color: str, policy:
     ex = [math.nan if t == at else loss_excess(arm.rows, twin.rows, t) * 100 for t in window]
     ax_ex.plot(list(window), ex, color=color, lw=1.0, label=label)
     taken = [r for r in arm.rows if not r["skipped"]]
-    ax_norm.plot([r["step"] for r in taken], [r["grad_l2_pre_clip"] for r in taken], color=color, lw=0.8,
-                 alpha=0.8, label=label)
+    ax_norm.plot(
+        [r["step"] for r in taken], [r["grad_l2_pre_clip"] for r in taken], color=color, lw=0.8, alpha=0.8, label=label
+    )
     ax_norm.scatter([at], [arm.rows[at - 1]["grad_l2_post_clip"]], color=color, marker="v", zorder=5, s=30)
     if math.isfinite(tau):
         ax_norm.axhline(tau, color=color, lw=0.8, ls=":")
 
 
 def _plot_scale(ax, a: Arm, color: str, ls: str) -> None:
-    ax.step([r["step"] for r in a.rows], [math.log2(r["scaler_scale"]) for r in a.rows], where="post",
-            color=color, lw=1.0, ls=ls, label=a.name)
+    ax.step(
+        [r["step"] for r in a.rows],
+        [math.log2(r["scaler_scale"]) for r in a.rows],
+        where="post",
+        color=color,
+        lw=1.0,
+        ls=ls,
+        label=a.name,
+    )
     sk = [r["step"] for r in a.rows if r["skipped"]]
     ax.scatter(sk, [math.log2(a.rows[t - 1]["scaler_scale"]) for t in sk], marker="x", color=color, s=20, zorder=5)
 
@@ -147,8 +165,8 @@ def _decorate(ax_loss, ax_ex, ax_norm, ax_16, pairs: Pairs, fp16: Pairs, cfg: Co
     at, tol = cfg.spike.at_step, cfg.spike.recovery_tolerance
     ax_loss.plot([], [], color="gray", ls="--", lw=0.9, label="unspiked twin")
     ref = pairs["calibrated"][0] if "calibrated" in pairs else next(iter(pairs.values()))[0]
-    lo = min(r["loss"] for r in ref.rows[at - 1:] if math.isfinite(r["loss"]))
-    hi = max(r["loss"] for r in ref.rows[max(0, at - 60):at] if math.isfinite(r["loss"]))
+    lo = min(r["loss"] for r in ref.rows[at - 1 :] if math.isfinite(r["loss"]))
+    hi = max(r["loss"] for r in ref.rows[max(0, at - 60) : at] if math.isfinite(r["loss"]))
     ax_loss.set_ylim(lo * 0.85, hi * 1.3)
     ax_loss.set_ylabel("training loss (mean of 5 steps)")
     ax_loss.set_title(f"loss ({cfg.model.name}, {ref.family}): spike = {cfg.spike.factor:g}× the running peak")

@@ -16,35 +16,69 @@ if TYPE_CHECKING:
     from sweep.experiments.study.result import SweepResult
     from sweep.run.tracking import RunTracker
 
-SWEEP_COLUMNS = ("trial", "state", "dtype", "max_norm", "eval_loss", "clip_ratio", "skip_ratio", "final_loss",
-                 "steps_run", "in_band", "pareto", "run_id")
-_SHORT = {"trial": "#", "state": "state", "dtype": "dtype", "max_norm": "τ", "eval_loss": "eval",
-          "clip_ratio": "clip", "skip_ratio": "skip", "final_loss": "train", "steps_run": "steps"}
+SWEEP_COLUMNS = (
+    "trial",
+    "state",
+    "dtype",
+    "max_norm",
+    "eval_loss",
+    "clip_ratio",
+    "skip_ratio",
+    "final_loss",
+    "steps_run",
+    "in_band",
+    "pareto",
+    "run_id",
+)
+_SHORT = {
+    "trial": "#",
+    "state": "state",
+    "dtype": "dtype",
+    "max_norm": "τ",
+    "eval_loss": "eval",
+    "clip_ratio": "clip",
+    "skip_ratio": "skip",
+    "final_loss": "train",
+    "steps_run": "steps",
+}
 _STATE = {"COMPLETE": "done", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "queued"}
 
 
 def write_sweep_report(tracker: "RunTracker", result: "SweepResult") -> None:
     """``trials.md`` and ``plots/loss_vs_clip_ratio.png`` into the parent run's artifacts."""
-    tracker.artifact_path("trials.md").write_text(sweep_markdown(result.study_name, result.trials, result.pick,
-                                                                 band=result.band, mode=result.mode))
-    plot_sweep(result.trials, result.pick, tracker.artifact_path("plots/loss_vs_clip_ratio.png"), band=result.band,
-               anchor=result.anchor, title=f"{result.study_name} ({result.mode})")
+    tracker.artifact_path("trials.md").write_text(
+        sweep_markdown(result.study_name, result.trials, result.pick, band=result.band, mode=result.mode)
+    )
+    plot_sweep(
+        result.trials,
+        result.pick,
+        tracker.artifact_path("plots/loss_vs_clip_ratio.png"),
+        band=result.band,
+        anchor=result.anchor,
+        title=f"{result.study_name} ({result.mode})",
+    )
 
 
-def sweep_markdown(study_name: str, df, pick: Pick | None, *, band: tuple[float, float], mode: str = "",
-                   heading: str = "##") -> str:
+def sweep_markdown(
+    study_name: str, df, pick: Pick | None, *, band: tuple[float, float], mode: str = "", heading: str = "##"
+) -> str:
     """One study as markdown: the pick and its rule, then the trials table (Pareto / in-band marked)."""
     shown = df[[c for c in SWEEP_COLUMNS if c in df.columns]].copy()
     if "run_id" in shown:
         shown["run_id"] = shown["run_id"].astype(str).str[:8]
     states = df["state"].value_counts().to_dict() if len(df) else {}
-    lines = [f"{heading} Study `{study_name}`" + (f" ({mode})" if mode else ""), "",
-             f"- trials: {len(df)} (" + ", ".join(f"{v} {k.lower()}" for k, v in states.items()) + ")",
-             f"- target clipping band: [{band[0]:g}, {band[1]:g}]"]
+    lines = [
+        f"{heading} Study `{study_name}`" + (f" ({mode})" if mode else ""),
+        "",
+        f"- trials: {len(df)} (" + ", ".join(f"{v} {k.lower()}" for k, v in states.items()) + ")",
+        f"- target clipping band: [{band[0]:g}, {band[1]:g}]",
+    ]
     if pick is not None:
-        lines += [f"- **pick: trial {pick.trial}: `{pick.override()}`** "
-                  f"(eval loss {fmt(pick.eval_loss)}, clipping ratio {pct(pick.clip_ratio)})",
-                  f"- rule `{pick.rule}`: {pick.reason}"]
+        lines += [
+            f"- **pick: trial {pick.trial}: `{pick.override()}`** "
+            f"(eval loss {fmt(pick.eval_loss)}, clipping ratio {pct(pick.clip_ratio)})",
+            f"- rule `{pick.rule}`: {pick.reason}",
+        ]
     else:
         lines.append("- pick: none (no completed trial yet)")
     lines += ["", frame_markdown(shown) if len(shown) else "no trials", ""]
@@ -53,37 +87,53 @@ def sweep_markdown(study_name: str, df, pick: Pick | None, *, band: tuple[float,
 
 def sweep_table(df, pick: Pick | None, title: str) -> Table:
     """Compact terminal table; ``marks``: P = on the Pareto front, B = clipping ratio in the band, ★ = pick."""
-    t = Table(title=title, caption="eval: eval loss; train: mean training loss, last 10 steps; "
-                                   "marks: P Pareto front, B clipping ratio in the band, ★ pick")
+    t = Table(
+        title=title,
+        caption="eval: eval loss; train: mean training loss, last 10 steps; "
+        "marks: P Pareto front, B clipping ratio in the band, ★ pick",
+    )
     cols = [c for c in _SHORT if c in df.columns]
     for c in cols:
         t.add_column(_SHORT[c], justify="left" if c in ("state", "dtype") else "right")
     t.add_column("marks")
     for _, row in df.iterrows():
-        cells = [pct(row[c]) if c in ("clip_ratio", "skip_ratio") and isinstance(row[c], float)
-                 and not math.isnan(row[c]) else _STATE.get(str(row[c]), str(row[c]).lower()) if c == "state"
-                 else fmt(row[c]) for c in cols]
+        cells = [
+            pct(row[c])
+            if c in ("clip_ratio", "skip_ratio") and isinstance(row[c], float) and not math.isnan(row[c])
+            else _STATE.get(str(row[c]), str(row[c]).lower())
+            if c == "state"
+            else fmt(row[c])
+            for c in cols
+        ]
         picked = pick is not None and int(row["trial"]) == pick.trial
-        marks = ("P" if row.get("pareto", False) else "") + ("B" if row.get("in_band", False) else "") \
+        marks = (
+            ("P" if row.get("pareto", False) else "")
+            + ("B" if row.get("in_band", False) else "")
             + ("★" if picked else "")
+        )
         t.add_row(*cells, marks, style="bold green" if picked else None)
     return t
 
 
-def print_sweep_summary(result: "SweepResult", *, uri: str, experiment_id: str,
-                        console: Console | None = None) -> None:
+def print_sweep_summary(result: "SweepResult", *, uri: str, experiment_id: str, console: Console | None = None) -> None:
     """Terminal: the study's trials, the pick and its rule, pruning accounting, the UI command."""
     console = console or Console()
     console.print(sweep_table(result.trials, result.pick, f"Study {result.study_name} ({result.mode})"))
     p = result.pick
     if p is not None:
-        console.print(f"[bold green]Pick: trial {p.trial}: {p.override()}[/] (eval loss {fmt(p.eval_loss)}, "
-                      f"clipping ratio {pct(p.clip_ratio)}); rule {p.rule}: {p.reason}")
+        console.print(
+            f"[bold green]Pick: trial {p.trial}: {p.override()}[/] (eval loss {fmt(p.eval_loss)}, "
+            f"clipping ratio {pct(p.clip_ratio)}); rule {p.rule}: {p.reason}"
+        )
     else:
         console.print("no completed trial: no pick")
-    console.print(f"this invocation: {result.trials_run} trials ({result.pruned} pruned, {result.failed} failed) in "
-                  f"{result.wall_s:.0f} s; trial-steps run {result.steps_run} of {result.steps_budget} unpruned "
-                  f"(saved {result.steps_saved}, ≈{result.seconds_saved_est:.0f} s; pruning checks "
-                  f"{result.prune_overhead_s:.2f} s)")
-    console.print(f"Optuna study {result.study_name!r} in {result.storage}; MLflow parent run "
-                  f"{result.parent_run_id}: {ui_command(uri, experiment_id)}")
+    console.print(
+        f"this invocation: {result.trials_run} trials ({result.pruned} pruned, {result.failed} failed) in "
+        f"{result.wall_s:.0f} s; trial-steps run {result.steps_run} of {result.steps_budget} unpruned "
+        f"(saved {result.steps_saved}, ≈{result.seconds_saved_est:.0f} s; pruning checks "
+        f"{result.prune_overhead_s:.2f} s)"
+    )
+    console.print(
+        f"Optuna study {result.study_name!r} in {result.storage}; MLflow parent run "
+        f"{result.parent_run_id}: {ui_command(uri, experiment_id)}"
+    )

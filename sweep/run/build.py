@@ -8,8 +8,15 @@ from typing import Any
 
 import torch
 
-from clipamp_engine import (CLIP_MODES, AmpTrainState, ClipPolicy, HysteresisScaler, StepForensics,
-                            clip_mode_options, make_clip_policy)
+from clipamp_engine import (
+    CLIP_MODES,
+    AmpTrainState,
+    ClipPolicy,
+    HysteresisScaler,
+    StepForensics,
+    clip_mode_options,
+    make_clip_policy,
+)
 
 from sweep.config.schema import ClipConfig, Config, OptimConfig
 from sweep.errors import UserError
@@ -18,8 +25,10 @@ from sweep.errors import UserError
 def fused_supported(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused optimizer kernels run on these parameters (device and dtype)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
-    return bool(params) and all(p.device.type in _get_fused_kernels_supported_devices()
-                                and torch.is_floating_point(p) for p in params)
+
+    return bool(params) and all(
+        p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p) for p in params
+    )
 
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -32,8 +41,7 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     fused = fused_supported(params)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
@@ -70,16 +78,23 @@ def clip_options(clip: ClipConfig) -> dict[str, Any]:
     given = {k: v for k, v in given.items() if v is not None}
     foreign = sorted(set(given) - set(accepted))
     if foreign:
-        raise UserError(f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
-                        f"its options are {', '.join(accepted) or 'none'}")
+        raise UserError(
+            f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
+            f"its options are {', '.join(accepted) or 'none'}"
+        )
     return given
 
 
-def build_clip_policy(clip: ClipConfig, model: torch.nn.Module | None = None,
-                      optimizer: torch.optim.Optimizer | None = None, total_steps: int | None = None) -> ClipPolicy:
+def build_clip_policy(
+    clip: ClipConfig,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    total_steps: int | None = None,
+) -> ClipPolicy:
     try:
-        return make_clip_policy(clip.mode, named_params=model, optimizer=optimizer, total_steps=total_steps,
-                                **clip_options(clip))
+        return make_clip_policy(
+            clip.mode, named_params=model, optimizer=optimizer, total_steps=total_steps, **clip_options(clip)
+        )
     except ValueError as e:
         if isinstance(e, UserError):
             raise
@@ -96,16 +111,33 @@ def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: in
     f = cfg.forensics
     forensics = None
     if f.update_norm or f.param_norm or f.top_k or f.zero_grads:
-        forensics = StepForensics(model, update_norm=f.update_norm, param_norm=f.param_norm, top_k=f.top_k,
-                                  zero_grads=f.zero_grads)
+        forensics = StepForensics(
+            model, update_norm=f.update_norm, param_norm=f.param_norm, top_k=f.top_k, zero_grads=f.zero_grads
+        )
     try:
         scaler = HysteresisScaler(
-            model_device(model), init_scale=amp.init_scale, growth_factor=amp.growth_factor,
-            backoff_factor=amp.backoff_factor, growth_interval=amp.growth_interval, enabled=amp.dtype == "fp16",
-            hysteresis=amp.hysteresis, consecutive_hysteresis=amp.consecutive_hysteresis,
-            min_scale=amp.min_scale, max_scale=amp.max_scale)
-        return AmpTrainState(model, optimizer, loss_fn, dtype=amp.dtype, clip=clip, scheduler=scheduler,
-                             accumulation_steps=cfg.accumulation_steps, scaler=scaler, forensics=forensics)
+            model_device(model),
+            init_scale=amp.init_scale,
+            growth_factor=amp.growth_factor,
+            backoff_factor=amp.backoff_factor,
+            growth_interval=amp.growth_interval,
+            enabled=amp.dtype == "fp16",
+            hysteresis=amp.hysteresis,
+            consecutive_hysteresis=amp.consecutive_hysteresis,
+            min_scale=amp.min_scale,
+            max_scale=amp.max_scale,
+        )
+        return AmpTrainState(
+            model,
+            optimizer,
+            loss_fn,
+            dtype=amp.dtype,
+            clip=clip,
+            scheduler=scheduler,
+            accumulation_steps=cfg.accumulation_steps,
+            scaler=scaler,
+            forensics=forensics,
+        )
     except ValueError as e:
         raise UserError(str(e)) from None
 

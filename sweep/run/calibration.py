@@ -17,9 +17,13 @@ def calibration_payload(clip: CalibratedClip) -> dict[str, Any]:
     """Placement, every window (intervals, drift, band check), as plain values (None, never NaN)."""
     return {
         "placement": clip.placement.as_dict() if clip.placement else None,
-        "quantile": clip.quantile, "target_clip": list(clip.band), "validate": clip.validate,
-        "windows": [{**s.as_dict(), "drift_from_previous": d, "band_check": c.as_dict() if c else None}
-                    for s, d, c in zip(clip.summaries, clip.drift(), clip.checks())],
+        "quantile": clip.quantile,
+        "target_clip": list(clip.band),
+        "validate": clip.validate,
+        "windows": [
+            {**s.as_dict(), "drift_from_previous": d, "band_check": c.as_dict() if c else None}
+            for s, d, c in zip(clip.summaries, clip.drift(), clip.checks())
+        ],
     }
 
 
@@ -41,9 +45,13 @@ def calibration_metrics(clip: CalibratedClip) -> dict[str, float]:
     out["predicted_clip_ratio"] = first.predicted_clip_ratio
     check = clip.checks()[0]
     if check is not None:
-        out.update(validation_clip_ratio=check.realised, validation_steps=float(check.steps),
-                   validation_in_band=float(check.inside), validation_consistent=float(check.consistent),
-                   validation_within_2x=float(check.within_2x))
+        out.update(
+            validation_clip_ratio=check.realised,
+            validation_steps=float(check.steps),
+            validation_in_band=float(check.inside),
+            validation_consistent=float(check.consistent),
+            validation_within_2x=float(check.within_2x),
+        )
         if check.predicted > 0:
             out["realised_over_predicted"] = check.factor
     out["drift_windows"] = float(sum(clip.drift()))

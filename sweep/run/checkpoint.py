@@ -33,8 +33,12 @@ def non_finite_state(state: AmpTrainState) -> str | None:
     params = [p.detach() for p in state.model.parameters()]
     if params and not bool(torch.isfinite(total_norm(params, float("inf")))):  # sync: once per checkpoint
         return "model parameters"
-    moments = [v for s in state.optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 0]
+    moments = [
+        v
+        for s in state.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 0
+    ]
     if moments and not bool(torch.isfinite(total_norm(moments, float("inf")))):  # sync
         return "optimizer state"
     return None
@@ -67,8 +71,11 @@ def _write(obj: Any, path: Path) -> None:
 
 
 def _refuse(path: Path, state: AmpTrainState, bad: str) -> None:
-    warnings.warn(f"checkpoint at step {state.step_count} refused: {bad} hold inf/NaN; "
-                  f"keeping the previous checkpoint {path}", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"checkpoint at step {state.step_count} refused: {bad} hold inf/NaN; keeping the previous checkpoint {path}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -109,8 +116,10 @@ def restore_run_checkpoint(path: Path, state: AmpTrainState, ckpt: dict[str, Any
     sharded = "shards" in ckpt
     if sharded != (launch.strategy == "fsdp2"):
         written = "FSDP2 (sharded)" if sharded else "one process or DDP"
-        raise UserError(f"resume: the checkpoint at {path} was written by {written}; resume it with "
-                        f"dist.strategy={'fsdp2' if sharded else 'ddp (or one process)'}")
+        raise UserError(
+            f"resume: the checkpoint at {path} was written by {written}; resume it with "
+            f"dist.strategy={'fsdp2' if sharded else 'ddp (or one process)'}"
+        )
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -118,8 +127,9 @@ def restore_run_checkpoint(path: Path, state: AmpTrainState, ckpt: dict[str, Any
         model, optim = get_state_dict(state.model, state.optimizer)
         shards = {"model": model, "optimizer": optim}
         dcp.load(shards, checkpoint_id=path.parent / ckpt["shards"])
-        set_state_dict(state.model, state.optimizer, model_state_dict=shards["model"],
-                       optim_state_dict=shards["optimizer"])
+        set_state_dict(
+            state.model, state.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"]
+        )
     state.load_state_dict(ckpt["engine"])
     rng = ckpt["rng"]
     if isinstance(rng, list):  # one state per rank (torchrun); a different world size reuses rank 0's
@@ -137,15 +147,28 @@ def remove_checkpoint(path: Path) -> None:
 #: Keys a resume may change: they extend the run or change only how it is shown and tracked.
 #: Anything else (clip, amp, seed, model, optim, data, forensics, faults, calibrate, device) changes
 #: the maths of the remaining steps, so a resume that changes it is refused.
-RESUME_MAY_CHANGE = ("steps", "resume", "progress", "progress_every", "checkpoint_every", "eval_every", "tracking.", "study.",
-                     "spike.")
+RESUME_MAY_CHANGE = (
+    "steps",
+    "resume",
+    "progress",
+    "progress_every",
+    "checkpoint_every",
+    "eval_every",
+    "tracking.",
+    "study.",
+    "spike.",
+)
 
 
 def config_differences(logged: dict[str, str], now: dict[str, str]) -> list[str]:
     """``key (run: a, now: b)`` for each logged param whose value changed, apart from ``RESUME_MAY_CHANGE``."""
-    return [f"{k} (run: {logged[k]}, now: {now[k]})" for k in sorted(now)
-            if k in logged and logged[k] != now[k]
-            and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in RESUME_MAY_CHANGE)]
+    return [
+        f"{k} (run: {logged[k]}, now: {now[k]})"
+        for k in sorted(now)
+        if k in logged
+        and logged[k] != now[k]
+        and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in RESUME_MAY_CHANGE)
+    ]
 
 
 def _read_checkpoint(path: Path, run_id: str) -> dict[str, Any]:
@@ -157,8 +180,10 @@ def _read_checkpoint(path: Path, run_id: str) -> dict[str, Any]:
     except Exception as e:  # truncated, empty or junk bytes: pickle/zip errors of every kind
         ok, reason = False, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
     if not ok:
-        raise UserError(f"resume={run_id}: the checkpoint {path} cannot be read ({reason}); the run cannot "
-                        f"continue from it: start a new run (drop resume=)")
+        raise UserError(
+            f"resume={run_id}: the checkpoint {path} cannot be read ({reason}); the run cannot "
+            f"continue from it: start a new run (drop resume=)"
+        )
     return ckpt
 
 
@@ -180,8 +205,10 @@ def lock_run(uri: str, run_id: str):
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        raise UserError(f"resume={run_id}: the run is in use by another process (it holds {path}); wait for "
-                        f"it to end, or stop it (Ctrl-C) and resume again") from None
+        raise UserError(
+            f"resume={run_id}: the run is in use by another process (it holds {path}); wait for "
+            f"it to end, or stop it (Ctrl-C) and resume again"
+        ) from None
     return lock
 
 
@@ -203,34 +230,46 @@ def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: 
         try:
             client.get_run(resume)
         except Exception:
-            raise UserError(f"resume={resume!r} is not a run id in this tracking store; "
-                            f"use resume=true for the latest run named {run_name!r}") from None
+            raise UserError(
+                f"resume={resume!r} is not a run id in this tracking store; "
+                f"use resume=true for the latest run named {run_name!r}"
+            ) from None
         return resume
-    runs = client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{run_name}'",
-                              order_by=["attributes.start_time DESC"], max_results=50)
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"attributes.run_name = '{run_name}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=50,
+    )
     for run in runs:
         if checkpoint_path(uri, run.info.run_id).exists():
             return run.info.run_id
-    raise UserError(f"resume=true: no run named {run_name!r} with a checkpoint in experiment "
-                    f"{experiment_id}; start a new run (drop resume=) or pass resume=RUN_ID")
+    raise UserError(
+        f"resume=true: no run named {run_name!r} with a checkpoint in experiment "
+        f"{experiment_id}; start a new run (drop resume=) or pass resume=RUN_ID"
+    )
 
 
-def load_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str,
-                   steps: int, params: dict[str, str] | None = None) -> tuple[str, dict[str, Any]]:
+def load_resumable(
+    client, experiment_id: str, run_name: str, uri: str, resume: str, steps: int, params: dict[str, str] | None = None
+) -> tuple[str, dict[str, Any]]:
     """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``
     or if ``params`` (the config as logged) differ from the run's in a key outside ``RESUME_MAY_CHANGE``."""
     run_id = find_resumable(client, experiment_id, run_name, uri, resume)
     if params is not None:
         changed = config_differences(client.get_run(run_id).data.params, params)
         if changed:
-            raise UserError(f"resume={run_id}: the config differs from the run's in {'; '.join(changed)}; these "
-                            f"change the maths of the remaining steps: drop those overrides to resume, or start a "
-                            f"new run (drop resume=)")
+            raise UserError(
+                f"resume={run_id}: the config differs from the run's in {'; '.join(changed)}; these "
+                f"change the maths of the remaining steps: drop those overrides to resume, or start a "
+                f"new run (drop resume=)"
+            )
     path = checkpoint_path(uri, run_id)
     if not path.exists():
         raise UserError(f"resume={run_id}: no checkpoint at {path}; the run cannot be resumed")
     ckpt = _read_checkpoint(path, run_id)
     if ckpt["step"] >= steps:
-        raise UserError(f"resume={run_id}: the checkpoint is at step {ckpt['step']} >= steps={steps}; "
-                        f"raise steps= to train further")
+        raise UserError(
+            f"resume={run_id}: the checkpoint is at step {ckpt['step']} >= steps={steps}; raise steps= to train further"
+        )
     return run_id, ckpt

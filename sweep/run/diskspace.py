@@ -35,8 +35,11 @@ def disk_full(exc: BaseException) -> str | None:
 def full_disk_error(exc: BaseException, reserve: "SpaceReserve", resumable: bool) -> UserError:
     """Release the reserve (room for the store to record the run's end) and say what to do, in one line."""
     reserve.release()
-    fix = ("resume with resume=true (it continues from the last checkpoint)" if resumable else
-           "start the run again (no checkpoint was written yet)")
+    fix = (
+        "resume with resume=true (it continues from the last checkpoint)"
+        if resumable
+        else "start the run again (no checkpoint was written yet)"
+    )
     return UserError(f"no space left on the device while writing {disk_full(exc)}; free space there and {fix}")
 
 

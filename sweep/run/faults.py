@@ -46,8 +46,7 @@ class FaultInjector:
             if emb is not None:
                 emb.register_forward_hook(lambda m, i, out: self._poison(out, "nan_input"))
             else:
-                model.register_forward_pre_hook(
-                    lambda m, args: (self._poison(args[0], "nan_input"), *args[1:]))
+                model.register_forward_pre_hook(lambda m, args: (self._poison(args[0], "nan_input"), *args[1:]))
 
     @property
     def active(self) -> bool:

@@ -104,8 +104,9 @@ class Launch:
         """This rank's contiguous rows of one global batch (views of it: the same storage)."""
         if not self.distributed:
             return batch
-        return dataclasses.replace(batch, inputs=batch.inputs.chunk(self.world)[self.rank],
-                                   targets=batch.targets.chunk(self.world)[self.rank])
+        return dataclasses.replace(
+            batch, inputs=batch.inputs.chunk(self.world)[self.rank], targets=batch.targets.chunk(self.world)[self.rank]
+        )
 
     def wrap(self, model: nn.Module, device: str) -> nn.Module:
         """The model as DDP, or sharded in place with FSDP2 (each block of ``model.blocks``, then the root)."""
@@ -169,25 +170,32 @@ def resolve_strategy(strategy: str, run: str, batch_size: int) -> tuple[str, int
     world = torchrun_world()
     if world is None:
         if strategy in ("ddp", "fsdp2"):
-            raise UserError(f"dist.strategy={strategy} needs several processes: launch with "
-                            f"`torchrun --nproc_per_node=N -m sweep …`, or use dist.strategy=none")
+            raise UserError(
+                f"dist.strategy={strategy} needs several processes: launch with "
+                f"`torchrun --nproc_per_node=N -m sweep …`, or use dist.strategy=none"
+            )
         return "none", 1
     if strategy == "auto":
         strategy = "ddp" if world > 1 else "none"
     if strategy == "none":
         if world > 1:
-            raise UserError(f"torchrun started {world} processes but dist.strategy=none would run {world} "
-                            "identical jobs: use dist.strategy=ddp or fsdp2, or launch without torchrun")
+            raise UserError(
+                f"torchrun started {world} processes but dist.strategy=none would run {world} "
+                "identical jobs: use dist.strategy=ddp or fsdp2, or launch without torchrun"
+            )
         return "none", 1
     if run not in DISTRIBUTED_RUNS:
-        raise UserError(f"+experiment={run} runs in one process: launch it without torchrun "
-                        f"(under torchrun: +experiment={', '.join(DISTRIBUTED_RUNS[:-1])} or {DISTRIBUTED_RUNS[-1]})")
+        raise UserError(
+            f"+experiment={run} runs in one process: launch it without torchrun "
+            f"(under torchrun: +experiment={', '.join(DISTRIBUTED_RUNS[:-1])} or {DISTRIBUTED_RUNS[-1]})"
+        )
     if run == "spike" and strategy != "ddp":
-        raise UserError(f"+experiment=spike under torchrun runs with dist.strategy=ddp, not {strategy}: the "
-                        "corrupted batch's gradient is measured on the whole (unsharded) model")
+        raise UserError(
+            f"+experiment=spike under torchrun runs with dist.strategy=ddp, not {strategy}: the "
+            "corrupted batch's gradient is measured on the whole (unsharded) model"
+        )
     if batch_size % world:
-        raise UserError(f"data.batch_size={batch_size} does not split over {world} ranks: "
-                        f"use a multiple of {world}")
+        raise UserError(f"data.batch_size={batch_size} does not split over {world} ranks: use a multiple of {world}")
     return strategy, world
 
 
@@ -205,8 +213,13 @@ def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: floa
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # what init_process_group does, kept
     store.set_timeout(timeout)
-    dist.init_process_group("nccl" if _cuda(device) else "gloo", store=dist.PrefixStore("default_pg", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if _cuda(device) else "gloo",
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
     group = dist.new_group(backend="gloo") if _cuda(device) else None
     launch = Launch(strategy, rank, world, local_rank, group, dist.PrefixStore("clipamp", store))
     register(launch.store, rank)

@@ -14,8 +14,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from clipamp_engine import AmpTrainState, SkipRateExceeded, StepCSVWriter, StepLog
 
 #: Extra CSV columns the app writes after the canonical eight.
-APP_COLUMNS = ("clipped", "token_count", "max_norm", "phase", "data_source", "grad_l2_token_normalised",
-               "scaler_at_floor")
+APP_COLUMNS = (
+    "clipped",
+    "token_count",
+    "max_norm",
+    "phase",
+    "data_source",
+    "grad_l2_token_normalised",
+    "scaler_at_floor",
+)
 
 #: Per-step metrics sent to MLflow (batched): the series a user charts; every other column stays in steps.csv.
 STEP_METRICS = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_scale")
@@ -46,7 +53,8 @@ class RunRecords:
         row = self.rows[-1]
         recent = [bool(r["clipped"]) for r in self.rows[-ROLLING:] if not r["skipped"]]
         return {k: row[k] for k in STEP_METRICS} | {
-            "clip_ratio_rolling": sum(recent) / len(recent) if recent else math.nan}
+            "clip_ratio_rolling": sum(recent) / len(recent) if recent else math.nan
+        }
 
     def skip_ratio(self) -> float:
         return sum(bool(r["skipped"]) for r in self.rows) / len(self.rows) if self.rows else math.nan
@@ -123,8 +131,16 @@ def progress_bar(enabled: bool, label: str = "{task.description}", console: Any 
     Outside a terminal (nohup, CI, Slurm) rich's live bar shows nothing until it stops, so there the
     display is ``ProgressLines``: one plain line every ``every`` steps instead.
     """
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[info]}"), console=console, disable=not enabled, transient=False)
+    bar = Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
     return ProgressLines(bar.console, every) if enabled and not bar.console.is_terminal else bar
 
 
@@ -146,8 +162,12 @@ class ProgressLines(Progress):
             self._shown[task_id] = done
             total = f"/{task.total:.0f}" if task.total is not None else ""
             info = task.fields.get("info", "")
-            self.console.print(f"{task.description}  {done}{total}  {task.elapsed or 0:.0f}s  {info}".rstrip(),
-                               markup=False, highlight=False, soft_wrap=True)
+            self.console.print(
+                f"{task.description}  {done}{total}  {task.elapsed or 0:.0f}s  {info}".rstrip(),
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def reset(self, task_id: Any, **fields: Any) -> None:
         super().reset(task_id, **fields)
@@ -216,8 +236,9 @@ def run_steps(
     tracker.flush()
 
 
-def _show(bar: Progress, task: Any, log: StepLog, phase: str, phases: list[str], done: int, total: int,
-          every: int) -> None:
+def _show(
+    bar: Progress, task: Any, log: StepLog, phase: str, phases: list[str], done: int, total: int, every: int
+) -> None:
     """Update the display every 10 steps (each step if ``every`` < 10), at the end, and when the phase
     changes (e.g. a calibration window's end: τ is set from there), which outside a terminal gets its own line."""
     new_phase = phases[-1:] != [phase]
@@ -225,17 +246,25 @@ def _show(bar: Progress, task: Any, log: StepLog, phase: str, phases: list[str],
     if not (new_phase or done % 10 == 0 or done == total or every < 10):
         return
     mark = {"line": new_phase} if isinstance(bar, ProgressLines) else {}
-    bar.update(task, completed=done, **mark, info=f"{phase}  loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  "
-                                                  f"τ {log.max_norm or float('nan'):.3g}")
+    bar.update(
+        task,
+        completed=done,
+        **mark,
+        info=f"{phase}  loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  τ {log.max_norm or float('nan'):.3g}",
+    )
 
 
-def _record_step(log: StepLog, phase: str, source: Any, at_floor: bool, writer: StepCSVWriter, tracker: Any,
-                 records: RunRecords) -> None:
+def _record_step(
+    log: StepLog, phase: str, source: Any, at_floor: bool, writer: StepCSVWriter, tracker: Any, records: RunRecords
+) -> None:
     """One materialised step: its CSV row, its in-memory row and its batched metrics."""
     tok = log.token_count
-    row = log.with_extra(phase=phase, data_source=source,
-                         grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None,
-                         scaler_at_floor=at_floor).row()
+    row = log.with_extra(
+        phase=phase,
+        data_source=source,
+        grad_l2_token_normalised=log.grad_l2_pre_clip * math.sqrt(tok) if tok else None,
+        scaler_at_floor=at_floor,
+    ).row()
     writer.write(row)
     records.rows.append(row)
     tracker.add_step(log.step, records.step_metrics())

@@ -33,8 +33,11 @@ def unreachable(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, MlflowException) and (
-        exc.error_code == "TEMPORARILY_UNAVAILABLE" or "failed with exception" in text
-        or "Max retries exceeded" in text or "failed with error code 5" in text)
+        exc.error_code == "TEMPORARILY_UNAVAILABLE"
+        or "failed with exception" in text
+        or "Max retries exceeded" in text
+        or "failed with error code 5" in text
+    )
 
 
 def _say(line: str) -> None:
@@ -77,16 +80,20 @@ class Outbox:
             for k in chunk:
                 del self.tags[k]
         if self.away_since is not None:
-            self.say(f"the tracking server answers again after {time.monotonic() - self.away_since:.0f} s: "
-                     f"{kept} kept metric values sent")
+            self.say(
+                f"the tracking server answers again after {time.monotonic() - self.away_since:.0f} s: "
+                f"{kept} kept metric values sent"
+            )
             self.away_since, self.backoff = None, 5.0
 
     def _away(self, exc: BaseException) -> None:
         if self.away_since is None:
             self.away_since = time.monotonic()
             reason = " ".join(str(exc).split())[:120]
-            self.say(f"warning: the tracking server stopped answering ({reason}); training goes on: steps.csv "
-                     f"keeps every step, metrics are kept and sent when it answers")
+            self.say(
+                f"warning: the tracking server stopped answering ({reason}); training goes on: steps.csv "
+                f"keeps every step, metrics are kept and sent when it answers"
+            )
         self.next_try = time.monotonic() + self.backoff
         self.backoff = min(60.0, self.backoff * 2)
 
@@ -109,9 +116,11 @@ class Outbox:
                     break
                 time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
         write_pending(folder, self.run_id, status, self.metrics, self.tags, self.client.tracking_uri)
-        self.say(f"warning: the tracking server did not answer by the end of the run: {len(self.metrics)} metric "
-                 f"values, the artifacts and the run's end ({status}) are kept in {folder}; once it is back, send "
-                 f"them with `python -m sweep.resend {folder}` (the run shows RUNNING there until then)")
+        self.say(
+            f"warning: the tracking server did not answer by the end of the run: {len(self.metrics)} metric "
+            f"values, the artifacts and the run's end ({status}) are kept in {folder}; once it is back, send "
+            f"them with `python -m sweep.resend {folder}` (the run shows RUNNING there until then)"
+        )
         return False
 
 
@@ -124,11 +133,17 @@ def upload(client, run_id: str, folder: Path) -> None:
             client.log_artifact(run_id, str(path))
 
 
-def write_pending(folder: Path, run_id: str, status: str, metrics: list, tags: dict[str, str],
-                  uri: str | None = None) -> None:
+def write_pending(
+    folder: Path, run_id: str, status: str, metrics: list, tags: dict[str, str], uri: str | None = None
+) -> None:
     """What the server did not take, for ``sweep.resend``: the run, its final status, metrics, tags."""
-    data: dict[str, Any] = {"run_id": run_id, "status": status, "tracking_uri": uri, "tags": tags,
-                            "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics]}
+    data: dict[str, Any] = {
+        "run_id": run_id,
+        "status": status,
+        "tracking_uri": uri,
+        "tags": tags,
+        "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
+    }
     (folder / PENDING).write_text(json.dumps(data))
 
 

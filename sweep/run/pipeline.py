@@ -29,8 +29,17 @@ from sweep.run.build import build_state
 from sweep.run.artifacts import logged_params, write_data_artifacts
 from sweep.run.calibration import calibration_metrics
 from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
-from sweep.run.checkpoint import (checkpoint_path, find_resumable, load_checkpoint, load_resumable, lock_run,
-                                  release_run, remove_checkpoint, restore_run_checkpoint, save_run_checkpoint)
+from sweep.run.checkpoint import (
+    checkpoint_path,
+    find_resumable,
+    load_checkpoint,
+    load_resumable,
+    lock_run,
+    release_run,
+    remove_checkpoint,
+    restore_run_checkpoint,
+    save_run_checkpoint,
+)
 from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
@@ -72,8 +81,9 @@ class RunHooks:
     announce: Callable[[str], None] = print
 
 
-def run_training(cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | None = None,
-                 launch: Launch | None = None) -> RunResult:
+def run_training(
+    cfg: Config, store: Store, spec: RunSpec, hooks: RunHooks | None = None, launch: Launch | None = None
+) -> RunResult:
     """Train ``cfg`` for ``cfg.steps`` steps inside one MLflow run and return its figures.
 
     Every ``cfg.checkpoint_every`` steps, and on SIGINT/SIGTERM at the next step boundary, a
@@ -141,17 +151,28 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
         run_id = find_resumable(store.client, store.experiment_id, spec.name, store.uri, str(cfg.resume))
         lock = lock_run(store.uri, run_id)
         try:
-            run_id, ckpt = load_resumable(store.client, store.experiment_id, spec.name, store.uri, run_id,
-                                          cfg.steps, logged_params(cfg))
+            run_id, ckpt = load_resumable(
+                store.client, store.experiment_id, spec.name, store.uri, run_id, cfg.steps, logged_params(cfg)
+            )
             return RunTracker.reopen(store.client, run_id, flush_every=flush), ckpt, lock
         except BaseException:
             lock.release()
             raise
-    tags = {**source_tags(), "run": cfg.run or "", "dtype": cfg.amp.dtype, "device": cfg.device,
-            "model": cfg.model.name, "data": cfg.data.name, "clip": cfg.clip.mode, "task": task.description,
-            **store.tags, **spec.tags}
-    tracker = RunTracker(store.client, store.experiment_id, spec.name, tags=tags, parent_run_id=spec.parent_run_id,
-                         flush_every=flush)
+    tags = {
+        **source_tags(),
+        "run": cfg.run or "",
+        "dtype": cfg.amp.dtype,
+        "device": cfg.device,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "clip": cfg.clip.mode,
+        "task": task.description,
+        **store.tags,
+        **spec.tags,
+    }
+    tracker = RunTracker(
+        store.client, store.experiment_id, spec.name, tags=tags, parent_run_id=spec.parent_run_id, flush_every=flush
+    )
     lock = None
     try:
         lock = lock_run(store.uri, tracker.run_id)
@@ -166,8 +187,9 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
     return tracker, None, lock
 
 
-def open_run_on_ranks(cfg: Config, store: Store, spec: RunSpec, task: Task,
-                      launch: Launch) -> tuple[RunTracker | SilentTracker, dict | None, Any | None]:
+def open_run_on_ranks(
+    cfg: Config, store: Store, spec: RunSpec, task: Task, launch: Launch
+) -> tuple[RunTracker | SilentTracker, dict | None, Any | None]:
     """``open_run`` on rank 0 (which holds the run's lock); the other ranks get its run id (silently)
     and read the same checkpoint."""
     if not launch.distributed:
@@ -215,8 +237,16 @@ class _ActiveRun:
     checkpointed: int | None = None  # the step of the run's latest checkpoint
 
     @classmethod
-    def start(cls, cfg: Config, tracker: RunTracker | SilentTracker, task: Task, hooks: RunHooks,
-              ckpt: dict | None, uri: str, launch: Launch) -> "_ActiveRun":
+    def start(
+        cls,
+        cfg: Config,
+        tracker: RunTracker | SilentTracker,
+        task: Task,
+        hooks: RunHooks,
+        ckpt: dict | None,
+        uri: str,
+        launch: Launch,
+    ) -> "_ActiveRun":
         """Build the engine (restored from ``ckpt`` when resuming) and open the CSV (rank 0)."""
         csv_path = tracker.artifact_path("steps.csv") if launch.is_main else None
         hooks.announce(f"steps.csv: {csv_path}")
@@ -224,15 +254,30 @@ class _ActiveRun:
         start = ckpt["step"] if ckpt else 0
         faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
         state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
-        tracker.set_tags({"pipeline": state.pipeline, "ranks": str(launch.world)})  # update path (clipamp_engine.fused); ranks
+        tracker.set_tags(
+            {"pipeline": state.pipeline, "ranks": str(launch.world)}
+        )  # update path (clipamp_engine.fused); ranks
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         try:
             writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None) if csv_path else _NoCSV()
         except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise UserError(f"{csv_path} is not a readable steps CSV ({type(e).__name__}: {e}); move it away "
-                            f"and start a new run (drop resume=)") from None
-        run = cls(cfg, tracker, task, hooks, state, faults, writer, RunRecords(), start,
-                  checkpoint_path(uri, tracker.run_id), launch)
+            raise UserError(
+                f"{csv_path} is not a readable steps CSV ({type(e).__name__}: {e}); move it away "
+                f"and start a new run (drop resume=)"
+            ) from None
+        run = cls(
+            cfg,
+            tracker,
+            task,
+            hooks,
+            state,
+            faults,
+            writer,
+            RunRecords(),
+            start,
+            checkpoint_path(uri, tracker.run_id),
+            launch,
+        )
         if ckpt is not None:
             try:
                 run.restore(ckpt, csv_path)
@@ -250,18 +295,24 @@ class _ActiveRun:
         except UserError:
             raise
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise UserError(f"resume={run_id}: the checkpoint does not fit this model and config "
-                            f"({type(e).__name__}: {' '.join(str(e).split())[:160]}): start a new run (drop resume=)") from None
+            raise UserError(
+                f"resume={run_id}: the checkpoint does not fit this model and config "
+                f"({type(e).__name__}: {' '.join(str(e).split())[:160]}): start a new run (drop resume=)"
+            ) from None
         if csv_path is not None:  # rank 0 keeps the records
             try:
                 self.records.rows = read_rows(csv_path)
             except (ValueError, KeyError, TypeError) as e:
-                raise UserError(f"resume={run_id}: {csv_path} has an unreadable row ({type(e).__name__}: {e}); "
-                                f"restore the file or start a new run (drop resume=)") from None
+                raise UserError(
+                    f"resume={run_id}: {csv_path} has an unreadable row ({type(e).__name__}: {e}); "
+                    f"restore the file or start a new run (drop resume=)"
+                ) from None
             if [r["step"] for r in self.records.rows] != list(range(1, step + 1)):
-                raise UserError(f"resume={run_id}: {csv_path} does not hold steps 1–{step} of the checkpoint "
-                                f"({len(self.records.rows)} rows): resuming would lose rows and the summary built "
-                                f"from them; restore steps.csv or start a new run (drop resume=)")
+                raise UserError(
+                    f"resume={run_id}: {csv_path} does not hold steps 1–{step} of the checkpoint "
+                    f"({len(self.records.rows)} rows): resuming would lose rows and the summary built "
+                    f"from them; restore steps.csv or start a new run (drop resume=)"
+                )
         self.windows_seen = len(self.windows)
         self.checkpointed = step
         self.hooks.announce(f"resumed run {self.tracker.run_id} at step {self.start_step}")
@@ -306,10 +357,22 @@ class _ActiveRun:
         phase_of = clip.phase if isinstance(clip, CalibratedClip) else (lambda step: "train")
         with self.writer:
             try:
-                run_steps(self.state, self.batches(), range(self.start_step + 1, cfg.steps + 1), writer=self.writer,
-                          tracker=self.tracker, records=self.records, phase_of=phase_of, on_record=self.record,
-                          progress=cfg.progress and self.launch.is_main, progress_every=cfg.progress_every, label=self.tracker.run_name, stop=stop,
-                          checkpoint=self.checkpoint, checkpoint_every=cfg.checkpoint_every)
+                run_steps(
+                    self.state,
+                    self.batches(),
+                    range(self.start_step + 1, cfg.steps + 1),
+                    writer=self.writer,
+                    tracker=self.tracker,
+                    records=self.records,
+                    phase_of=phase_of,
+                    on_record=self.record,
+                    progress=cfg.progress and self.launch.is_main,
+                    progress_every=cfg.progress_every,
+                    label=self.tracker.run_name,
+                    stop=stop,
+                    checkpoint=self.checkpoint,
+                    checkpoint_every=cfg.checkpoint_every,
+                )
             except CalibrationError as e:  # every step of a window was skipped
                 raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None
 
@@ -332,4 +395,3 @@ class _ActiveRun:
             self.hooks.artifacts(self.cfg, self.tracker, result)
         remove_checkpoint(self.ckpt_file)
         return result
-

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+
 def peer_failed(e: BaseException) -> bool:
     """Whether ``e`` is a collective broken by another rank's exit (that rank's record says why)."""
     return isinstance(e, dist.DistError) or any(
-        s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+        s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
 
 
 def one_line(e: BaseException) -> str:
@@ -51,14 +53,19 @@ class RankFailed(Exception):
         if self.cause is not None:
             return f"rank {self.rank} of {self.world} failed: {self.cause}{self.suffix}"
         who = f"rank {self.rank}" if self.rank is not None else "another rank"
-        return (f"{who} of {self.world} died without an error (killed by a signal, e.g. the OOM killer; "
-                f"torchrun's summary gives its exit code){self.suffix}")
+        return (
+            f"{who} of {self.world} died without an error (killed by a signal, e.g. the OOM killer; "
+            f"torchrun's summary gives its exit code){self.suffix}"
+        )
 
     def kept(self, last_step: int | None, checkpoint_step: int | None) -> "RankFailed":
         """Rank 0: add how the run ended, the steps in steps.csv and the way to continue to the line."""
         rows = f"steps 1–{last_step}" if last_step else "no step"
-        resume = (f"resume=true continues from the checkpoint at step {checkpoint_step}" if checkpoint_step
-                  else "no checkpoint was written yet (checkpoint_every=): start a new run")
+        resume = (
+            f"resume=true continues from the checkpoint at step {checkpoint_step}"
+            if checkpoint_step
+            else "no checkpoint was written yet (checkpoint_every=): start a new run"
+        )
         self.suffix = f"; the run ended {self.status}, steps.csv keeps {rows}; {resume}"
         self.args = (self.line(),)
         return self

@@ -32,7 +32,7 @@ _FIX_URI = f"pass tracking.uri={DEFAULT_URI} (or another sqlite:///DIR/mlflow.db
 def sqlite_path(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None
-    return Path(uri[len("sqlite:///"):])
+    return Path(uri[len("sqlite:///") :])
 
 
 def anchored(uri: str, base: Path) -> str:
@@ -56,7 +56,8 @@ def check_uri(uri: str) -> str:
     if scheme not in SUPPORTED_SCHEMES:
         raise UserError(
             f"tracking.uri={redact(uri)!r} is not supported (scheme {scheme or 'none'!r}); use "
-            f"{DEFAULT_URI}, postgresql://…, or http://127.0.0.1:5000 for an `mlflow server`")
+            f"{DEFAULT_URI}, postgresql://…, or http://127.0.0.1:5000 for an `mlflow server`"
+        )
     db = sqlite_path(uri)
     if db is not None:
         prepare_sqlite(uri, db)
@@ -82,11 +83,15 @@ def prepare_sqlite(uri: str, db: Path) -> None:
             else:
                 verify_store(uri, db)
     except Timeout:
-        raise UserError(f"tracking.uri={uri!r}: another process has held {db}.lock for {LOCK_TIMEOUT_S} s; "
-                        f"if none is running, delete {db}.lock") from None
+        raise UserError(
+            f"tracking.uri={uri!r}: another process has held {db}.lock for {LOCK_TIMEOUT_S} s; "
+            f"if none is running, delete {db}.lock"
+        ) from None
     except OSError as e:
-        raise UserError(f"tracking.uri={uri!r}: cannot write in {db.parent}/ ({e.strerror}); "
-                        f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db") from None
+        raise UserError(
+            f"tracking.uri={uri!r}: cannot write in {db.parent}/ ({e.strerror}); "
+            f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db"
+        ) from None
 
 
 def create_store(db: Path) -> None:
@@ -124,8 +129,10 @@ def verify_store(uri: str, db: Path) -> None:
     try:
         tables, rev, runs = _tables(db)
     except sqlite3.DatabaseError as e:
-        raise UserError(f"tracking.uri={uri!r}: {db} is not an SQLite database ({e}); move it aside "
-                        f"(`mv {db} {db}.bad`) and re-run, or {_FIX_URI}") from None
+        raise UserError(
+            f"tracking.uri={uri!r}: {db} is not an SQLite database ({e}); move it aside "
+            f"(`mv {db} {db}.bad`) and re-run, or {_FIX_URI}"
+        ) from None
     if "experiments" not in tables:
         what = "an Optuna study database" if "studies" in tables else "not an MLflow store"
         raise UserError(f"tracking.uri={uri!r}: {db} is {what} (MLflow would add its tables to it); {_FIX_URI}")
@@ -136,15 +143,21 @@ def verify_store(uri: str, db: Path) -> None:
         return
     upgrade = f"mlflow db upgrade sqlite:///{db.resolve()}"
     if not runs:
-        raise UserError(f"tracking store {db} was left half-created (schema {rev}, expected {head}; no runs in "
-                        f"it), e.g. by a process killed while creating it: `mv {db} {db}.broken` and re-run")
+        raise UserError(
+            f"tracking store {db} was left half-created (schema {rev}, expected {head}; no runs in "
+            f"it), e.g. by a process killed while creating it: `mv {db} {db}.broken` and re-run"
+        )
     if not _known_revision(rev):
         import mlflow
 
-        raise UserError(f"tracking store {db} was written by a newer MLflow (schema {rev} is unknown to MLflow "
-                        f"{mlflow.__version__}): run with that MLflow version, or {_FIX_URI}")
-    raise UserError(f"tracking store {db} has an older MLflow schema ({rev}, expected {head}; {runs} runs): "
-                    f"back it up (`cp {db} {db}.bak`), then run `{upgrade}`")
+        raise UserError(
+            f"tracking store {db} was written by a newer MLflow (schema {rev} is unknown to MLflow "
+            f"{mlflow.__version__}): run with that MLflow version, or {_FIX_URI}"
+        )
+    raise UserError(
+        f"tracking store {db} has an older MLflow schema ({rev}, expected {head}; {runs} runs): "
+        f"back it up (`cp {db} {db}.bak`), then run `{upgrade}`"
+    )
 
 
 def _known_revision(rev: str | None) -> bool:
@@ -171,16 +184,21 @@ def check_server(uri: str) -> str:
     try:
         body = urllib.request.urlopen(urllib.request.Request(probe, headers=headers), timeout=5).read()
     except urllib.error.HTTPError as e:
-        raise UserError(f"tracking.uri={shown!r} is not an MLflow tracking server (GET {urlsplit(probe).path} "
-                        f"answered {e.code} {e.reason}); start `mlflow server --host 127.0.0.1 --port PORT` "
-                        f"or drop tracking.uri to use {DEFAULT_URI}") from None
+        raise UserError(
+            f"tracking.uri={shown!r} is not an MLflow tracking server (GET {urlsplit(probe).path} "
+            f"answered {e.code} {e.reason}); start `mlflow server --host 127.0.0.1 --port PORT` "
+            f"or drop tracking.uri to use {DEFAULT_URI}"
+        ) from None
     except (urllib.error.URLError, OSError) as e:
         raise UserError(
             f"tracking.uri={shown!r} is unreachable ({getattr(e, 'reason', e)}); start "
-            f"`mlflow server --host 127.0.0.1 --port PORT` or drop tracking.uri to use {DEFAULT_URI}") from None
+            f"`mlflow server --host 127.0.0.1 --port PORT` or drop tracking.uri to use {DEFAULT_URI}"
+        ) from None
     if not body.lstrip().startswith(b"{"):
-        raise UserError(f"tracking.uri={shown!r} is not an MLflow tracking server (its API answered with no JSON); "
-                        f"check the port, or drop tracking.uri to use {DEFAULT_URI}")
+        raise UserError(
+            f"tracking.uri={shown!r} is not an MLflow tracking server (its API answered with no JSON); "
+            f"check the port, or drop tracking.uri to use {DEFAULT_URI}"
+        )
     return uri
 
 

@@ -42,8 +42,13 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
         tau = values[-1]
         clip_ratio = records.clip_ratio()
     metrics = {f"grad_norm_{k}": v for k, v in q.items()}
-    metrics.update(recommended_max_norm=tau, clip_ratio=clip_ratio, skip_ratio=records.skip_ratio(),
-                   final_loss=records.final_loss(), steps_skipped=float(sum(r["skipped"] for r in records.rows)))
+    metrics.update(
+        recommended_max_norm=tau,
+        clip_ratio=clip_ratio,
+        skip_ratio=records.skip_ratio(),
+        final_loss=records.final_loss(),
+        steps_skipped=float(sum(r["skipped"] for r in records.rows)),
+    )
     if windows:
         metrics["window_clip_ratio_at_tau"] = windows[0].candidate_clip_ratios[tau]
         metrics["drift"] = windows[-1].recommended_max_norm / tau

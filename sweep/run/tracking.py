@@ -39,9 +39,11 @@ def ensure_experiment(client, name: str, uri: str) -> str:
     carries the tags that open the MLflow UI on its training runs (``sweep.run.ui``)."""
     exp = client.get_experiment_by_name(name)
     if exp is not None and exp.lifecycle_stage == "deleted":
-        raise UserError(f"tracking.experiment={name!r} was deleted (experiment id {exp.experiment_id}); restore it "
-                        f"with `MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id "
-                        f"{exp.experiment_id}` or pass tracking.experiment=ANOTHER_NAME")
+        raise UserError(
+            f"tracking.experiment={name!r} was deleted (experiment id {exp.experiment_id}); restore it "
+            f"with `MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id "
+            f"{exp.experiment_id}` or pass tracking.experiment=ANOTHER_NAME"
+        )
     if exp is not None:
         for key, value in experiment_ui_tags(exp.tags).items():
             client.set_experiment_tag(exp.experiment_id, key, value)
@@ -71,8 +73,11 @@ def source_tags() -> dict[str, str]:
 
     tags = {k: v for k, v in resolve_tags().items() if not k.startswith("mlflow.source.git.")}
     code = str(Path(__file__).resolve().parent)
-    git = {MLFLOW_GIT_COMMIT: git_utils.get_git_commit(code), MLFLOW_GIT_BRANCH: git_utils.get_git_branch(code),
-           MLFLOW_GIT_REPO_URL: git_utils.get_git_repo_url(code)}
+    git = {
+        MLFLOW_GIT_COMMIT: git_utils.get_git_commit(code),
+        MLFLOW_GIT_BRANCH: git_utils.get_git_branch(code),
+        MLFLOW_GIT_REPO_URL: git_utils.get_git_repo_url(code),
+    }
     return tags | {k: v for k, v in git.items() if v}
 
 
@@ -84,8 +89,9 @@ def metric_batch(metrics: dict[str, float | None], step: int) -> list:
     return [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None and isfinite(v)]
 
 
-def log_metrics(client, run_id: str, metrics: dict[str, float | None], step: int = 0,
-                tags: dict[str, str] | None = None) -> None:
+def log_metrics(
+    client, run_id: str, metrics: dict[str, float | None], step: int = 0, tags: dict[str, str] | None = None
+) -> None:
     """One ``log_batch`` of finite metrics (and tags) on any run, running or ended."""
     from mlflow.entities import RunTag
 
@@ -114,7 +120,9 @@ class Store:
         """Resolve ``uri`` (see ``resolve_uri``), check it, create the experiment if needed."""
         uri = resolve_uri(uri)
         if not experiment.strip():
-            raise UserError(f"tracking.experiment={experiment!r} is empty; pass a name, e.g. tracking.experiment=clipamp")
+            raise UserError(
+                f"tracking.experiment={experiment!r} is empty; pass a name, e.g. tracking.experiment=clipamp"
+            )
         client = open_client(uri)
         tags = {"overrides": redact_text(" ".join(overrides or [])), "tracking_uri": redact(uri)}
         return cls(client, ensure_experiment(client, experiment, uri), uri, tags)
@@ -129,8 +137,16 @@ class RunTracker:
     an ``Outbox``: a server that stops answering does not stop the run (``sweep.run.outbox``).
     """
 
-    def __init__(self, client, experiment_id: str, run_name: str, *, tags: dict[str, str] | None = None,
-                 parent_run_id: str | None = None, flush_every: int = 50) -> None:
+    def __init__(
+        self,
+        client,
+        experiment_id: str,
+        run_name: str,
+        *,
+        tags: dict[str, str] | None = None,
+        parent_run_id: str | None = None,
+        flush_every: int = 50,
+    ) -> None:
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
         tags = {k: redact_text(str(v)) for k, v in (tags or {}).items()}
@@ -141,8 +157,10 @@ class RunTracker:
             self._init_common(client, run, flush_every)
         except OSError as e:  # an unwritable artifact folder: the new run must not stay RUNNING
             client.set_terminated(run.info.run_id, status="FAILED")
-            raise UserError(f"cannot write the run's artifacts in {e.filename} ({e.strerror}); make it writable "
-                            f"or pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db") from None
+            raise UserError(
+                f"cannot write the run's artifacts in {e.filename} ({e.strerror}); make it writable "
+                f"or pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db"
+            ) from None
 
     @classmethod
     def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> "RunTracker":
@@ -187,7 +205,7 @@ class RunTracker:
 
         items = [Param(k, param_text(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self.outbox is not None:
@@ -209,7 +227,7 @@ class RunTracker:
             self._buffer, self._steps_buffered = [], 0
             return
         for i in range(0, len(self._buffer), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=self._buffer[i:i + MAX_BATCH])
+            self.client.log_batch(self.run_id, metrics=self._buffer[i : i + MAX_BATCH])
         self._buffer, self._steps_buffered = [], 0
 
     def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:

@@ -20,38 +20,82 @@ VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 NOTE_TAG = "mlflow.note.content"  # a run's or experiment's description in the UI
 
 #: The runs table's columns, in this order (MLflow's column ids: ``kind.`name```).
-COLUMNS = [("metrics", "recommended_max_norm"), ("metrics", "grad_norm_p95"), ("tags", "tau_used"),
-           ("metrics", "clip_ratio"), ("metrics", "skip_ratio"), ("metrics", "final_loss"),
-           ("metrics", "eval_loss"), ("metrics", "grad_norm_p50"), ("metrics", "grad_norm_p99"),
-           ("tags", "clip"), ("tags", "dtype"), ("tags", "model"), ("attributes", "Source")]
+COLUMNS = [
+    ("metrics", "recommended_max_norm"),
+    ("metrics", "grad_norm_p95"),
+    ("tags", "tau_used"),
+    ("metrics", "clip_ratio"),
+    ("metrics", "skip_ratio"),
+    ("metrics", "final_loss"),
+    ("metrics", "eval_loss"),
+    ("metrics", "grad_norm_p50"),
+    ("metrics", "grad_norm_p99"),
+    ("tags", "clip"),
+    ("tags", "dtype"),
+    ("tags", "model"),
+    ("attributes", "Source"),
+]
 
 
 #: The chart view's first section: bars of the answer, then the per-step series (pre/post norm together).
-CHARTS = [("BAR", ["recommended_max_norm"]), ("BAR", ["grad_norm_p95"]),
-          ("LINE", ["grad_l2_pre_clip", "grad_l2_post_clip"]), ("LINE", ["clip_ratio_rolling"]),
-          ("LINE", ["loss"]), ("LINE", ["lr"]), ("LINE", ["scaler_scale"])]
+CHARTS = [
+    ("BAR", ["recommended_max_norm"]),
+    ("BAR", ["grad_norm_p95"]),
+    ("LINE", ["grad_l2_pre_clip", "grad_l2_post_clip"]),
+    ("LINE", ["clip_ratio_rolling"]),
+    ("LINE", ["loss"]),
+    ("LINE", ["lr"]),
+    ("LINE", ["scaler_scale"]),
+]
 SECTION = "Gradient clipping"
 OTHERS = "Model metrics"  # the UI's section for every other metric: collapsed
 
 
 def _chart(kind: str, keys: list[str]) -> dict:
     """One chart card as the UI stores it (its ``RunsChartsBarCardConfig``/``RunsChartsLineCardConfig`` fields)."""
-    card = {"type": kind, "uuid": f"clipamp-{keys[0]}", "metricSectionId": "clipamp", "isGenerated": False,
-            "deleted": False, "metricKey": keys[0], "displayName": keys[0]}
+    card = {
+        "type": kind,
+        "uuid": f"clipamp-{keys[0]}",
+        "metricSectionId": "clipamp",
+        "isGenerated": False,
+        "deleted": False,
+        "metricKey": keys[0],
+        "displayName": keys[0],
+    }
     if kind == "LINE":
-        card.update(selectedMetricKeys=keys, lineSmoothness=0, xAxisScaleType="linear", scaleType="linear", range={},
-                    xAxisKey="step", selectedXAxisMetricKey="", yAxisKey="metric", yAxisExpressions=[],
-                    ignoreOutliers=False, useGlobalXaxisKey=True, useGlobalLineSmoothing=True)
+        card.update(
+            selectedMetricKeys=keys,
+            lineSmoothness=0,
+            xAxisScaleType="linear",
+            scaleType="linear",
+            range={},
+            xAxisKey="step",
+            selectedXAxisMetricKey="",
+            yAxisKey="metric",
+            yAxisExpressions=[],
+            ignoreOutliers=False,
+            useGlobalXaxisKey=True,
+            useGlobalLineSmoothing=True,
+        )
     return card
 
 
 def view_state() -> str:
     """The shared view's JSON: the runs table's columns in order, the chart view's cards and sections."""
     ids = [f"{kind}.`{name}`" for kind, name in COLUMNS]
-    sections = [{"uuid": "clipamp", "name": SECTION, "display": True, "isReordered": False},
-                {"uuid": "clipamp-others", "name": OTHERS, "display": False, "isReordered": False}]
-    return json.dumps({"selectedColumns": ids, "columnOrder": ids, "compareRunSections": sections,
-                       "compareRunCharts": [_chart(kind, keys) for kind, keys in CHARTS]}, separators=(",", ":"))
+    sections = [
+        {"uuid": "clipamp", "name": SECTION, "display": True, "isReordered": False},
+        {"uuid": "clipamp-others", "name": OTHERS, "display": False, "isReordered": False},
+    ]
+    return json.dumps(
+        {
+            "selectedColumns": ids,
+            "columnOrder": ids,
+            "compareRunSections": sections,
+            "compareRunCharts": [_chart(kind, keys) for kind, keys in CHARTS],
+        },
+        separators=(",", ":"),
+    )
 
 
 def experiment_ui_tags(existing: dict[str, str]) -> dict[str, str]:

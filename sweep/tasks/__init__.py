@@ -5,6 +5,7 @@
     batch = next(task.train_batches)
     loss_sum, n_tokens = task.loss_fn(task.model(batch.inputs), batch.targets)
 """
+
 from .build import Batch, Task, build_task, evaluate, lm_loss, mse_loss
 from ..config.schema import DataConfig, ModelConfig
 

@@ -3,6 +3,7 @@
 Users' mistakes raise ``UserError`` (a ``ValueError``) with one line naming the bad value, the
 allowed set and the fix.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ class Task:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed byte cross-entropy (fp32) and the count of non-padded targets; no host sync."""
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=C.IGNORE, reduction="sum")
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=C.IGNORE, reduction="sum"
+    )
     return loss, (targets != C.IGNORE).sum()
 
 
@@ -83,11 +85,15 @@ def _build_model(m: ModelConfig, seq_len: int) -> tuple[nn.Module, Callable | No
     name = m.name
     if name == "gpt":
         if seq_len > m.block_size:
-            raise UserError(f"data.seq_len={seq_len} exceeds model.block_size={m.block_size}: "
-                            f"set data.seq_len<={m.block_size} or model.block_size>={seq_len}")
+            raise UserError(
+                f"data.seq_len={seq_len} exceeds model.block_size={m.block_size}: "
+                f"set data.seq_len<={m.block_size} or model.block_size>={seq_len}"
+            )
         if m.n_head < 1 or m.d_model % m.n_head:
-            raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
-                            "pick model.n_head dividing model.d_model (e.g. model.n_head=4)")
+            raise UserError(
+                f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
+                "pick model.n_head dividing model.d_model (e.g. model.n_head=4)"
+            )
         return GPT(m.d_model, m.n_layer, m.n_head, m.block_size, m.dropout), lm_loss
     if name == "lstm":
         return LSTMLM(m.d_model, m.hidden, m.n_layer, m.dropout), lm_loss
@@ -113,8 +119,10 @@ def freeze(model: nn.Module, m: ModelConfig) -> None:
             except re.error as e:
                 raise UserError(f"model.{key} pattern {pat!r} is not a regex ({e}): fix it") from None
             if not any(rx.search(n) for n in names):
-                raise UserError(f"model.{key} pattern {pat!r} matches no parameter name; names look like "
-                                f"{', '.join(names[:3])}: fix the pattern")
+                raise UserError(
+                    f"model.{key} pattern {pat!r} matches no parameter name; names look like "
+                    f"{', '.join(names[:3])}: fix the pattern"
+                )
             out.append(rx)
         return out
 
@@ -128,21 +136,26 @@ def freeze(model: nn.Module, m: ModelConfig) -> None:
 def _check_names(mname: str, dname: str) -> None:
     """The model and data choices exist and fit together (``hf`` data only for ``model=hf``)."""
     if mname not in MODEL_NAMES:
-        raise UserError(f"model.name={mname!r} is not one of {', '.join(MODEL_NAMES)}: "
-                        "pass model=gpt (or lstm, linear, custom, hf)")
+        raise UserError(
+            f"model.name={mname!r} is not one of {', '.join(MODEL_NAMES)}: pass model=gpt (or lstm, linear, custom, hf)"
+        )
     if dname not in DATA_NAMES:
-        raise UserError(f"data.name={dname!r} is not one of {', '.join(DATA_NAMES)}: "
-                        "pass data=stdlib (or text, synthetic, hf)")
+        raise UserError(
+            f"data.name={dname!r} is not one of {', '.join(DATA_NAMES)}: pass data=stdlib (or text, synthetic, hf)"
+        )
     if mname == "hf":
         return
     if dname == "hf":
-        raise UserError(f"data=hf is tokenized text for model=hf, got model.name={mname!r}: pass model=hf, or "
-                        "data=text data.path=FILE for a byte-level model")
+        raise UserError(
+            f"data=hf is tokenized text for model=hf, got model.name={mname!r}: pass model=hf, or "
+            "data=text data.path=FILE for a byte-level model"
+        )
     if mname == "linear" and dname != "synthetic":
         raise UserError(f"model=linear needs data=synthetic, got data.name={dname!r}: pass data=synthetic")
     if mname in ("gpt", "lstm") and dname == "synthetic":
-        raise UserError(f"model={mname} needs byte data, got data.name='synthetic': "
-                        "pass data=stdlib (or data=text data.path=FILE)")
+        raise UserError(
+            f"model={mname} needs byte data, got data.name='synthetic': pass data=stdlib (or data=text data.path=FILE)"
+        )
 
 
 def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.device = "cpu") -> Task:
@@ -155,11 +168,18 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         from .hf import hf_task
         from .hf_model import describe
 
-        model, train, evals, about, tok = hf_task(model_cfg, data_cfg, seed=seed, eval_seed=EVAL_SEED,
-                                             device=torch.device(device))
+        model, train, evals, about, tok = hf_task(
+            model_cfg, data_cfg, seed=seed, eval_seed=EVAL_SEED, device=torch.device(device)
+        )
         freeze(model, model_cfg)
-        return Task(model, lm_loss, (Batch(*b) for b in train), [Batch(*b) for b in evals],
-                    f"hf {describe(model)} {about}", tokenizer=tok)
+        return Task(
+            model,
+            lm_loss,
+            (Batch(*b) for b in train),
+            [Batch(*b) for b in evals],
+            f"hf {describe(model)} {about}",
+            tokenizer=tok,
+        )
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -177,10 +197,17 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
         eval_batches = [_synthetic(w_star, bs, ge, device) for _ in range(data_cfg.eval_batches)]
         train = (_synthetic(w_star, bs, g, device) for _ in itertools.count())
         where = f"synthetic y = x @ W* + 0.1 noise ({ins}->{outs})"
-        task = Task(model, loss_fn or mse_loss, train, eval_batches, f"{mname} {count_text(n_params)} params on {where}")
+        task = Task(
+            model, loss_fn or mse_loss, train, eval_batches, f"{mname} {count_text(n_params)} params on {where}"
+        )
         if mname == "custom":
-            check_custom_output(model, task.loss_fn, eval_batches[0], model_cfg,
-                                expected=f"a tensor of shape (batch, model.out_features={outs})")
+            check_custom_output(
+                model,
+                task.loss_fn,
+                eval_batches[0],
+                model_cfg,
+                expected=f"a tensor of shape (batch, model.out_features={outs})",
+            )
         return task
 
     full = C.stdlib_corpus(int(data_cfg.max_files)) if dname == "stdlib" else C.text_corpus(data_cfg.path)
@@ -189,12 +216,15 @@ def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.
     eval_batches = [_lm_batch(eval_c, bs, T, ge, device) for _ in range(data_cfg.eval_batches)]
     g = torch.Generator().manual_seed(seed)
     train = (_lm_batch(train_c, bs, T, g, device) for _ in itertools.count())
-    desc = (f"{mname} {count_text(n_params)} params on {dname} ({len(full)} docs, {_fmt_bytes(full.nbytes)}; "
-            f"{len(eval_c)} held out)")
+    desc = (
+        f"{mname} {count_text(n_params)} params on {dname} ({len(full)} docs, {_fmt_bytes(full.nbytes)}; "
+        f"{len(eval_c)} held out)"
+    )
     task = Task(model, loss_fn or lm_loss, train, eval_batches, desc)
     if mname == "custom":
-        check_custom_output(model, task.loss_fn, eval_batches[0], model_cfg,
-                            expected=f"logits of shape (batch, seq_len, {VOCAB})")
+        check_custom_output(
+            model, task.loss_fn, eval_batches[0], model_cfg, expected=f"logits of shape (batch, seq_len, {VOCAB})"
+        )
     return task
 
 

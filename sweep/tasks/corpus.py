@@ -5,6 +5,7 @@ for ``model=hf``) plus offsets; ``sample_windows`` draws B random windows of up 
 random documents (padded), ``sample_packed`` B windows of exactly T+1 ids from the documents
 back to back; both fully vectorised (no per-token Python loops).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,19 @@ from ..errors import UserError
 PAD_INPUT, IGNORE = 0, -100
 CHUNK_BYTES = 4096
 # stdlib directories that are tests, tools, data, generated codec tables or third-party code.
-_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__",
-                "turtledemo", "ensurepip", "pydoc_data", "encodings"}
+_STDLIB_SKIP = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "__pycache__",
+    "turtledemo",
+    "ensurepip",
+    "pydoc_data",
+    "encodings",
+}
 _PATH_FIX = "pass data.path=FILE with a readable text file or directory"
 
 
@@ -37,8 +49,12 @@ class Corpus:
 
     @staticmethod
     def from_docs(docs: Sequence[tuple[str, str, bytes]]) -> "Corpus":
-        return Corpus.from_pieces([(n, s, torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
-                                    else torch.zeros(0, dtype=torch.uint8)) for n, s, b in docs])
+        return Corpus.from_pieces(
+            [
+                (n, s, torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8))
+                for n, s, b in docs
+            ]
+        )
 
     @staticmethod
     def from_pieces(docs: Sequence[tuple[str, str, torch.Tensor]]) -> "Corpus":
@@ -61,7 +77,7 @@ class Corpus:
 
     def subset(self, idx: Sequence[int]) -> "Corpus":
         o = self.offsets
-        return Corpus.from_pieces([(self.names[i], self.sources[i], self.data[o[i]:o[i + 1]]) for i in idx])
+        return Corpus.from_pieces([(self.names[i], self.sources[i], self.data[o[i] : o[i + 1]]) for i in idx])
 
 
 def _unit_hash(name: str, salt: str) -> float:
@@ -78,8 +94,7 @@ def stdlib_corpus(max_files: int) -> Corpus:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP and d.isidentifier()]
         rel = Path(dirpath).relative_to(root)
-        paths += [(rel / f).as_posix() for f in filenames
-                  if f.endswith(".py") and not f.startswith("_sysconfigdata")]
+        paths += [(rel / f).as_posix() for f in filenames if f.endswith(".py") and not f.startswith("_sysconfigdata")]
     docs = []
     for rel in sorted(paths, key=lambda p: _unit_hash(p, "stdlib")):
         if len(docs) == max_files:
@@ -101,8 +116,9 @@ def text_corpus(path: str | None) -> Corpus:
     if not p.exists():
         raise UserError(f"data.path={str(path)!r} does not exist: {_PATH_FIX}")
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file()
-                       and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        files = sorted(
+            f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
         docs = [(f.relative_to(p).as_posix(), _read(f, path)) for f in files]
         docs = [(n, b) for n, b in docs if b]
         if not docs:
@@ -112,8 +128,7 @@ def text_corpus(path: str | None) -> Corpus:
         return Corpus.from_docs([(n, n, b) for n, b in docs])
     data = _read(p, path)
     if not data:
-        raise UserError(f"data.path={str(path)!r} is empty (0 bytes): "
-                        "pass data.path=FILE with a non-empty text file")
+        raise UserError(f"data.path={str(path)!r} is empty (0 bytes): pass data.path=FILE with a non-empty text file")
     return Corpus.from_docs(_chunks(p.name, data, path))
 
 
@@ -121,14 +136,17 @@ def _read(f: Path, path) -> bytes:
     try:
         return f.read_bytes()
     except OSError as e:
-        raise UserError(f"data.path={str(path)!r} could not be read ({type(e).__name__}: {e.strerror}): {_PATH_FIX}") from None
+        raise UserError(
+            f"data.path={str(path)!r} could not be read ({type(e).__name__}: {e.strerror}): {_PATH_FIX}"
+        ) from None
 
 
 def _chunks(name: str, data: bytes, path) -> list[tuple[str, str, bytes]]:
     """Split one file into >= 2 roughly equal chunks of <= ~4 KiB, so both splits get one."""
     if len(data) < 4:
-        raise UserError(f"data.path={str(path)!r} has only {len(data)} bytes: "
-                        "pass data.path=FILE with at least 4 bytes of text")
+        raise UserError(
+            f"data.path={str(path)!r} has only {len(data)} bytes: pass data.path=FILE with at least 4 bytes of text"
+        )
     n = max(2, -(-len(data) // CHUNK_BYTES))
     cuts = [round(i * len(data) / n) for i in range(n + 1)]
     return [(f"{name}#{i}", name, data[cuts[i] : cuts[i + 1]]) for i in range(n)]

@@ -43,8 +43,10 @@ def locate(path: str, key: str) -> Any:
             err = e
             break
     err = err or ImportError("not a dotted path")
-    raise UserError(f"{key}={path!r} could not be imported: {_one_line(err)}: "
-                    f"pass {key}=package.module.Name of an importable object") from None
+    raise UserError(
+        f"{key}={path!r} could not be imported: {_one_line(err)}: "
+        f"pass {key}=package.module.Name of an importable object"
+    ) from None
 
 
 def _hydra_error(e: BaseException) -> str:
@@ -63,16 +65,22 @@ def build_custom(m: Any) -> tuple[nn.Module, Callable | None]:
 
     target = m._target_
     if not target:
-        raise UserError("model._target_ is not set for model.name=custom: pass "
-                        "model._target_=package.module.Class (e.g. sweep.tasks.models.TinyMLPLM)")
+        raise UserError(
+            "model._target_ is not set for model.name=custom: pass "
+            "model._target_=package.module.Class (e.g. sweep.tasks.models.TinyMLPLM)"
+        )
     if m.pretrained:
-        raise UserError(f"model.pretrained={m.pretrained!r} is for model=hf: for model=custom pass the "
-                        "constructor's arguments (+model.KEY=VALUE or model.kwargs)")
+        raise UserError(
+            f"model.pretrained={m.pretrained!r} is for model=hf: for model=custom pass the "
+            "constructor's arguments (+model.KEY=VALUE or model.kwargs)"
+        )
     locate(target, "model._target_")
     kwargs = dict(m.kwargs or {})
     if kwargs.get("_partial_"):
-        raise UserError("model._partial_=true would make the model a factory, not an nn.Module: drop it "
-                        "(_partial_ belongs in nested nodes, e.g. +model.activation={_target_: …, _partial_: true})")
+        raise UserError(
+            "model._partial_=true would make the model a factory, not an nn.Module: drop it "
+            "(_partial_ belongs in nested nodes, e.g. +model.activation={_target_: …, _partial_: true})"
+        )
     if m.config:
         if "config" in kwargs:
             raise UserError("model.config and model.kwargs.config are both set: keep one")
@@ -81,14 +89,20 @@ def build_custom(m: Any) -> tuple[nn.Module, Callable | None]:
     try:
         model = instantiate(node)
     except InstantiationException as e:
-        raise UserError(f"model._target_={target!r} failed with model.kwargs={kwargs}: {_hydra_error(e)}: "
-                        "fix model.kwargs (nested _target_ nodes included) to match the signatures") from None
+        raise UserError(
+            f"model._target_={target!r} failed with model.kwargs={kwargs}: {_hydra_error(e)}: "
+            "fix model.kwargs (nested _target_ nodes included) to match the signatures"
+        ) from None
     except Exception as e:  # a constructor's own error that Hydra passed through
-        raise UserError(f"model._target_={target!r} failed with model.kwargs={kwargs}: {_one_line(e)}: "
-                        "fix model.kwargs to match its signature") from None
+        raise UserError(
+            f"model._target_={target!r} failed with model.kwargs={kwargs}: {_one_line(e)}: "
+            "fix model.kwargs to match its signature"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise UserError(f"model._target_={target!r} returned {type(model).__name__}, not an nn.Module: "
-                        "point model._target_ at an nn.Module class or factory")
+        raise UserError(
+            f"model._target_={target!r} returned {type(model).__name__}, not an nn.Module: "
+            "point model._target_ at an nn.Module class or factory"
+        )
     _logits_of_transformers(model)
     loss_fn = locate(m.loss_target, "model.loss_target") if m.loss_target else None
     return model, loss_fn
@@ -108,7 +122,8 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
     a model without trainable parameters or an output its loss cannot use."""
     target = m._target_
     fix = f"make model._target_={target!r} return {expected}" + (
-        "" if m.loss_target else " or pass model.loss_target=FN(output, targets)")
+        "" if m.loss_target else " or pass model.loss_target=FN(output, targets)"
+    )
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError(f"model._target_={target!r} has no trainable parameters: a custom model needs some to train")
     model.eval()
@@ -116,24 +131,32 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
         try:
             out = model(batch.inputs)
         except Exception as e:
-            raise UserError(f"model._target_={target!r} failed on inputs of shape {tuple(batch.inputs.shape)} "
-                            f"({type(e).__name__}: {_first(e)}): {fix}") from None
+            raise UserError(
+                f"model._target_={target!r} failed on inputs of shape {tuple(batch.inputs.shape)} "
+                f"({type(e).__name__}: {_first(e)}): {fix}"
+            ) from None
         if not m.loss_target:
             want = (*batch.targets.shape, VOCAB) if batch.targets.dtype == torch.long else tuple(batch.targets.shape)
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
             if got != want:
-                raise UserError(f"model._target_={target!r} returned {got} for inputs of shape "
-                                f"{tuple(batch.inputs.shape)}; expected {expected} = {want}: {fix}")
+                raise UserError(
+                    f"model._target_={target!r} returned {got} for inputs of shape "
+                    f"{tuple(batch.inputs.shape)}; expected {expected} = {want}: {fix}"
+                )
         loss = loss_fn(out, batch.targets)
         total = loss[0] if isinstance(loss, tuple) else loss
         if not (isinstance(total, torch.Tensor) and total.numel() == 1 and total.is_floating_point()):
-            raise UserError(f"model.loss_target={m.loss_target!r} returned {type(total).__name__}, not a scalar "
-                            f"float tensor or (sum, count): fix the loss function")
+            raise UserError(
+                f"model.loss_target={m.loss_target!r} returned {type(total).__name__}, not a scalar "
+                f"float tensor or (sum, count): fix the loss function"
+            )
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"model._target_={target!r}: its output failed in the loss ({type(e).__name__}: {_first(e)}); "
-                        f"expected {expected}: {fix}") from None
+        raise UserError(
+            f"model._target_={target!r}: its output failed in the loss ({type(e).__name__}: {_first(e)}); "
+            f"expected {expected}: {fix}"
+        ) from None
     finally:
         model.train()
 

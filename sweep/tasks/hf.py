@@ -8,6 +8,7 @@ padded (one document window per row, input ``PAD`` and target -100 where padded,
 step loss is the token mean over every real token of the whole accumulated batch (seed 004,
 "Why token normalization matters").
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,10 @@ def _tokenizer(d: DataConfig, m: ModelConfig, docs: list[D.Doc], files: list) ->
     if m.pretrained:
         p = M.pretrained_dir(m.pretrained)
         if not D.has_tokenizer(p):
-            raise UserError(f"model.pretrained={m.pretrained!r} has no tokenizer: pass data.tokenizer=DIR, the "
-                            "tokenizer the model was trained with (a new one would not match its embedding)")
+            raise UserError(
+                f"model.pretrained={m.pretrained!r} has no tokenizer: pass data.tokenizer=DIR, the "
+                "tokenizer the model was trained with (a new one would not match its embedding)"
+            )
         return D.load_tokenizer(p, "model.pretrained"), "model.pretrained's"
     tok, where = D.trained_tokenizer(d, docs, files)
     return tok, f"BPE {len(tok)} trained on the corpus, cached in {where}"
@@ -53,9 +56,11 @@ def _corpora(d_json: str, pretrained: str | None) -> tuple[C.Corpus, C.Corpus, A
     T = int(d.seq_len)
     for split, c in (("training", train), ("held-out", held_out)):
         if d.packing and c.nbytes <= T:
-            raise UserError(f"the {split} split has {c.nbytes} tokens, not more than data.seq_len={T} "
-                            f"(packing needs one full window): lower data.seq_len, use more text"
-                            + (", or raise data.eval_fraction" if split == "held-out" else ""))
+            raise UserError(
+                f"the {split} split has {c.nbytes} tokens, not more than data.seq_len={T} "
+                f"(packing needs one full window): lower data.seq_len, use more text"
+                + (", or raise data.eval_fraction" if split == "held-out" else "")
+            )
     return train, held_out, tok, where, len(full)
 
 
@@ -76,8 +81,9 @@ def hf_task(m: ModelConfig, d: DataConfig, *, seed: int, eval_seed: int, device:
     ``build_task`` wraps the triples into batches, freezes parameters and adds the token-mean loss.
     """
     if d.name == "synthetic":
-        raise UserError("model=hf needs text, got data.name='synthetic': pass data=hf data.files=FILE "
-                        "(or data=stdlib, data=text)")
+        raise UserError(
+            "model=hf needs text, got data.name='synthetic': pass data=hf data.files=FILE (or data=stdlib, data=text)"
+        )
     M.precheck(m)  # before the (slower) data
     d_json = json.dumps(dict(vars(d)), sort_keys=True, default=str)
     train, held_out, tok, where, n_docs = _corpora(d_json, m.pretrained)
@@ -87,9 +93,12 @@ def hf_task(m: ModelConfig, d: DataConfig, *, seed: int, eval_seed: int, device:
     M.check_fits(model, len(tok), int(d.seq_len), where)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     model = M.adapt(model, pad_id, padded=not d.packing).to(device).train()
-    evals = list(itertools.islice(_batches(held_out, d, torch.Generator().manual_seed(eval_seed), device),
-                                  int(d.eval_batches)))
+    evals = list(
+        itertools.islice(_batches(held_out, d, torch.Generator().manual_seed(eval_seed), device), int(d.eval_batches))
+    )
     origin = f"model.pretrained={m.pretrained}" if m.pretrained else f"model_type={model.config.model_type}"
-    about = (f"({origin}) on {d.name} ({n_docs} docs, {train.nbytes + held_out.nbytes} tokens, {len(held_out)} "
-             f"docs held out; {'packed' if d.packing else 'padded'}; tokenizer: {where})")
+    about = (
+        f"({origin}) on {d.name} ({n_docs} docs, {train.nbytes + held_out.nbytes} tokens, {len(held_out)} "
+        f"docs held out; {'packed' if d.packing else 'padded'}; tokenizer: {where})"
+    )
     return model, _batches(train, d, torch.Generator().manual_seed(seed), device), evals, about, tok

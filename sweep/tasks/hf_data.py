@@ -5,6 +5,7 @@ and the tokenized documents as a ``Corpus`` of token ids.
 Everything runs offline: ``offline()`` sets the Hugging Face offline switches before the
 libraries are imported, and nothing here ever names a hub repository.
 """
+
 from __future__ import annotations
 
 import glob
@@ -21,8 +22,16 @@ from ..errors import UserError
 from ..config.schema import DataConfig
 
 #: datasets builders for local files, by file extension.
-FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-           ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 BUILDERS = ("text", "json", "parquet", "csv", "arrow")
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 _FILES_FIX = "pass data.files=PATH (a file, a glob or a list; .txt .json .jsonl .parquet .csv .arrow)"
@@ -52,8 +61,9 @@ def resolve_files(files: Any) -> list[Path]:
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                raise UserError(f"data.files={str(item)!r} is a directory: pass its files, e.g. "
-                                f"data.files='{item}/*.jsonl'")
+                raise UserError(
+                    f"data.files={str(item)!r} is a directory: pass its files, e.g. data.files='{item}/*.jsonl'"
+                )
             if not p.is_file():
                 raise UserError(f"data.files={str(item)!r} does not exist: {_FILES_FIX}")
             out.append(p)
@@ -65,14 +75,18 @@ def resolve_files(files: Any) -> list[Path]:
 def _builder(d: DataConfig, files: list[Path]) -> str:
     if d.format is not None:
         if d.format not in BUILDERS:
-            raise UserError(f"data.format={d.format!r} is not one of {', '.join(BUILDERS)}: "
-                            "pass one of them, or data.format=null to infer it from the file extension")
+            raise UserError(
+                f"data.format={d.format!r} is not one of {', '.join(BUILDERS)}: "
+                "pass one of them, or data.format=null to infer it from the file extension"
+            )
         return d.format
     kinds = {FORMATS.get(f.suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
         exts = sorted({f.suffix or "(none)" for f in files})
-        raise UserError(f"data.files have extension(s) {', '.join(exts)}: cannot infer one format from "
-                        f"{', '.join(sorted(FORMATS))}; pass data.format=text|json|parquet|csv|arrow")
+        raise UserError(
+            f"data.files have extension(s) {', '.join(exts)}: cannot infer one format from "
+            f"{', '.join(sorted(FORMATS))}; pass data.format=text|json|parquet|csv|arrow"
+        )
     return kinds.pop()
 
 
@@ -91,29 +105,36 @@ def file_docs(d: DataConfig) -> list[Doc]:
         try:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
         except Exception as e:  # malformed file, wrong format
-            raise UserError(f"data.files={str(f)!r} could not be read as {builder}: {_one_line(e)}: "
-                            "fix the file or pass the right data.format") from None
+            raise UserError(
+                f"data.files={str(f)!r} could not be read as {builder}: {_one_line(e)}: "
+                "fix the file or pass the right data.format"
+            ) from None
         if ds.num_rows == 0:
             continue
         for key, field in (("text_field", d.text_field), ("source_field", d.source_field)):
             if field is not None and field not in ds.column_names:
-                raise UserError(f"data.{key}={field!r} is not a column of {f.name}: its columns are "
-                                f"{', '.join(ds.column_names)}; pass data.{key}=NAME")
+                raise UserError(
+                    f"data.{key}={field!r} is not a column of {f.name}: its columns are "
+                    f"{', '.join(ds.column_names)}; pass data.{key}=NAME"
+                )
         texts = ds[d.text_field]
         sources = ds[d.source_field] if d.source_field else [f.name] * len(texts)
-        docs += [(f"{f.name}#{i}", str(s), t) for i, (t, s) in enumerate(zip(texts, sources))
-                 if isinstance(t, str) and t.strip()]
+        docs += [
+            (f"{f.name}#{i}", str(s), t)
+            for i, (t, s) in enumerate(zip(texts, sources))
+            if isinstance(t, str) and t.strip()
+        ]
     if not docs:
-        raise UserError(f"data.files={d.files!r} hold no non-empty {d.text_field!r} text: "
-                        "pass files with text in data.text_field")
+        raise UserError(
+            f"data.files={d.files!r} hold no non-empty {d.text_field!r} text: pass files with text in data.text_field"
+        )
     return docs
 
 
 def builtin_docs(d: DataConfig) -> list[Doc]:
     """The byte corpora as text documents: ``data=text``'s file(s), else the stdlib sources."""
     full = C.text_corpus(d.path) if d.name == "text" else C.stdlib_corpus(int(d.max_files))
-    return [(full.names[i], full.sources[i], full.doc(i).decode("utf-8", errors="replace"))
-            for i in range(len(full))]
+    return [(full.names[i], full.sources[i], full.doc(i).decode("utf-8", errors="replace")) for i in range(len(full))]
 
 
 def has_tokenizer(path: Path) -> bool:
@@ -124,16 +145,20 @@ def load_tokenizer(path: str | os.PathLike, key: str):
     """``AutoTokenizer`` from a local directory, or a one-line ``UserError``."""
     p = Path(os.path.expanduser(str(path)))
     if not p.is_dir():
-        raise UserError(f"{key}={str(path)!r} is not a local directory: clipamp runs offline and never "
-                        "downloads; pass a directory written by tokenizer.save_pretrained()")
+        raise UserError(
+            f"{key}={str(path)!r} is not a local directory: clipamp runs offline and never "
+            "downloads; pass a directory written by tokenizer.save_pretrained()"
+        )
     offline()
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:
-        raise UserError(f"{key}={str(path)!r} holds no loadable tokenizer ({_one_line(e)}): pass a "
-                        "directory written by tokenizer.save_pretrained()") from None
+        raise UserError(
+            f"{key}={str(path)!r} holds no loadable tokenizer ({_one_line(e)}): pass a "
+            "directory written by tokenizer.save_pretrained()"
+        ) from None
 
 
 def _cache_root(d: DataConfig, files: list[Path]) -> Path:
@@ -164,8 +189,12 @@ def trained_tokenizer(d: DataConfig, docs: list[Doc], files: list[Path]):
         bpe = tokenizers.Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=int(d.vocab_size), special_tokens=[EOS, PAD], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=int(d.vocab_size),
+            special_tokens=[EOS, PAD],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         bpe.train_from_iterator((t for _, _, t in docs), trainer=trainer, length=len(docs))
         tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=PAD)
         tmp = where.with_name(f"{where.name}.tmp{os.getpid()}")
@@ -174,8 +203,10 @@ def trained_tokenizer(d: DataConfig, docs: list[Doc], files: list[Path]):
             os.replace(tmp, where)  # atomic: concurrent runs never read half a tokenizer
         except OSError as e:
             if not has_tokenizer(where):
-                raise UserError(f"cannot cache the trained tokenizer in {where.parent} ({e.strerror}): "
-                                "pass data.cache_dir=WRITABLE_DIR") from None
+                raise UserError(
+                    f"cannot cache the trained tokenizer in {where.parent} ({e.strerror}): "
+                    "pass data.cache_dir=WRITABLE_DIR"
+                ) from None
     return load_tokenizer(where, "data.cache_dir"), where
 
 

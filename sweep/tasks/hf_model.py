@@ -10,6 +10,7 @@ two hooks adapt its call to the runner's ``model(ids) -> logits``:
 
 Weights load in fp32 (master weights); autocast gives bf16/fp16 compute like every other model.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -40,8 +41,9 @@ def _check_keys(config_class: type, keys: list[str]) -> None:
     for key in keys:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
         if key not in known and close:
-            raise UserError(f"model.config.{key} is not a field of {config_class.__name__}: did you mean "
-                            f"model.config.{close[0]}?")
+            raise UserError(
+                f"model.config.{key} is not a field of {config_class.__name__}: did you mean model.config.{close[0]}?"
+            )
 
 
 def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
@@ -57,14 +59,17 @@ def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:
-        raise UserError(f"model.config={ {'model_type': model_type, **kwargs} } is refused by transformers: "
-                        f"{_one_line(e)}: fix that model.config key") from None
+        raise UserError(
+            f"model.config={ {'model_type': model_type, **kwargs} } is refused by transformers: "
+            f"{_one_line(e)}: fix that model.config key"
+        ) from None
     _check_keys(type(config), list(kwargs))
     try:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as e:
-        raise UserError(f"model.config (model_type={model_type}) could not build a model: {_one_line(e)}: "
-                        "fix the model.config keys") from None
+        raise UserError(
+            f"model.config (model_type={model_type}) could not build a model: {_one_line(e)}: fix the model.config keys"
+        ) from None
 
 
 def pretrained_dir(path: str) -> Path:
@@ -72,13 +77,20 @@ def pretrained_dir(path: str) -> Path:
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         hub_like = not str(path).startswith((".", "/", "~")) and str(path).count("/") <= 1
-        hint = ("; it looks like a hub name: download it elsewhere (`hf download NAME --local-dir DIR`), then "
-                "pass model.pretrained=DIR" if hub_like else ": pass a local save_pretrained() directory")
-        raise UserError(f"model.pretrained={str(path)!r} does not exist; clipamp runs offline and never "
-                        f"downloads{hint}")
+        hint = (
+            "; it looks like a hub name: download it elsewhere (`hf download NAME --local-dir DIR`), then "
+            "pass model.pretrained=DIR"
+            if hub_like
+            else ": pass a local save_pretrained() directory"
+        )
+        raise UserError(
+            f"model.pretrained={str(path)!r} does not exist; clipamp runs offline and never downloads{hint}"
+        )
     if not (p / "config.json").is_file():
-        raise UserError(f"model.pretrained={str(path)!r} is not a model directory (no config.json): pass a "
-                        "directory written by model.save_pretrained()")
+        raise UserError(
+            f"model.pretrained={str(path)!r} is not a model directory (no config.json): pass a "
+            "directory written by model.save_pretrained()"
+        )
     return p
 
 
@@ -87,24 +99,30 @@ def from_pretrained(path: Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32,
-                                                    use_cache=False)
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=torch.float32, use_cache=False
+        )
     except Exception as e:
-        raise UserError(f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {_one_line(e)}: "
-                        "pass a directory written by model.save_pretrained()") from None
+        raise UserError(
+            f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {_one_line(e)}: "
+            "pass a directory written by model.save_pretrained()"
+        ) from None
 
 
 def check_fits(model: nn.Module, vocab: int, seq_len: int, tokenizer_where: str) -> None:
     """The tokenizer's ids must index the embedding, and a window must fit the positions."""
     rows = model.get_input_embeddings().num_embeddings
     if vocab > rows:
-        raise UserError(f"the tokenizer ({tokenizer_where}) has {vocab} tokens but the model's embedding has "
-                        f"{rows} rows: use the model's own tokenizer (data.tokenizer=DIR), or give the model "
-                        f"model.config.vocab_size>={vocab}")
+        raise UserError(
+            f"the tokenizer ({tokenizer_where}) has {vocab} tokens but the model's embedding has "
+            f"{rows} rows: use the model's own tokenizer (data.tokenizer=DIR), or give the model "
+            f"model.config.vocab_size>={vocab}"
+        )
     limit = getattr(model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
-        raise UserError(f"data.seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: "
-                        f"pass data.seq_len<={limit}")
+        raise UserError(
+            f"data.seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: pass data.seq_len<={limit}"
+        )
 
 
 def adapt(model: nn.Module, pad_id: int, padded: bool) -> nn.Module:
@@ -137,16 +155,19 @@ def precheck(m: ModelConfig) -> None:
         pretrained_dir(m.pretrained)
         return
     if not m.config:
-        raise UserError("model=hf needs model.config (model_type and sizes, see conf/model/hf*.yaml) or "
-                        "model.pretrained=DIR")
+        raise UserError(
+            "model=hf needs model.config (model_type and sizes, see conf/model/hf*.yaml) or model.pretrained=DIR"
+        )
     offline()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
     model_type = m.config.get("model_type")
     if model_type not in CAUSAL:
-        raise UserError(f"model.config.model_type={model_type!r} is not a transformers causal LM type: "
-                        f"pass one of {', '.join(_EXAMPLES)} (or any of the {len(CAUSAL)} in "
-                        "transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)")
+        raise UserError(
+            f"model.config.model_type={model_type!r} is not a transformers causal LM type: "
+            f"pass one of {', '.join(_EXAMPLES)} (or any of the {len(CAUSAL)} in "
+            "transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
+        )
 
 
 def build(m: ModelConfig, vocab: int) -> nn.Module:
@@ -155,4 +176,3 @@ def build(m: ModelConfig, vocab: int) -> nn.Module:
     if m.pretrained:  # the directory's config.json is the model; model.config (a preset's) is not used
         return from_pretrained(pretrained_dir(m.pretrained))
     return from_config(m, vocab)
-

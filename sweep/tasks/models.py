@@ -5,6 +5,7 @@
     python -m sweep model=custom model._target_=sweep.tasks.models.TinyMLPLM \\
         '+model.kwargs={context: 8, d: 32}'
 """
+
 from __future__ import annotations
 
 import math

@@ -15,9 +15,18 @@ CONF = REPO / "sweep" / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 #: Small enough that any experiment runs in seconds on 2 CPU cores.
-TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.block_size=32",
-        "data.batch_size=4", "data.seq_len=32", "data.max_files=40", "data.eval_batches=1",
-        "progress=false", "tracking.plots=false"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.block_size=32",
+    "data.batch_size=4",
+    "data.seq_len=32",
+    "data.max_files=40",
+    "data.eval_batches=1",
+    "progress=false",
+    "tracking.plots=false",
+]
 
 
 def compose_cfg(*overrides: str):
@@ -34,8 +43,9 @@ def compose_cfg(*overrides: str):
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "sweep", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sweep", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def store_in(folder: Path, template: Path) -> str:
@@ -49,7 +59,9 @@ def store_in(folder: Path, template: Path) -> str:
 
 def kill_after(step: int):
     """A step hook that interrupts the run (as Ctrl-C would) right after ``step``."""
+
     def hook(log):
         if log.step == step:
             raise KeyboardInterrupt(f"killed after step {step}")
+
     return hook

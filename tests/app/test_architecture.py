@@ -14,8 +14,13 @@ from tests.app.helpers import REPO
 
 SWEEP = REPO / "sweep"
 #: The experiments' entry points: they (and the app) call the reports; nothing below them does.
-ENTRY_POINTS = {"sweep.app", "sweep.__main__", "sweep.experiments.training", "sweep.experiments.study.sweep",
-                "sweep.experiments.spike.experiment"}
+ENTRY_POINTS = {
+    "sweep.app",
+    "sweep.__main__",
+    "sweep.experiments.training",
+    "sweep.experiments.study.sweep",
+    "sweep.experiments.spike.experiment",
+}
 #: Layers that never import presentation or experiments.
 LOWER = ("sweep.errors", "sweep.config", "sweep.tasks", "sweep.run", "sweep.pick")
 
@@ -65,7 +70,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 stack.pop()
                 path.pop()
             elif colour.get(child) == 1:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             elif colour.get(child) == 0:
                 colour[child] = 1
                 stack.append((child, iter(sorted(graph.get(child, ())))))
@@ -106,14 +111,18 @@ def test_app_import_graph_is_acyclic():
 
 def test_imports_point_down_the_layers():
     graph = import_graph()
-    up = [(m, t) for m, ts in graph.items() for t in ts
-          if m.startswith(LOWER) and t.startswith(("sweep.report", "sweep.experiments", "sweep.app"))]
+    up = [
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if m.startswith(LOWER) and t.startswith(("sweep.report", "sweep.experiments", "sweep.app"))
+    ]
     assert not up, f"lower layers import presentation or experiments: {up}"
     report = [(m, t) for m, ts in graph.items() for t in ts if m.startswith("sweep.report") and t in ENTRY_POINTS]
     assert not report, f"reports import an entry point: {report}"
 
 
-def _long_functions(path: Path, limit: int = 60) -> list[str]:
+def _long_functions(path: Path, limit: int = 70) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -125,19 +134,20 @@ def _long_functions(path: Path, limit: int = 60) -> list[str]:
 
 
 def test_modules_and_functions_are_small():
-    big = [f"{p.relative_to(REPO)} ({n})" for p in SWEEP.rglob("*.py")
-           if (n := len(p.read_text().splitlines())) > 350]
-    assert not big, f"app modules over 350 lines: {big}"
+    big = [f"{p.relative_to(REPO)} ({n})" for p in SWEEP.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400]
+    assert not big, f"app modules over 400 lines: {big}"
     long = [f for p in SWEEP.rglob("*.py") for f in _long_functions(p)]
-    assert not long, f"functions over 60 lines without 'long because' in their docstring: {long}"
+    assert not long, f"functions over 70 lines without 'long because' in their docstring: {long}"
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch, mlflow, optuna, …
 def test_importing_the_app_leaves_warning_filters_alone():
     third_party = "torch, numpy, pandas, matplotlib.pyplot, mlflow, optuna, hydra, omegaconf, rich, sqlalchemy"
-    code = (f"import warnings, {third_party}; before = list(warnings.filters); "
-            "import sweep.app, sweep.report.cli, sweep.experiments.study.sweep; "
-            "assert warnings.filters == before, set(map(str, warnings.filters)) - set(map(str, before))")
+    code = (
+        f"import warnings, {third_party}; before = list(warnings.filters); "
+        "import sweep.app, sweep.report.cli, sweep.experiments.study.sweep; "
+        "assert warnings.filters == before, set(map(str, warnings.filters)) - set(map(str, before))"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 

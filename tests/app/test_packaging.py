@@ -23,13 +23,39 @@ import pytest
 
 from tests.app.helpers import CONF, EXPERIMENTS, REPO, run_cli
 
-COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "mlruns", "__pycache__",
-                                     ".pytest_cache", "tests", "outputs", "multirun")
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "mlruns",
+    "__pycache__",
+    ".pytest_cache",
+    "tests",
+    "outputs",
+    "multirun",
+)
 
 
 def build_wheel(src: Path, out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "--disable-pip-version-check", "-w", str(out), str(src)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "--disable-pip-version-check",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = out.glob("clipamp-*.whl")
     return wheel
 
@@ -43,13 +69,33 @@ def fresh_venv(where: Path, wheel: Path) -> Path:
     """A new venv holding only the wheel (non-editable); the dependencies come from this interpreter's."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
     python = where / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # --ignore-installed: a clipamp seen elsewhere (a checkout's egg-info on PYTHONPATH) is neither
     # "already satisfied" nor uninstalled; the .pth comes after the install for the same reason
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "--ignore-installed", "-q", "--disable-pip-version-check", str(wheel)], check=True,
-                   capture_output=True, env=clean_env())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            "-q",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        env=clean_env(),
+    )
     Path(purelib, "clipamp_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return where
 
@@ -101,12 +147,24 @@ def test_installed_wheel_runs_calibrate_from_an_empty_folder(wheel, tmp_path):
     venv = fresh_venv(tmp_path / "venv", wheel)
     work = tmp_path / "empty"
     work.mkdir()
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import sweep; print(sweep.__file__)"], cwd=work,
-                           env=clean_env(), capture_output=True, text=True, check=True).stdout.strip()
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sweep; print(sweep.__file__)"],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert Path(where).is_relative_to(venv), f"sweep imported from {where}, not the installed wheel"
 
-    run = subprocess.run([str(venv / "bin" / "clipamp"), "+experiment=calibrate", "steps=20", "calibrate.window=10"],
-                         cwd=work, env=clean_env(), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [str(venv / "bin" / "clipamp"), "+experiment=calibrate", "steps=20", "calibrate.window=10"],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     db = work / "mlruns" / "mlflow.db"
     assert db.is_file()
@@ -117,11 +175,23 @@ def test_installed_wheel_runs_calibrate_from_an_empty_folder(wheel, tmp_path):
     assert r.info.status == "FINISHED" and r.data.params["steps"] == "20"
     assert r.data.metrics["recommended_max_norm"] > 0
 
-    helped = subprocess.run([str(venv / "bin" / "clipamp"), "--help"], cwd=work, env=clean_env(),
-                            capture_output=True, text=True, timeout=300)
+    helped = subprocess.run(
+        [str(venv / "bin" / "clipamp"), "--help"],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert helped.returncode == 0 and helped.stdout.startswith("clipamp:") and "__main__" not in helped.stdout
-    script = subprocess.run([str(venv / "bin" / "clipamp"), "-sc", "install=bash"], cwd=work, env=clean_env(),
-                            capture_output=True, text=True, timeout=300)
+    script = subprocess.run(
+        [str(venv / "bin" / "clipamp"), "-sc", "install=bash"],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert script.returncode == 0, script.stderr
     assert re.search(r"complete .*-F hydra_bash_completion clipamp$", script.stdout.strip()), script.stdout
 
@@ -137,7 +207,13 @@ def test_a_wheel_without_the_config_tree_fails_from_an_empty_folder(tmp_path):
     venv = fresh_venv(tmp_path / "venv", build_wheel(src, tmp_path / "dist"))
     work = tmp_path / "empty"
     work.mkdir()
-    run = subprocess.run([str(venv / "bin" / "clipamp"), "+experiment=calibrate", "steps=20", "calibrate.window=10"],
-                         cwd=work, env=clean_env(), capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [str(venv / "bin" / "clipamp"), "+experiment=calibrate", "steps=20", "calibrate.window=10"],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2 and not list(work.iterdir())
     assert run.stderr.strip().startswith("error: Primary config directory not found"), run.stderr

@@ -41,8 +41,11 @@ def test_pick_falls_back_to_nearest_band_then_none():
 
 
 def test_pick_ties_prefer_less_clipping_then_earlier_trial():
-    t = table((0, "COMPLETE", "fp16", 1.0, 2.0, 0.15), (1, "COMPLETE", "bf16", 2.0, 2.0, 0.05),
-              (2, "COMPLETE", "fp16", 3.0, 2.0, 0.05))
+    t = table(
+        (0, "COMPLETE", "fp16", 1.0, 2.0, 0.15),
+        (1, "COMPLETE", "bf16", 2.0, 2.0, 0.05),
+        (2, "COMPLETE", "fp16", 3.0, 2.0, 0.05),
+    )
     assert pick_trial(t, (0.0, 0.2)).trial == 1
 
 

@@ -7,8 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from clipamp_engine.calibration import (NormCalibrator, min_window, order_statistic_ranks, quantile_ci,
-                                        short_window_warning, window_for_width)
+from clipamp_engine.calibration import (
+    NormCalibrator,
+    min_window,
+    order_statistic_ranks,
+    quantile_ci,
+    short_window_warning,
+    window_for_width,
+)
 from clipamp_engine.records import SkipLog, StepLog
 
 stats = pytest.importorskip("scipy.stats")
@@ -89,10 +95,18 @@ def test_window_for_width_extrapolates_like_one_over_sqrt_n():
 
 def _log(step, norm, skipped=False):
     if skipped:
-        return SkipLog(step=step, lr=1e-3, grad_l2_pre_clip=math.inf, grad_l2_post_clip=math.nan, loss=2.0,
-                       scaler_scale=1.0, clipped=False)
-    return StepLog(step=step, lr=1e-3, grad_l2_pre_clip=norm, grad_l2_post_clip=norm, loss=2.0, scaler_scale=1.0,
-                   clipped=False)
+        return SkipLog(
+            step=step,
+            lr=1e-3,
+            grad_l2_pre_clip=math.inf,
+            grad_l2_post_clip=math.nan,
+            loss=2.0,
+            scaler_scale=1.0,
+            clipped=False,
+        )
+    return StepLog(
+        step=step, lr=1e-3, grad_l2_pre_clip=norm, grad_l2_post_clip=norm, loss=2.0, scaler_scale=1.0, clipped=False
+    )
 
 
 def test_summary_carries_intervals_prediction_and_the_short_window_warning():

@@ -14,8 +14,17 @@ from clipamp_engine import CANONICAL_COLUMNS, SkipLog, StepCSVWriter, StepLog
 
 
 def _log(step, **kw):
-    base = dict(step=step, lr=1e-3, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, loss=0.5,
-                scaler_scale=1.0, clipped=True, token_count=100, max_norm=1.0)
+    base = dict(
+        step=step,
+        lr=1e-3,
+        grad_l2_pre_clip=2.0,
+        grad_l2_post_clip=1.0,
+        loss=0.5,
+        scaler_scale=1.0,
+        clipped=True,
+        token_count=100,
+        max_norm=1.0,
+    )
     base.update(kw)
     return StepLog(**base)
 
@@ -24,8 +33,18 @@ def test_canonical_columns_first_and_values_roundtrip(tmp_path):
     path = tmp_path / "steps.csv"
     with StepCSVWriter(path, extra_columns=("clipped", "token_count", "max_norm", "data_source")) as w:
         w.write(_log(1).with_extra(data_source="json"))
-        w.write(SkipLog(step=2, lr=1e-3, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=float("nan"),
-                        loss=0.7, scaler_scale=32768.0, clipped=False, skip_reason="nonfinite_grad"))
+        w.write(
+            SkipLog(
+                step=2,
+                lr=1e-3,
+                grad_l2_pre_clip=float("inf"),
+                grad_l2_post_clip=float("nan"),
+                loss=0.7,
+                scaler_scale=32768.0,
+                clipped=False,
+                skip_reason="nonfinite_grad",
+            )
+        )
     df = pd.read_csv(path)
     assert tuple(df.columns[:8]) == CANONICAL_COLUMNS
     assert df["step"].tolist() == [1, 2]
@@ -105,15 +124,31 @@ def test_a_row_with_new_columns_widens_the_header_and_keeps_earlier_rows(tmp_pat
     file keeps the widened header."""
     path = tmp_path / "steps.csv"
     with StepCSVWriter(path, extra_columns=("clipped", "data_source")) as w:
-        w.write(SkipLog(step=1, lr=1e-3, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=float("nan"),
-                        loss=0.7, scaler_scale=65536.0, clipped=False, skip_reason="nonfinite_grad")
-                .with_extra(data_source="file\nwith newline"))
+        w.write(
+            SkipLog(
+                step=1,
+                lr=1e-3,
+                grad_l2_pre_clip=float("inf"),
+                grad_l2_post_clip=float("nan"),
+                loss=0.7,
+                scaler_scale=65536.0,
+                clipped=False,
+                skip_reason="nonfinite_grad",
+            ).with_extra(data_source="file\nwith newline")
+        )
         w.write(_log(2).with_extra(data_source="b", update_l2_pre_clip=0.25, update_l2_post_clip=0.125))
         w.write(_log(3).with_extra(data_source="c", update_l2_pre_clip=0.5, update_l2_post_clip=0.25))
     assert not list(tmp_path.glob("*.widen"))
     df = pd.read_csv(path)
-    assert list(df.columns) == [*CANONICAL_COLUMNS, "clipped", "data_source", "token_count", "max_norm",
-                                "update_l2_pre_clip", "update_l2_post_clip"]
+    assert list(df.columns) == [
+        *CANONICAL_COLUMNS,
+        "clipped",
+        "data_source",
+        "token_count",
+        "max_norm",
+        "update_l2_pre_clip",
+        "update_l2_post_clip",
+    ]
     assert df["step"].tolist() == [1, 2, 3] and df["data_source"].tolist() == ["file\nwith newline", "b", "c"]
     assert df["update_l2_pre_clip"].isna().tolist() == [True, False, False]
     assert df["update_l2_post_clip"].tolist()[1:] == [0.125, 0.25]
@@ -145,8 +180,9 @@ def test_every_clip_modes_columns_reach_the_default_writer(tmp_path, mode):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32",
-                          clip=make_clip_policy(mode, **_MODES_WITH_COLUMNS[mode]))
+    state = AmpTrainState(
+        model, opt, torch.nn.functional.mse_loss, dtype="fp32", clip=make_clip_policy(mode, **_MODES_WITH_COLUMNS[mode])
+    )
     logs = []
     with StepCSVWriter(tmp_path / "steps.csv") as w:
         for _ in range(3):

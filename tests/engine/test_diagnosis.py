@@ -20,12 +20,20 @@ def _trace(norms, *, tau=10.0, scale=None, sources=None, skipped=None, reasons=N
     for i, n in enumerate(norms):
         skip = bool(skipped[i]) if skipped is not None else False
         post = math.nan if skip else min(n, tau) if math.isfinite(n) else n
-        rows.append({
-            "step": i + 1, "lr": 1e-3, "grad_l2_pre_clip": n, "grad_l2_post_clip": post, "loss": 2.0,
-            "skipped": skip, "skip_reason": (reasons[i] if reasons else "nonfinite_grad") if skip else "",
-            "scaler_scale": 1.0 if scale is None else scale[i], "max_norm": tau,
-            "data_source": sources[i] if sources else "",
-        })
+        rows.append(
+            {
+                "step": i + 1,
+                "lr": 1e-3,
+                "grad_l2_pre_clip": n,
+                "grad_l2_post_clip": post,
+                "loss": 2.0,
+                "skipped": skip,
+                "skip_reason": (reasons[i] if reasons else "nonfinite_grad") if skip else "",
+                "scaler_scale": 1.0 if scale is None else scale[i],
+                "max_norm": tau,
+                "data_source": sources[i] if sources else "",
+            }
+        )
     return rows
 
 
@@ -131,10 +139,31 @@ def test_scale_at_floor_but_not_for_a_disabled_scaler():
 def test_reads_steplogs_and_csv_rows(tmp_path):
     records = []
     for i, n in enumerate(_healthy(120), 1):
-        records.append(StepLog(step=i, lr=1e-3, grad_l2_pre_clip=float(n), grad_l2_post_clip=min(float(n), 0.5),
-                               loss=1.0, scaler_scale=1.0, clipped=n > 0.5, max_norm=0.5))
-    records.append(SkipLog(step=121, lr=1e-3, grad_l2_pre_clip=math.inf, grad_l2_post_clip=math.nan, loss=1.0,
-                           scaler_scale=1.0, clipped=False, max_norm=0.5, skip_reason="nonfinite_grad"))
+        records.append(
+            StepLog(
+                step=i,
+                lr=1e-3,
+                grad_l2_pre_clip=float(n),
+                grad_l2_post_clip=min(float(n), 0.5),
+                loss=1.0,
+                scaler_scale=1.0,
+                clipped=n > 0.5,
+                max_norm=0.5,
+            )
+        )
+    records.append(
+        SkipLog(
+            step=121,
+            lr=1e-3,
+            grad_l2_pre_clip=math.inf,
+            grad_l2_post_clip=math.nan,
+            loss=1.0,
+            scaler_scale=1.0,
+            clipped=False,
+            max_norm=0.5,
+            skip_reason="nonfinite_grad",
+        )
+    )
     direct = diagnose(records)
     path = tmp_path / "steps.csv"
     with StepCSVWriter(path) as w:
@@ -151,8 +180,16 @@ def test_format_findings_is_a_markdown_list():
     text = format_findings([f])
     assert text.startswith("- **spikes** (warning): 2 norm spikes — steps 1, 2, 3")
     assert "(+4)" in text
-    assert set(FINDING_KINDS) == {"nonfinite", "zero_norm", "spikes", "slow_growth", "always_clipped", "sustained_clipping",
-                                  "scale_oscillating", "scale_at_floor"}
+    assert set(FINDING_KINDS) == {
+        "nonfinite",
+        "zero_norm",
+        "spikes",
+        "slow_growth",
+        "always_clipped",
+        "sustained_clipping",
+        "scale_oscillating",
+        "scale_at_floor",
+    }
 
 
 def _with_lr(rows, warmup):

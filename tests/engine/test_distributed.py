@@ -108,8 +108,15 @@ def build(wrap=None, dtype="fp32", k=1, loss_fn=mean_loss, clip=None):
     if wrap is not None:
         model = wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
-    return AmpTrainState(model, opt, loss_fn, dtype=dtype, accumulation_steps=k,
-                         clip=clip if clip is not None else GlobalNormClip(1.0), init_scale=2.0**10)
+    return AmpTrainState(
+        model,
+        opt,
+        loss_fn,
+        dtype=dtype,
+        accumulation_steps=k,
+        clip=clip if clip is not None else GlobalNormClip(1.0),
+        init_scale=2.0**10,
+    )
 
 
 def full_params(model) -> list[torch.Tensor]:
@@ -122,6 +129,7 @@ def run(state, rank=0, world=1, steps=STEPS) -> dict:
 
 
 # -- scenarios (run on every rank) ------------------------------------------------------------
+
 
 def ddp(model):
     return nn.parallel.DistributedDataParallel(model)
@@ -166,8 +174,13 @@ def scenario_comm(rank, world):
 def scenario_norms(rank, world):
     clip = RecordingClip(1.0)
     result = run(build(fsdp2, clip=clip), rank, world)
-    return {**result, "torch_norms": clip.torch_norms, "full_norms": clip.full_norms,
-            "public_norms": clip.public_norms, "nonfinite": clip.nonfinite}
+    return {
+        **result,
+        "torch_norms": clip.torch_norms,
+        "full_norms": clip.full_norms,
+        "public_norms": clip.public_norms,
+        "nonfinite": clip.nonfinite,
+    }
 
 
 def scenario_refusals(rank, world):
@@ -194,8 +207,13 @@ def scenario_fsdp_refusals(rank, world):
         torch.manual_seed(0)
         model = fsdp2(Net())
         try:
-            AmpTrainState(model, torch.optim.AdamW(model.parameters()), mean_loss, clip=clip,
-                          forensics=StepForensics(model) if forensics else None)
+            AmpTrainState(
+                model,
+                torch.optim.AdamW(model.parameters()),
+                mean_loss,
+                clip=clip,
+                forensics=StepForensics(model) if forensics else None,
+            )
         except ValueError as e:
             messages.append(str(e))
     return {"messages": messages}
@@ -248,13 +266,16 @@ def _spawn(tmp_path, names) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("ddp"), ["refusals", "ddp_checkpoint", "ddp_mean", "ddp_token_k2", "ddp_comm"])
+    return _spawn(
+        tmp_path_factory.mktemp("ddp"), ["refusals", "ddp_checkpoint", "ddp_mean", "ddp_token_k2", "ddp_comm"]
+    )
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("fsdp"),
-                  ["fsdp_refusals", "fsdp_fp32_norms", "fsdp_token_k2", "fsdp_bf16", "fsdp_fp16"])
+    return _spawn(
+        tmp_path_factory.mktemp("fsdp"), ["fsdp_refusals", "fsdp_fp32_norms", "fsdp_token_k2", "fsdp_bf16", "fsdp_fp16"]
+    )
 
 
 def _get(results, name) -> list[dict]:
@@ -269,8 +290,10 @@ def _assert_same_on_every_rank(per_rank):
     for other in per_rank[1:]:
         assert [r.keys() for r in other["rows"]] == [r.keys() for r in first]
         for a, b in zip(first, other["rows"]):
-            assert a == b or all(x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
-                                 for x, y in zip(a.values(), b.values())), (a, b)
+            assert a == b or all(
+                x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
+                for x, y in zip(a.values(), b.values())
+            ), (a, b)
         for p, q in zip(per_rank[0]["params"], other["params"]):
             assert torch.equal(p, q)
 
@@ -292,6 +315,7 @@ def _assert_matches_reference(rows, ref_rows, params, ref_params, rtol=1e-5, ato
 
 
 # -- DDP ----------------------------------------------------------------------------------------
+
 
 def test_ddp_matches_one_process_with_global_skips(ddp_results):
     per_rank = _get(ddp_results, "ddp_mean")
@@ -334,6 +358,7 @@ def test_ddp_checkpoint_is_a_one_process_checkpoint(ddp_results):
 
 # -- FSDP2 --------------------------------------------------------------------------------------
 
+
 def test_fsdp2_norm_is_the_full_gradient_norm(fsdp_results):
     per_rank = _get(fsdp_results, "fsdp_fp32_norms")
     _assert_same_on_every_rank(per_rank)
@@ -360,8 +385,9 @@ def test_fsdp2_low_precision_steps_agree_across_ranks(fsdp_results, dtype):
     _assert_same_on_every_rank(per_rank)
     ref = run(build(dtype=dtype))
     # autocast rounds differently on a half batch: compare loosely, skips and scales exactly
-    _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"],
-                              rtol=2e-2, atol=2e-3)
+    _assert_matches_reference(
+        per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"], rtol=2e-2, atol=2e-3
+    )
     if dtype == "fp16":  # both ranks backed off on the shard-local inf, and on the refused loss
         assert [r["scaler_scale"] for r in per_rank[0]["rows"]][NAN_STEP] < 2.0**10
 

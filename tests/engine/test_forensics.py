@@ -19,8 +19,8 @@ class Net(nn.Module):
         super().__init__()
         self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 2)
-        self.unused = nn.Linear(3, 3)   # in the optimizer, never in the graph: grad None
-        self.frozen = nn.Linear(2, 2)   # requires_grad=False: not trainable, not counted
+        self.unused = nn.Linear(3, 3)  # in the optimizer, never in the graph: grad None
+        self.frozen = nn.Linear(2, 2)  # requires_grad=False: not trainable, not counted
         self.frozen.requires_grad_(False)
 
     def forward(self, x):
@@ -75,8 +75,7 @@ def test_update_norm_with_plain_sgd_is_lr_times_grad_norm():
     x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
     nn.functional.cross_entropy(model(x), y).backward()
     g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()
-    cols = _manual_step(StepForensics(update_norm=True, param_norm=False, top_k=0, zero_grads=False),
-                        model, opt, x, y)
+    cols = _manual_step(StepForensics(update_norm=True, param_norm=False, top_k=0, zero_grads=False), model, opt, x, y)
     assert cols == {"update_norm": pytest.approx(0.5 * g, rel=1e-5)}
 
 
@@ -111,8 +110,9 @@ def test_through_amp_train_state_with_update_clipping():
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
     clip = make_clip_policy("update", max_update_norm=1e-3)
-    state = AmpTrainState(model, opt, nn.functional.cross_entropy, dtype="bf16", clip=clip,
-                          forensics=StepForensics(model))
+    state = AmpTrainState(
+        model, opt, nn.functional.cross_entropy, dtype="bf16", clip=clip, forensics=StepForensics(model)
+    )
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         rec = state.step(torch.randn(8, 4, generator=gen), torch.randint(0, 2, (8,), generator=gen))

@@ -21,8 +21,19 @@ def _setup(dtype, fused, opt_name="adamw", accumulation=1, log_every=None, sched
     kw = {"momentum": 0.9} if opt_name == "sgd" else {"weight_decay": 0.1}
     opt = cls(model.parameters(), lr=1e-2, fused=True, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)) if schedule else None
-    state = AmpTrainState(model, opt, loss_fn, dtype=dtype, max_norm=0.5, scheduler=sched, init_scale=2.0**10,
-                          growth_interval=3, accumulation_steps=accumulation, fused=fused, log_every=log_every)
+    state = AmpTrainState(
+        model,
+        opt,
+        loss_fn,
+        dtype=dtype,
+        max_norm=0.5,
+        scheduler=sched,
+        init_scale=2.0**10,
+        growth_interval=3,
+        accumulation_steps=accumulation,
+        fused=fused,
+        log_every=log_every,
+    )
     return model, opt, sched, state
 
 
@@ -52,8 +63,14 @@ def _run(dtype, fused, steps=14, deferred=False, **kw):
 
 
 def _same_record(a, b, rel):
-    assert (a.step, a.skipped, a.skip_reason, a.clipped, a.token_count, a.max_norm) == \
-           (b.step, b.skipped, b.skip_reason, b.clipped, b.token_count, b.max_norm)
+    assert (a.step, a.skipped, a.skip_reason, a.clipped, a.token_count, a.max_norm) == (
+        b.step,
+        b.skipped,
+        b.skip_reason,
+        b.clipped,
+        b.token_count,
+        b.max_norm,
+    )
     for name in FLOATS:
         x, y = getattr(a, name), getattr(b, name)
         assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rel), (a.step, name, x, y)
@@ -175,8 +192,9 @@ def test_no_host_sync_between_flushes(monkeypatch):
     calls = []
     for name in SYNCS:
         orig = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1]
+        )
     per_step, records = [], []
     for i in range(10):
         out = state.step_deferred(*_script(i, model))
@@ -197,8 +215,7 @@ def test_no_cuda_sync_between_flushes():
     model = Tiny().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, scaler=LossScaler("cuda"),
-                          log_every=4)
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, scaler=LossScaler("cuda"), log_every=4)
     batches = [tuple(t.cuda() for t in _batch(i)) for i in range(8)]
     state.step_deferred(*batches[0])  # warm-up (lazy state, scaler init)
     state.flush()

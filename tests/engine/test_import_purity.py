@@ -27,8 +27,9 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow  # a fresh interpreter
 def test_engine_and_every_submodule_import_no_app_library():
     root = Path(clipamp_engine.__file__).resolve().parents[1]  # the child imports this same package
-    out = subprocess.run([sys.executable, "-c", _CHILD, *APP_LIBRARIES], capture_output=True, text=True,
-                         timeout=120, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, *APP_LIBRARIES], capture_output=True, text=True, timeout=120, cwd=root
+    )
     assert out.returncode == 0, out.stderr
     count, *loaded = out.stdout.split()
     assert int(count) >= 20  # every module was walked (clip/ included), not just the package

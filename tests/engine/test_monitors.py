@@ -12,7 +12,7 @@ def test_rolling_rate_matches_a_direct_window_count():
     r = RollingRate(50)
     for i, e in enumerate(events):
         r.add(e)
-        window = events[max(0, i - 49): i + 1]
+        window = events[max(0, i - 49) : i + 1]
         assert r.rate == pytest.approx(sum(window) / len(window))
     assert r.total == 500 and r.hits == sum(events)
 

@@ -44,7 +44,9 @@ def test_equivalent_to_torch_clip_grad_norm(max_norm):
     assert torch.equal(pre, ref_norm)
     for p, r in zip(model.parameters(), ref_params):
         assert torch.equal(p.grad, r.grad)
-    assert float(post) == pytest.approx(float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()), rel=1e-5)
+    assert float(post) == pytest.approx(
+        float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()), rel=1e-5
+    )
     assert float(post) <= max_norm * (1 + 1e-6) or max_norm > float(pre)
 
 

@@ -33,8 +33,7 @@ def _grads(dtypes, seed=0, sparse_at=None):
         g = (torch.randn(7 + 5 * i, 3, generator=gen, dtype=torch.float64) * 10.0 ** (i - 1)).to(dtype)
         if i == sparse_at:
             # duplicate index 4: coalescing sums two rows, as clipamp's grads_of does
-            g = torch.sparse_coo_tensor(torch.tensor([[0, 4, 4, 9]]), g[:4], (12, 3),
-                                        check_invariants=True).coalesce()
+            g = torch.sparse_coo_tensor(torch.tensor([[0, 4, 4, 9]]), g[:4], (12, 3), check_invariants=True).coalesce()
         out.append(g)
     return out
 
@@ -67,12 +66,15 @@ def test_fp64_stays_fp64_beyond_the_fp32_range(norm_type):
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
-@pytest.mark.parametrize("dtypes", [
-    (torch.float32, torch.float64),
-    (torch.bfloat16, torch.float32, torch.float64),
-    (torch.float16, torch.bfloat16, torch.float32),
-    (torch.float16, torch.float16),
-])
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float32, torch.float64),
+        (torch.float16, torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_mixed_dtypes_match_torch_and_accumulate_in_at_least_fp32(norm_type, dtypes):
     """Same value as torch; never narrower than fp32 (torch returns an fp16 norm for fp16
     grads, so its value carries fp16 rounding: compare at that tolerance, and ours against the
@@ -169,8 +171,9 @@ def test_torch_nonfinite_table_total_norm(one, prefix, scalar, norm_type, finite
     assert ours.dtype == torch.float64
     assert math.isfinite(float(ours)) == finite
     # and the same value as torch, nan for nan, inf for inf
-    torch.testing.assert_close(ours, torch.nn.utils.get_total_norm(grads, norm_type), rtol=1e-12, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(
+        ours, torch.nn.utils.get_total_norm(grads, norm_type), rtol=1e-12, atol=0, equal_nan=True
+    )
 
 
 @pytest.mark.parametrize("one,prefix,scalar", sorted({(c[0], c[1], c[2]) for c in _table_cases()}, key=str))
@@ -197,6 +200,7 @@ def test_torch_nonfinite_table_check_and_l2_clip(one, prefix, scalar):
 
 # -- an fp64 model through AmpTrainState, every clip mode ------------------------------------
 
+
 @pytest.mark.parametrize("mode", sorted(CLIP_MODES))
 def test_every_clip_mode_trains_an_fp64_model(mode):
     """An fp64 model (``dtype="fp32"``: no autocast) trains in every clip mode: parameters stay
@@ -211,8 +215,9 @@ def test_every_clip_mode_trains_an_fp64_model(mode):
     records = [state.step(x, y) for x, y in batches]
     assert not any(r.skipped for r in records)
     assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in state.model.parameters())
-    assert all(math.isfinite(r.grad_l2_pre_clip) and r.grad_l2_post_clip <= r.grad_l2_pre_clip * (1 + 1e-6)
-               for r in records)
+    assert all(
+        math.isfinite(r.grad_l2_pre_clip) and r.grad_l2_post_clip <= r.grad_l2_pre_clip * (1 + 1e-6) for r in records
+    )
     if mode != "dpsgd":
         assert records[0].grad_l2_pre_clip == pytest.approx(float(ref_norm), rel=1e-12)
 
@@ -226,8 +231,13 @@ def test_an_fp64_model_with_a_fused_optimizer_takes_the_default_path():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 8, dtype=torch.float64) * 3, torch.randint(0, 3, (8,))
-    state = AmpTrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
-                          nn.functional.cross_entropy, dtype="fp32", max_norm=0.5)
+    state = AmpTrainState(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+        nn.functional.cross_entropy,
+        dtype="fp32",
+        max_norm=0.5,
+    )
     assert state.pipeline == "default"
     record = state.step(x, y)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -238,8 +248,14 @@ def test_an_fp64_model_with_a_fused_optimizer_takes_the_default_path():
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
     with pytest.raises(ValueError, match="fused=True: the fused path cannot run: fp64 parameters"):
-        AmpTrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
-                      nn.functional.cross_entropy, dtype="fp32", max_norm=0.5, fused=True)
+        AmpTrainState(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+            nn.functional.cross_entropy,
+            dtype="fp32",
+            max_norm=0.5,
+            fused=True,
+        )
 
 
 def test_autoclip_and_zclip_keep_an_fp64_models_norms_in_fp64():
@@ -261,8 +277,10 @@ def test_autoclip_and_zclip_keep_an_fp64_models_norms_in_fp64():
     assert float(zscore.var) == pytest.approx(np.var(norms), rel=1e-6) and float(zscore.var) > 0  # fp32: 0 or inf
     for policy in (quantile, zscore):
         state = policy.state_dict()
-        again = make_clip_policy(policy.mode, **({"quantile": 0.5, "history": 100} if policy.mode == "quantile"
-                                                  else {"warmup_steps": len(norms)}))
+        again = make_clip_policy(
+            policy.mode,
+            **({"quantile": 0.5, "history": 100} if policy.mode == "quantile" else {"warmup_steps": len(norms)}),
+        )
         again.load_state_dict(state)
         assert again.state_dict().keys() == state.keys()
         for k, v in state.items():

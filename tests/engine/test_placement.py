@@ -30,15 +30,15 @@ def test_window_starts_after_warmup_and_after_the_transient():
     # ... so the window's median is the stationary one, while a window from step 1 overstates it
     norms = np.array([t[2] for t in trace])
     stationary = np.median(norms[200:])
-    assert np.median(norms[p.start - 1:p.start + 99]) == pytest.approx(stationary, rel=0.1)
-    assert np.quantile(norms[:100], 0.95) > 1.5 * np.quantile(norms[p.start - 1:p.start + 99], 0.95)
+    assert np.median(norms[p.start - 1 : p.start + 99]) == pytest.approx(stationary, rel=0.1)
+    assert np.quantile(norms[:100], 0.95) > 1.5 * np.quantile(norms[p.start - 1 : p.start + 99], 0.95)
 
 
 def test_the_rule_is_online_a_prefix_gives_the_same_start():
     trace, _ = _trace(seed=3)
     p = auto_window_start(trace)
-    assert auto_window_start(trace[:p.settled_at]) == p
-    assert auto_window_start(trace[:p.settled_at - 1]) is None
+    assert auto_window_start(trace[: p.settled_at]) == p
+    assert auto_window_start(trace[: p.settled_at - 1]) is None
 
 
 def test_isolated_spikes_do_not_delay_the_window():

@@ -41,8 +41,7 @@ class _DeepSpeedScaler:
     ``stable_offset=1`` is DeepSpeed's growth condition; ``0`` is Megatron/apex's original one.
     """
 
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
-                 stable_offset=1):
+    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis, stable_offset=1):
         self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
         self.scale_window, self.min_scale = scale_window, min_scale
         self.delayed_shift = self.cur_hysteresis = delayed_shift
@@ -73,6 +72,7 @@ def _overflows(n: int, p: float, seed: int) -> list[bool]:
 
 # -- item 3: never past the fp32 range ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("max_scale", [math.inf, 1e39])
 def test_growth_that_would_overflow_fp32_is_refused_like_gradscaler(max_scale):
     """The issue's case: init 1e38, growth ×16 every clean step. GradScaler keeps 1e38
@@ -94,6 +94,7 @@ def test_growth_up_to_the_fp32_edge_then_refused_like_gradscaler():
 
 # -- item 4: growth counted as GradScaler counts it -------------------------------------------
 
+
 @pytest.mark.parametrize("growth_interval", [1, 3, 7])
 def test_without_hysteresis_the_scale_follows_gradscaler_step_for_step(growth_interval):
     kw = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval)
@@ -112,9 +113,14 @@ def test_first_growth_comes_one_clean_step_before_deepspeeds(window):
     ds = _DeepSpeedScaler(2.0**10, window, 1.0, delayed_shift=1, consecutive_hysteresis=False)
     n = 3 * window + 1
     flags = [True] + [False] * n
-    series = {name: [step(f) for f in flags] for name, step in
-              [("ours", lambda f: _iteration(ours, f)), ("torch", lambda f: _iteration(ref, f)),
-               ("deepspeed", ds.update_scale)]}
+    series = {
+        name: [step(f) for f in flags]
+        for name, step in [
+            ("ours", lambda f: _iteration(ours, f)),
+            ("torch", lambda f: _iteration(ref, f)),
+            ("deepspeed", ds.update_scale),
+        ]
+    }
 
     def growth_steps(scales):  # clean steps after the overflow at which the scale grew
         return [i for i in range(1, len(scales)) if scales[i] > scales[i - 1]]
@@ -128,8 +134,14 @@ def test_first_growth_comes_one_clean_step_before_deepspeeds(window):
 def test_overflow_rule_is_deepspeeds_with_gradscalers_growth_count(hysteresis, consecutive):
     """DeepSpeed's update_scale, step for step, once its growth condition counts clean steps
     as GradScaler (and Megatron/apex) do; the actual DeepSpeed condition differs only there."""
-    kw = dict(init_scale=2.0**20, growth_interval=4, hysteresis=hysteresis, consecutive_hysteresis=consecutive,
-              min_scale=1.0, max_scale=math.inf)
+    kw = dict(
+        init_scale=2.0**20,
+        growth_interval=4,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_scale=1.0,
+        max_scale=math.inf,
+    )
     ours = HysteresisScaler("cpu", **kw)
     oracle = _DeepSpeedScaler(2.0**20, 4, 1.0, hysteresis, consecutive, stable_offset=0)
     deepspeed = _DeepSpeedScaler(2.0**20, 4, 1.0, hysteresis, consecutive, stable_offset=1)

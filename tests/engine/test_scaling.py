@@ -37,13 +37,13 @@ def test_hysteresis_3_four_overflows_gives_256_256_128_64():
 def test_hysteresis_is_restored_only_on_growth_unless_consecutive():
     plain = HysteresisScaler("cpu", init_scale=256.0, hysteresis=2, growth_interval=3)
     assert _iteration(plain, True) == 256.0  # absorbed, counter 2→1
-    _iteration(plain, False)                 # clean step: counter stays 1 (not consecutive)
+    _iteration(plain, False)  # clean step: counter stays 1 (not consecutive)
     assert plain.hysteresis_left == 1
     assert _iteration(plain, True) == 128.0  # so this overflow backs off at once
 
     consecutive = HysteresisScaler("cpu", init_scale=256.0, hysteresis=2, consecutive_hysteresis=True)
     assert _iteration(consecutive, True) == 256.0
-    _iteration(consecutive, False)           # clean step restores the counter to 2
+    _iteration(consecutive, False)  # clean step restores the counter to 2
     assert consecutive.hysteresis_left == 2
     assert _iteration(consecutive, True) == 256.0  # absorbed again
 
@@ -114,8 +114,9 @@ def test_plugs_into_amp_train_state_fp16():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = HysteresisScaler("cpu", init_scale=2.0**24, hysteresis=2, growth_interval=1000, max_scale=2.0**24)
     assert isinstance(scaler, LossScaler)
-    state = AmpTrainState(model, opt, lambda out, y: (out.float() - y).pow(2).mean() * 100.0, dtype="fp16",
-                          scaler=scaler)
+    state = AmpTrainState(
+        model, opt, lambda out, y: (out.float() - y).pow(2).mean() * 100.0, dtype="fp16", scaler=scaler
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     records = [state.step(x, y) for _ in range(24)]
     scales = [r.scaler_scale for r in records]

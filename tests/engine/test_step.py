@@ -176,11 +176,14 @@ def test_device_type_must_match_model():
         AmpTrainState(model, opt, F.mse_loss, device_type="cuda")
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(dtype="fp8"), "dtype='fp8' is not one of bf16, fp16, fp32"),
-    (dict(max_norm=0.0), "max_norm=0.0 must be > 0"),
-    (dict(accumulation_steps=0), "accumulation_steps=0 must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(dtype="fp8"), "dtype='fp8' is not one of bf16, fp16, fp32"),
+        (dict(max_norm=0.0), "max_norm=0.0 must be > 0"),
+        (dict(accumulation_steps=0), "accumulation_steps=0 must be an integer >= 1"),
+    ],
+)
 def test_bad_arguments_name_value_and_choices(kw, msg):
     model, opt = _pair()
     with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
@@ -189,8 +192,9 @@ def test_bad_arguments_name_value_and_choices(kw, msg):
 
 def test_fail_fast_raises_with_the_record():
     model, opt = _pair()
-    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp32",
-                          skip_monitor=SkipRateMonitor(fail_window=4, fail_above=0.5))
+    state = AmpTrainState(
+        model, opt, F.mse_loss, dtype="fp32", skip_monitor=SkipRateMonitor(fail_window=4, fail_above=0.5)
+    )
     x, y = _batch(0)
     for _ in range(3):
         state.step(x, y * float("inf"))  # window not yet full
@@ -241,6 +245,14 @@ def test_records_are_steplogs_with_contract_fields():
     log = AmpTrainState(model, opt, F.mse_loss).step(*_batch(0))
     assert type(log) is StepLog
     row = log.row()
-    assert list(row)[:8] == ["step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss",
-                             "skipped", "skip_reason", "scaler_scale"]
+    assert list(row)[:8] == [
+        "step",
+        "lr",
+        "grad_l2_pre_clip",
+        "grad_l2_post_clip",
+        "loss",
+        "skipped",
+        "skip_reason",
+        "scaler_scale",
+    ]
     assert row["step"] == 1 and row["skipped"] is False and row["skip_reason"] == ""

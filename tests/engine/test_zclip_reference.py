@@ -43,7 +43,7 @@ def _reference_run(norms, **kw):
     model, ref = _Model(), ZClip(mode="zscore", max_grad_norm=None, **kw)
     post, zs = [], []
     for g in norms:
-        zs.append((g - ref.mean) / (ref.var ** 0.5 + ref.eps) if ref.initialized else math.nan)
+        zs.append((g - ref.mean) / (ref.var**0.5 + ref.eps) if ref.initialized else math.nan)
         model.w.grad = DIRECTION * g
         ref.step(model)
         post.append(float(model.w.grad.norm()))
@@ -113,4 +113,4 @@ def test_norms_near_1e_minus_5_are_treated_as_the_reference_treats_them_at_scale
         assert torch.equal(p.grad, before)  # not a spike: untouched, bit for bit
         assert policy.threshold == pytest.approx((mean + 2.5 * std) * scale, rel=1e-5)  # where it would clip
     else:
-        assert post / scale == pytest.approx(mean + 2.5 ** 2 / z * std, rel=1e-5)
+        assert post / scale == pytest.approx(mean + 2.5**2 / z * std, rel=1e-5)

@@ -26,8 +26,14 @@ def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Pope
     """``python -m sweep ARGS`` in ``cwd`` with this tree's code, not waited for."""
     full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full.update({"PYTHONPATH": str(REPO), **(env or {})})
-    return subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=cwd, env=full, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sweep", *args],
+        cwd=cwd,
+        env=full,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -23,8 +23,17 @@ from tests.reliability.helpers import assert_one_line_error
 pytestmark = pytest.mark.slow  # real runs through the app
 
 # one window at steps 1-6 (τ adopted at 6), a checkpoint at 10, killed after step 13
-RUN = ["+experiment=calibrate", *TINY, "steps=20", "calibrate.window=6", "calibrate.start=0", "checkpoint_every=10",
-       "seed=3", "optim.schedule=constant", "optim.warmup_steps=3"]
+RUN = [
+    "+experiment=calibrate",
+    *TINY,
+    "steps=20",
+    "calibrate.window=6",
+    "calibrate.start=0",
+    "checkpoint_every=10",
+    "seed=3",
+    "optim.schedule=constant",
+    "optim.warmup_steps=3",
+]
 
 
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -35,8 +44,9 @@ def test_calibrate_resume_without_its_csv_is_refused_and_with_it_keeps_tau(tmp_p
     cfg = compose_cfg(*RUN, f"tracking.uri={store}")
     s = Store.open(store, cfg.tracking.experiment)
     with pytest.raises(KeyboardInterrupt):
-        run_training(calibrated(cfg), s, RunSpec("calibrate-gpt-bf16"),
-                     RunHooks(step=kill_after(13), announce=lambda m: None))
+        run_training(
+            calibrated(cfg), s, RunSpec("calibrate-gpt-bf16"), RunHooks(step=kill_after(13), announce=lambda m: None)
+        )
     client = MlflowClient(store)
     (killed,) = client.search_runs([s.experiment_id])
     run_id = killed.info.run_id

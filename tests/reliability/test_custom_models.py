@@ -13,19 +13,30 @@ LM = DataConfig(name="stdlib", batch_size=2, seq_len=16, max_files=20, eval_batc
 SYN = DataConfig(name="synthetic", batch_size=4, eval_batches=1)
 
 CASES = [
-    (dict(_target_="torch.nn.Embedding", kwargs={"num_embeddings": 256, "embedding_dim": 8}), LM,
-     "model._target_='torch.nn.Embedding' returned (2, 16, 8) for inputs of shape (2, 16); "
-     "expected logits of shape (batch, seq_len, 256) = (2, 16, 256)"),
-    (dict(_target_="torch.nn.GRU", kwargs={"input_size": 16, "hidden_size": 1}), SYN,
-     "model._target_='torch.nn.GRU' returned a tuple for inputs of shape (4, 16); "
-     "expected a tensor of shape (batch, model.out_features=1) = (4, 1)"),
-    (dict(_target_="torch.nn.Linear", kwargs={"in_features": 16, "out_features": 3}), SYN,
-     "model._target_='torch.nn.Linear' returned (4, 3) for inputs of shape (4, 16); "
-     "expected a tensor of shape (batch, model.out_features=1) = (4, 1)"),
-    (dict(_target_="torch.nn.Identity"), LM,
-     "model._target_='torch.nn.Identity' has no trainable parameters"),
-    (dict(_target_="torch.nn.Linear", kwargs={"in_features": 7, "out_features": 1}), SYN,
-     "model._target_='torch.nn.Linear' failed on inputs of shape (4, 16) (RuntimeError: mat1 and mat2 shapes"),
+    (
+        dict(_target_="torch.nn.Embedding", kwargs={"num_embeddings": 256, "embedding_dim": 8}),
+        LM,
+        "model._target_='torch.nn.Embedding' returned (2, 16, 8) for inputs of shape (2, 16); "
+        "expected logits of shape (batch, seq_len, 256) = (2, 16, 256)",
+    ),
+    (
+        dict(_target_="torch.nn.GRU", kwargs={"input_size": 16, "hidden_size": 1}),
+        SYN,
+        "model._target_='torch.nn.GRU' returned a tuple for inputs of shape (4, 16); "
+        "expected a tensor of shape (batch, model.out_features=1) = (4, 1)",
+    ),
+    (
+        dict(_target_="torch.nn.Linear", kwargs={"in_features": 16, "out_features": 3}),
+        SYN,
+        "model._target_='torch.nn.Linear' returned (4, 3) for inputs of shape (4, 16); "
+        "expected a tensor of shape (batch, model.out_features=1) = (4, 1)",
+    ),
+    (dict(_target_="torch.nn.Identity"), LM, "model._target_='torch.nn.Identity' has no trainable parameters"),
+    (
+        dict(_target_="torch.nn.Linear", kwargs={"in_features": 7, "out_features": 1}),
+        SYN,
+        "model._target_='torch.nn.Linear' failed on inputs of shape (4, 16) (RuntimeError: mat1 and mat2 shapes",
+    ),
 ]
 
 
@@ -44,8 +55,9 @@ def test_a_fitting_custom_model_trains_unchanged():
 
     cfg = ModelConfig(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"d": 16, "hidden": 32})
     a = build_task(cfg, LM, seed=3)
-    b = build_task(ModelConfig(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"d": 16, "hidden": 32}),
-                   LM, seed=3)
+    b = build_task(
+        ModelConfig(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"d": 16, "hidden": 32}), LM, seed=3
+    )
     assert a.model.training
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
@@ -54,8 +66,17 @@ def test_a_fitting_custom_model_trains_unchanged():
 
 @pytest.mark.slow  # a `python -m sweep` subprocess: seconds of imports
 def test_cli_wrong_output_exit_2_and_no_run(tmp_path, store):
-    p = run_cli("+experiment=train", "model=custom", "data=synthetic", "model._target_=torch.nn.GRU",
-                "+model.kwargs.input_size=16", "+model.kwargs.hidden_size=1", "steps=2", *TINY, cwd=tmp_path)
+    p = run_cli(
+        "+experiment=train",
+        "model=custom",
+        "data=synthetic",
+        "model._target_=torch.nn.GRU",
+        "+model.kwargs.input_size=16",
+        "+model.kwargs.hidden_size=1",
+        "steps=2",
+        *TINY,
+        cwd=tmp_path,
+    )
     assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: model._target_='torch.nn.GRU' returned a tuple"), p.stderr

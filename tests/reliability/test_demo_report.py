@@ -28,12 +28,15 @@ def test_rerun_with_the_same_csv_replaces_it(tmp_path, capsys):
     pd.testing.assert_frame_equal(first, again)  # the same seed gives the same run
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--steps", "0"], "error: --steps 0 must be >= 1, e.g. --steps 20"),
-    (["--max-norm", "-1"], "error: --max-norm -1.0 must be a finite number > 0, e.g. --max-norm 1.0"),
-    (["--max-norm", "nan"], "error: --max-norm nan must be a finite number > 0, e.g. --max-norm 1.0"),
-    (["--csv", "/proc/nope/steps.csv"], "error: --csv /proc/nope/steps.csv: cannot write there"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "error: --steps 0 must be >= 1, e.g. --steps 20"),
+        (["--max-norm", "-1"], "error: --max-norm -1.0 must be a finite number > 0, e.g. --max-norm 1.0"),
+        (["--max-norm", "nan"], "error: --max-norm nan must be a finite number > 0, e.g. --max-norm 1.0"),
+        (["--csv", "/proc/nope/steps.csv"], "error: --csv /proc/nope/steps.csv: cannot write there"),
+    ],
+)
 def test_bad_argument_is_one_line_exit_2(capsys, argv, message):
     rc, out, err = _demo(capsys, *argv)
     assert rc == 2 and out == ""
@@ -59,13 +62,24 @@ def test_report_out_into_a_missing_folder(tmp_path, store):
     client.set_terminated(run.info.run_id)
     env_uri = ["--tracking-uri", store]
     out = tmp_path / "reports" / "new" / "table.md"
-    p = subprocess.run([sys.executable, "-m", "sweep.report", *env_uri, "--out", str(out)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "sweep.report", *env_uri, "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert out.exists() and f"saved {out}" in p.stdout
-    bad = subprocess.run([sys.executable, "-m", "sweep.report", *env_uri, "--out", "/proc/nope/table.md"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "sweep.report", *env_uri, "--out", "/proc/nope/table.md"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "error: --out /proc/nope/table.md: cannot create /proc/nope/ (No such file or directory): "
-        "pass a path in a writable folder"]
+        "pass a path in a writable folder"
+    ]

@@ -20,22 +20,35 @@ from tests.app.helpers import TINY
 from tests.reliability.helpers import assert_one_line_error, finish, start_cli
 
 STEPS = 1000
-RUN = ["+experiment=train", *TINY, f"steps={STEPS}", "checkpoint_every=50", "optim.schedule=constant",
-       "optim.warmup_steps=2", "tracking.flush_every=10"]
+RUN = [
+    "+experiment=train",
+    *TINY,
+    f"steps={STEPS}",
+    "checkpoint_every=50",
+    "optim.schedule=constant",
+    "optim.warmup_steps=2",
+    "tracking.flush_every=10",
+]
 
 
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_resumable_in_one_line(tmp_path, store_template):
     mlruns = tmp_path / "mlruns"
     mlruns.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mlruns)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mlruns)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root and mount(8) for a small file system to fill")
     try:
         shutil.copyfile(store_template, mlruns / "mlflow.db")
         res = finish(start_cli(*RUN, cwd=tmp_path))
-        line = assert_one_line_error(res, "no space left on the device while writing",
-                                     "free space there and resume with resume=true")
+        line = assert_one_line_error(
+            res, "no space left on the device while writing", "free space there and resume with resume=true"
+        )
         client = MlflowClient(f"sqlite:///{mlruns}/mlflow.db")
         (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
         assert run.info.status == "KILLED", line

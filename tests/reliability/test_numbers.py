@@ -46,6 +46,7 @@ def test_cli_refuses_negative_min_lr_ratio_before_any_run(tmp_path):
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines() == [
         "error: optim.min_lr_ratio=-1.0 must be in [0, 1] (the LR decays to min_lr_ratio·lr): "
-        "pass e.g. optim.min_lr_ratio=0.1"]
+        "pass e.g. optim.min_lr_ratio=0.1"
+    ]
     assert "Traceback" not in p.stdout + p.stderr
     assert not (tmp_path / "mlruns").exists()

@@ -24,8 +24,13 @@ def killed(tmp_path_factory, store_template):
     """A train run stopped by SIGTERM after >= 8 steps: (folder, uri, run id, csv, checkpoint)."""
     tmp = tmp_path_factory.mktemp("killed")
     uri = store_in(tmp, store_template)
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *RUN, f"tracking.uri={uri}", "steps=100000",
-                             "checkpoint_every=0"], cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweep", *RUN, f"tracking.uri={uri}", "steps=100000", "checkpoint_every=0"],
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     csv = None
     for line in proc.stdout:
         if line.startswith("steps.csv: "):
@@ -57,15 +62,18 @@ def _resume(killed, *overrides: str) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("override,shown", [
-    ("clip.max_norm=2.0", "clip.max_norm (run: 1.0, now: 2.0)"),
-    ("amp.dtype=fp32", "amp.dtype (run: bf16, now: fp32)"),
-    ("seed=7", "seed (run: 1, now: 7)"),
-    ("model.d_model=64", "model.d_model (run: 32, now: 64)"),
-    ("forensics.update_norm=true", "forensics.update_norm (run: False, now: True)"),
-    ("optim.lr=0.01", "optim.lr (run: 0.003, now: 0.01)"),
-    ("data.seq_len=16", "data.seq_len (run: 32, now: 16)"),
-])
+@pytest.mark.parametrize(
+    "override,shown",
+    [
+        ("clip.max_norm=2.0", "clip.max_norm (run: 1.0, now: 2.0)"),
+        ("amp.dtype=fp32", "amp.dtype (run: bf16, now: fp32)"),
+        ("seed=7", "seed (run: 1, now: 7)"),
+        ("model.d_model=64", "model.d_model (run: 32, now: 64)"),
+        ("forensics.update_norm=true", "forensics.update_norm (run: False, now: True)"),
+        ("optim.lr=0.01", "optim.lr (run: 0.003, now: 0.01)"),
+        ("data.seq_len=16", "data.seq_len (run: 32, now: 16)"),
+    ],
+)
 def test_changed_config_is_refused_naming_the_key(killed, override, shown):
     msg = _resume(killed, override)
     assert f"the config differs from the run's in {shown}" in msg and "drop those overrides" in msg, msg
@@ -76,17 +84,22 @@ def test_cli_refusal_is_one_line_exit_2(killed):
     p = run_cli(*RUN, f"tracking.uri={uri}", "steps=100", "resume=true", "clip.max_norm=2.0", cwd=tmp)
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == [f"error: resume={run_id}: the config differs from the run's in clip.max_norm (run: 1.0, "
-                      f"now: 2.0); these change the maths of the remaining steps: drop those overrides to resume, "
-                      f"or start a new run (drop resume=)"]
+    assert errors == [
+        f"error: resume={run_id}: the config differs from the run's in clip.max_norm (run: 1.0, "
+        f"now: 2.0); these change the maths of the remaining steps: drop those overrides to resume, "
+        f"or start a new run (drop resume=)"
+    ]
     assert MlflowClient(uri).get_run(run_id).info.status == "KILLED"
 
 
-@pytest.mark.parametrize("damage,shown", [
-    (lambda p: p.write_bytes(p.read_bytes()[:200]), "cannot be read"),
-    (lambda p: p.write_bytes(b""), "cannot be read"),
-    (lambda p: p.write_bytes(b"junk" * 100), "cannot be read"),
-])
+@pytest.mark.parametrize(
+    "damage,shown",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:200]), "cannot be read"),
+        (lambda p: p.write_bytes(b""), "cannot be read"),
+        (lambda p: p.write_bytes(b"junk" * 100), "cannot be read"),
+    ],
+)
 def test_corrupt_checkpoint_is_one_line(killed, damage, shown):
     ckpt = killed[4]
     saved = ckpt.read_bytes()
@@ -101,11 +114,14 @@ def test_corrupt_checkpoint_is_one_line(killed, damage, shown):
         ckpt.write_bytes(saved)
 
 
-@pytest.mark.parametrize("edit,shown", [
-    (lambda t: t.replace("\n3,", "\nthree,", 1), "is not a readable steps CSV"),
-    (lambda t: t.replace("\n3,", "\n3,x", 1), "has an unreadable row"),
-    (lambda t: "\n".join(l for l in t.split("\n") if not l.startswith("4,")), "does not hold steps 1–"),
-])
+@pytest.mark.parametrize(
+    "edit,shown",
+    [
+        (lambda t: t.replace("\n3,", "\nthree,", 1), "is not a readable steps CSV"),
+        (lambda t: t.replace("\n3,", "\n3,x", 1), "has an unreadable row"),
+        (lambda t: "\n".join(l for l in t.split("\n") if not l.startswith("4,")), "does not hold steps 1–"),
+    ],
+)
 def test_corrupt_csv_is_one_line(killed, edit, shown):
     tmp, uri, run_id, csv, ckpt = killed
     saved = csv.read_text()
@@ -124,8 +140,11 @@ def test_steps_may_extend_and_the_resume_finishes(killed):
     """Last: ``steps=`` (and the display keys) may change; the run then finishes with every row once."""
     tmp, uri, run_id, csv, ckpt = killed
     rows = csv.read_text().count("\n") - 1
-    run(compose_cfg(*RUN, f"tracking.uri={uri}", f"steps={rows + 3}", "resume=true", "progress=false",
-                    "checkpoint_every=50"))
+    run(
+        compose_cfg(
+            *RUN, f"tracking.uri={uri}", f"steps={rows + 3}", "resume=true", "progress=false", "checkpoint_every=50"
+        )
+    )
     steps = [int(l.split(",", 1)[0]) for l in csv.read_text().splitlines()[1:]]
     assert steps == list(range(1, rows + 4))
     assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED" and not ckpt.exists()

@@ -18,13 +18,20 @@ from tests.app.helpers import TINY, compose_cfg
 
 pytestmark = pytest.mark.slow
 
-RUN = ["+experiment=train", *TINY, "seed=1", "optim.schedule=constant", "optim.warmup_steps=5",
-       "tracking.flush_every=1"]
+RUN = [
+    "+experiment=train",
+    *TINY,
+    "seed=1",
+    "optim.schedule=constant",
+    "optim.warmup_steps=5",
+    "tracking.flush_every=1",
+]
 
 
 def _start(tmp: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *RUN, *args], cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweep", *RUN, *args], cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     for line in proc.stdout:
         if line.startswith("steps.csv: "):
             return proc, Path(line.split(": ", 1)[1].strip())

@@ -23,7 +23,10 @@ FORMS = {  # what a user types (or Hydra writes back) → what may be shown
 @pytest.mark.parametrize("text", FORMS)
 def test_redaction_sees_every_url_form(text):
     assert redact_text(text) == FORMS[text]
-    assert redact_text("sqlite:///mlruns/mlflow.db http://127.0.0.1:5000") == "sqlite:///mlruns/mlflow.db http://127.0.0.1:5000"
+    assert (
+        redact_text("sqlite:///mlruns/mlflow.db http://127.0.0.1:5000")
+        == "sqlite:///mlruns/mlflow.db http://127.0.0.1:5000"
+    )
 
 
 def test_argv_carries_no_password_yet_the_config_gets_it(monkeypatch):
@@ -48,9 +51,17 @@ def test_no_file_or_stream_holds_a_password(tmp_path):
     env = {"TMPDIR": str(tmp)}
     storages = 'postgresql://bob:S1cret@127.0.0.1:1/x,"postgresql://127.0.0.1:1/x?password=S2cret"'
     multirun = start_cli("-m", "+experiment=train", *TINY, "steps=2", f"study.storage={storages}", cwd=work, env=env)
-    crash = start_cli("+experiment=train", *TINY, "steps=2", "model=custom", "model._target_=tests.reliability.crashing.Boom",
-                      "study.storage=postgresql://bob:S3cret@127.0.0.1:1/x", "tracking.uri=sqlite:///crash/mlflow.db",
-                      cwd=work, env=env)
+    crash = start_cli(
+        "+experiment=train",
+        *TINY,
+        "steps=2",
+        "model=custom",
+        "model._target_=tests.reliability.crashing.Boom",
+        "study.storage=postgresql://bob:S3cret@127.0.0.1:1/x",
+        "tracking.uri=sqlite:///crash/mlflow.db",
+        cwd=work,
+        env=env,
+    )
     results = [finish(multirun), finish(crash)]
     assert results[0].returncode == 0, results[0].stderr[-2000:]
     assert results[1].returncode == 1 and "Error executing job with overrides" in results[1].stderr
@@ -58,7 +69,9 @@ def test_no_file_or_stream_holds_a_password(tmp_path):
     client = MlflowClient(f"sqlite:///{work}/mlruns/mlflow.db")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert sorted(r.data.params["study.storage"] for r in runs) == [
-        "postgresql://127.0.0.1:1/x?password=***", "postgresql://bob:***@127.0.0.1:1/x"]
+        "postgresql://127.0.0.1:1/x?password=***",
+        "postgresql://bob:***@127.0.0.1:1/x",
+    ]
     assert all(r.info.status == "FINISHED" for r in runs)
     for secret in ("S1cret", "S2cret", "S3cret"):
         for res in results:

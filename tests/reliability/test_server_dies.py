@@ -28,8 +28,14 @@ from tests.reliability.helpers import finish, start_cli
 pytestmark = pytest.mark.slow  # real servers, real runs
 
 STEPS = 600
-RUN = ["+experiment=train", *TINY, f"steps={STEPS}", "tracking.flush_every=10", "optim.schedule=constant",
-       "optim.warmup_steps=2"]
+RUN = [
+    "+experiment=train",
+    *TINY,
+    f"steps={STEPS}",
+    "tracking.flush_every=10",
+    "optim.schedule=constant",
+    "optim.warmup_steps=2",
+]
 
 
 class Server:
@@ -44,9 +50,24 @@ class Server:
     def start(self) -> None:
         mlflow = Path(sys.executable).with_name("mlflow")
         self.proc = subprocess.Popen(
-            [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.root}/db.sqlite", "--artifacts-destination",
-             str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                str(mlflow),
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.root}/db.sqlite",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         for _ in range(240):
             try:
                 urllib.request.urlopen(self.uri + "/health", timeout=1).read()
@@ -126,8 +147,10 @@ def test_runs_outlive_their_tracking_server(tmp_path):
         run_id = waits_csv.parent.name
         _assert_complete_on_server(server.uri, run_id)
         assert not waits_csv.parent.exists()  # uploaded: the local copy went, and the end line says where
-        assert any(line.startswith("steps.csv: uploaded to mlflow-artifacts:/") and run_id in line
-                   for line in res.stdout.splitlines()), res.stdout[-2000:]
+        assert any(
+            line.startswith("steps.csv: uploaded to mlflow-artifacts:/") and run_id in line
+            for line in res.stdout.splitlines()
+        ), res.stdout[-2000:]
         sent = subprocess.run([*resend, str(folder)], capture_output=True, text=True, env=env, timeout=120)
         assert sent.returncode == 0, sent.stderr[-2000:]
         _assert_complete_on_server(server.uri, folder.name)

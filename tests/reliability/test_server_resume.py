@@ -22,9 +22,13 @@ RUN = ["+experiment=train", *TINY, "seed=1", "optim.schedule=constant", "optim.w
 
 def test_sigterm_then_resume_on_a_server_keeps_all_rows(server, tmp_path, monkeypatch):  # noqa: F811
     uri, root = server
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *RUN, f"tracking.uri={uri}", "steps=100000",
-                             "checkpoint_every=0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweep", *RUN, f"tracking.uri={uri}", "steps=100000", "checkpoint_every=0"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     csv = None
     for line in proc.stdout:
         if line.startswith("steps.csv: "):
@@ -36,8 +40,12 @@ def test_sigterm_then_resume_on_a_server_keeps_all_rows(server, tmp_path, monkey
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     client = MlflowClient(uri)
-    run_id = next(r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
-                  if r.info.status == "KILLED").info.run_id
+    run_id = next(
+        r
+        for e in client.search_experiments()
+        for r in client.search_runs([e.experiment_id])
+        if r.info.status == "KILLED"
+    ).info.run_id
     uploaded = [p for p in (root / "artifacts").rglob("steps.csv") if run_id in str(p)]
     n = uploaded[0].read_text().count("\n") - 1  # the local temporary copy is removed once uploaded
 

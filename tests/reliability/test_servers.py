@@ -19,8 +19,12 @@ def test_userinfo_url_and_postgresql_store_track_runs(tmp_path, server, postgres
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     http_user = uri.replace("http://", "http://bob:S1cret@")
-    procs = [start_cli("+experiment=train", *TINY, "steps=3", f"tracking.uri={target}", cwd=tmp_path,
-                       env={"TMPDIR": str(tmp)}) for target in (http_user, postgres)]
+    procs = [
+        start_cli(
+            "+experiment=train", *TINY, "steps=3", f"tracking.uri={target}", cwd=tmp_path, env={"TMPDIR": str(tmp)}
+        )
+        for target in (http_user, postgres)
+    ]
     results = [finish(p) for p in procs]
     for res, target, secret in zip(results, (uri, postgres), ("S1cret", PG_SECRET)):
         assert res.returncode == 0, res.stderr[-2000:]

@@ -22,8 +22,9 @@ RUN = ["+experiment=train", *TINY, f"steps={STEPS}", "data.eval_batches=200", "t
 
 
 def _signal_in_end_phase(tmp: Path, store: str, signals: int) -> tuple[subprocess.CompletedProcess, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *RUN], cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweep", *RUN], cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     csv = None
     for line in proc.stdout:
         if line.startswith("steps.csv: "):

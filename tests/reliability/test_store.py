@@ -29,8 +29,14 @@ from tests.reliability.helpers import assert_one_line_error, finish, open_and_lo
 # acceptance figure (measured: 60/60 for 3 processes, 40/40 under torchrun; each repetition costs a
 # 5-10 s migration on 2 cores).
 N_PROCESSES, REPETITIONS = 3, int(os.environ.get("CLIPAMP_RACE_REPS", "5"))
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(Path(__file__).with_name("store_race_ranks.py"))]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node=2",
+    str(Path(__file__).with_name("store_race_ranks.py")),
+]
 
 
 def _open_and_log(barrier, jobs, results) -> None:
@@ -70,8 +76,13 @@ def test_processes_racing_to_create_a_fresh_store_never_fail(tmp_path):
 def _ranks_racing(root: Path, reps: int, *flags: str) -> list[str]:
     """``torchrun --nproc_per_node=2``: both ranks open each fresh store at once; their outcomes."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    res = subprocess.run([*TORCHRUN, str(root), str(reps), *flags], env={**env, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [*TORCHRUN, str(root), str(reps), *flags],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return [o for rank in (0, 1) for o in json.loads((root / f"outcomes-{rank}.json").read_text())]
 
@@ -126,14 +137,17 @@ def _with_one_run(uri: str) -> None:
     client.set_terminated(client.create_run(client.create_experiment("e")).info.run_id)
 
 
-@pytest.mark.parametrize("revision,keep_runs,expected", [
-    ("ffffffffffff", True, "written by a newer MLflow"),
-    ("0a8213491aaa", True, "`mlflow db upgrade sqlite:///"),  # an older revision, with runs: upgrade it
-    ("0a8213491aaa", False, "left half-created"),  # nothing in it: move it aside
-])
+@pytest.mark.parametrize(
+    "revision,keep_runs,expected",
+    [
+        ("ffffffffffff", True, "written by a newer MLflow"),
+        ("0a8213491aaa", True, "`mlflow db upgrade sqlite:///"),  # an older revision, with runs: upgrade it
+        ("0a8213491aaa", False, "left half-created"),  # nothing in it: move it aside
+    ],
+)
 def test_an_unusable_schema_names_the_repair(store, revision, keep_runs, expected):
     _with_one_run(store)
-    _set_revision(Path(store[len("sqlite:///"):]), revision, keep_runs)
+    _set_revision(Path(store[len("sqlite:///") :]), revision, keep_runs)
     with pytest.raises(UserError) as e:
         Store.open(store, "clipamp")
     assert expected in str(e.value) and "\n" not in str(e.value)
@@ -143,8 +157,12 @@ def _http_server(root: Path) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -192,8 +210,10 @@ def test_store_problems_are_one_line_errors(tmp_path, store_template):
     web, port = _http_server(dirs["web"])
     cases["web"][0].append(f"tracking.uri=http://127.0.0.1:{port}")
     try:
-        procs = {name: start_cli("+experiment=train", *TINY, "steps=2", *args, cwd=dirs[name])
-                 for name, (args, _) in cases.items()}
+        procs = {
+            name: start_cli("+experiment=train", *TINY, "steps=2", *args, cwd=dirs[name])
+            for name, (args, _) in cases.items()
+        }
         results = {name: finish(p) for name, p in procs.items()}
     finally:
         web.terminate()

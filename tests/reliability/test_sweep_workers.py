@@ -23,8 +23,16 @@ from tests.reliability.helpers import finish, start_cli
 
 pytestmark = pytest.mark.slow  # real sweep processes
 
-ARGS = ["+experiment=sweep", *TINY, "study=pareto", "study.dtypes=[bf16,fp32]", "calibrate.window=8", "optim.warmup_steps=2",
-        "study.heartbeat_interval=1", "study.grace_period=600"]
+ARGS = [
+    "+experiment=sweep",
+    *TINY,
+    "study=pareto",
+    "study.dtypes=[bf16,fp32]",
+    "calibrate.window=8",
+    "optim.warmup_steps=2",
+    "study.heartbeat_interval=1",
+    "study.grace_period=600",
+]
 
 
 def _folder(tmp_path: Path, store_template: Path) -> Path:

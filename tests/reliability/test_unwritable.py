@@ -20,8 +20,13 @@ def test_read_only_artifact_folder_is_one_line_and_the_run_ends_failed(tmp_path)
     artifacts = tmp_path / "mlruns" / "artifacts"
     artifacts.mkdir()
     # a read-only file system (root ignores permission bits, so chmod would prove nothing)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(artifacts)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(artifacts)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root and mount(8) to make a read-only file system")
     try:
         res = finish(start_cli("+experiment=train", *TINY, "steps=2", cwd=tmp_path))

@@ -54,13 +54,16 @@ class _Spiker:
                 return batch
             peak = running_peak(norms, at, s.peak_window)
             if not (math.isfinite(peak) and peak > 0):
-                raise UserError(f"no finite pre-clip norm in the {s.peak_window or at - 1} steps before "
-                                f"spike.at_step={at}: raise spike.peak_window or spike.at_step")
+                raise UserError(
+                    f"no finite pre-clip norm in the {s.peak_window or at - 1} steps before "
+                    f"spike.at_step={at}: raise spike.peak_window or spike.at_step"
+                )
             blob = binary_blob(batch, seed=self.cfg.seed * 1_000_003 + at)
             natural = grad_norm(task.model, loss.loss_fn, blob, self.dtype)
             target = s.factor * peak
             self.crafted.append(Crafted(blob, target / natural, natural, peak, target))
             return batch
+
         return hook
 
     def inject(self, loss: SpikeLoss):
@@ -71,11 +74,21 @@ class _Spiker:
                 return batch
             loss.mark(self.crafted[0].batch.targets, self.crafted[0].k)
             return self.crafted[0].batch
+
         return hook
 
 
-def play_pair(cfg: Config, policy: str, store: Store, *, parent_run_id: str, console: Console,
-              artifacts: Callable | None = None, prefix: str = "", launch: Launch | None = None) -> tuple[Arm, Arm]:
+def play_pair(
+    cfg: Config,
+    policy: str,
+    store: Store,
+    *,
+    parent_run_id: str,
+    console: Console,
+    artifacts: Callable | None = None,
+    prefix: str = "",
+    launch: Launch | None = None,
+) -> tuple[Arm, Arm]:
     """One policy's unspiked twin (which crafts the corrupted batch at the spike step), then its spiked run.
 
     Both runs have the same seed, data order and policy, so they are the same run until the spike.
@@ -93,16 +106,36 @@ def play_pair(cfg: Config, policy: str, store: Store, *, parent_run_id: str, con
         task = replace(task, loss_fn=loss)
         norms: dict[int, float] = {}
         name = arm_name(policy, spiked, prefix)
-        spec = RunSpec(f"spike-{name}", parent_run_id=parent_run_id, task=task,
-                       tags={"spike_arm": name, "spike_policy": policy, "spike_family": arm_cfg.amp.dtype,
-                             "spiked": str(spiked).lower()})
-        hooks = RunHooks(batch=spiker.inject(loss) if spiked else spiker.craft(task, loss, norms),
-                         step=lambda log, norms=norms: norms.__setitem__(log.step, log.grad_l2_pre_clip),
-                         artifacts=artifacts,
-                         announce=lambda msg, name=name: console.print(f"[dim]{name}: {msg}[/dim]"))
+        spec = RunSpec(
+            f"spike-{name}",
+            parent_run_id=parent_run_id,
+            task=task,
+            tags={
+                "spike_arm": name,
+                "spike_policy": policy,
+                "spike_family": arm_cfg.amp.dtype,
+                "spiked": str(spiked).lower(),
+            },
+        )
+        hooks = RunHooks(
+            batch=spiker.inject(loss) if spiked else spiker.craft(task, loss, norms),
+            step=lambda log, norms=norms: norms.__setitem__(log.step, log.grad_l2_pre_clip),
+            artifacts=artifacts,
+            announce=lambda msg, name=name: console.print(f"[dim]{name}: {msg}[/dim]"),
+        )
         result = run_training(arm_cfg, store, spec, hooks, launch)
         if not spiker.crafted:
             raise RuntimeError(f"spike-{name} never reached step {at}")
-        out.append(Arm(name, policy, arm_cfg.amp.dtype, spiked, result, task,
-                       running_peak(norms, at, cfg.spike.peak_window), spiker.crafted[0]))
+        out.append(
+            Arm(
+                name,
+                policy,
+                arm_cfg.amp.dtype,
+                spiked,
+                result,
+                task,
+                running_peak(norms, at, cfg.spike.peak_window),
+                spiker.crafted[0],
+            )
+        )
     return out[0], out[1]

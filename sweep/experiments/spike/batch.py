@@ -31,7 +31,7 @@ def grad_norm(model: torch.nn.Module, loss_fn: Callable, batch: Batch, dtype: st
     """
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = params[0].device.type
-    amp = (torch.autocast(device_type, dtype=DTYPES["bf16"]) if dtype == "bf16" else contextlib.nullcontext())
+    amp = torch.autocast(device_type, dtype=DTYPES["bf16"]) if dtype == "bf16" else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]):
         with amp:
             out = loss_fn(model(batch.inputs), batch.targets)

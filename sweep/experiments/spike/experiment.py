@@ -15,8 +15,15 @@ from sweep.experiments.spike.arms import play_pair
 from sweep.experiments.spike.measure import Arm, SpikeResult, arm_metrics, fp16_outcome
 from sweep.report.format import print_wide
 from sweep.report.run import write_run_report
-from sweep.report.spike import (model_size, rich_table, spike_figure, summary_line, table_rows, table_title,
-                                write_spike_table)
+from sweep.report.spike import (
+    model_size,
+    rich_table,
+    spike_figure,
+    summary_line,
+    table_rows,
+    table_title,
+    write_spike_table,
+)
 from sweep.run.launch import Launch
 from sweep.run.tracking import RunTracker, SilentTracker, Store, log_metrics, redact
 
@@ -41,9 +48,20 @@ def open_parent(cfg: Config, store: Store, launch: Launch) -> RunTracker | Silen
     made: list[RunTracker] = []
 
     def on_main() -> tuple[str, str]:
-        parent = RunTracker(store.client, store.experiment_id, f"spike-{cfg.model.name}-{cfg.amp.dtype}",
-                            tags={**store.tags, "run": "spike", "dtype": cfg.amp.dtype, "model": cfg.model.name,
-                                  "data": cfg.data.name, "device": cfg.device, "ranks": str(launch.world)})
+        parent = RunTracker(
+            store.client,
+            store.experiment_id,
+            f"spike-{cfg.model.name}-{cfg.amp.dtype}",
+            tags={
+                **store.tags,
+                "run": "spike",
+                "dtype": cfg.amp.dtype,
+                "model": cfg.model.name,
+                "data": cfg.data.name,
+                "device": cfg.device,
+                "ranks": str(launch.world),
+            },
+        )
         made.append(parent)
         return parent.run_id, parent.run_name
 
@@ -51,8 +69,9 @@ def open_parent(cfg: Config, store: Store, launch: Launch) -> RunTracker | Silen
     return made[0] if made else SilentTracker(run_id, name)
 
 
-def run_spike(cfg: Config, store: Store, console: Console | None = None,
-              launch: Launch | None = None) -> SpikeResult | None:
+def run_spike(
+    cfg: Config, store: Store, console: Console | None = None, launch: Launch | None = None
+) -> SpikeResult | None:
     """Run each policy's pair as children of one parent run; log metrics, figure and table; print them.
 
     Under torchrun (``launch``) every rank trains every arm on its share of each (spiked) global
@@ -66,12 +85,17 @@ def run_spike(cfg: Config, store: Store, console: Console | None = None,
     status = "FAILED"
     try:
         parent.log_params(flat_params(cfg))
-        console.print(f"spike: parent run {parent.run_id}; a corrupted batch at step {s.at_step} with "
-                      f"‖g‖ = {s.factor:g} × the peak of the {s.peak_window or s.at_step - 1} steps before it")
+        console.print(
+            f"spike: parent run {parent.run_id}; a corrupted batch at step {s.at_step} with "
+            f"‖g‖ = {s.factor:g} × the peak of the {s.peak_window or s.at_step - 1} steps before it"
+        )
         common = dict(parent_run_id=parent.run_id, console=console, artifacts=write_run_report, launch=launch)
         pairs = {p: play_pair(cfg, p, store, **common) for p in POLICIES}
-        fp16 = ({p: play_pair(cfg16, p, store, prefix="fp16-", **common) for p in FP16_POLICIES}
-                if cfg16 is not None else {})
+        fp16 = (
+            {p: play_pair(cfg16, p, store, prefix="fp16-", **common) for p in FP16_POLICIES}
+            if cfg16 is not None
+            else {}
+        )
         if not launch.is_main:
             status = "FINISHED"
             return None
@@ -96,16 +120,31 @@ def measure_family(store: Store, family: Pairs, cfg: Config) -> None:
             log_metrics(store.client, a.result.run_id, a.metrics, step=cfg.spike.at_step)
 
 
-def report(cfg: Config, store: Store, parent: RunTracker, pairs: Pairs, fp16: Pairs, ok: bool | None,
-           outcome: str, console: Console) -> SpikeResult:
+def report(
+    cfg: Config,
+    store: Store,
+    parent: RunTracker,
+    pairs: Pairs,
+    fp16: Pairs,
+    ok: bool | None,
+    outcome: str,
+    console: Console,
+) -> SpikeResult:
     """The parent's figure, table and per-arm metrics; the terminal table and summary."""
     s = cfg.spike
     spiked = [arm for _, arm in list(pairs.values()) + list(fp16.values())]
     rows, title = table_rows(spiked, cfg), table_title(cfg)
     figure = spike_figure(pairs, fp16, cfg, parent.artifact_path("spike.png"))
     write_spike_table(parent, rows, title, outcome)
-    parent.log_metrics({f"{a.name}.{k}": v for a in spiked for k, v in a.metrics.items()
-                        if k.startswith(("loss_excess", "recovery", "spike_"))}, step=s.at_step)
+    parent.log_metrics(
+        {
+            f"{a.name}.{k}": v
+            for a in spiked
+            for k, v in a.metrics.items()
+            if k.startswith(("loss_excess", "recovery", "spike_"))
+        },
+        step=s.at_step,
+    )
     if fp16:
         parent.set_tags({"fp16_spike": ("survived: " if ok else "FAILED: ") + outcome})
     print_wide(console, rich_table(rows, title))
@@ -117,7 +156,9 @@ def report(cfg: Config, store: Store, parent: RunTracker, pairs: Pairs, fp16: Pa
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(figure, dest)
         console.print(f"figure copied to {dest}")
-    console.print(f"figure: {figure}\ntable: {parent.artifact_path('spike_table.md')}\n"
-                  f"runs: mlflow ui --backend-store-uri {shlex.quote(redact(store.uri))} → experiment {store.experiment_id}, "
-                  f"parent run {parent.run_id}")
+    console.print(
+        f"figure: {figure}\ntable: {parent.artifact_path('spike_table.md')}\n"
+        f"runs: mlflow ui --backend-store-uri {shlex.quote(redact(store.uri))} → experiment {store.experiment_id}, "
+        f"parent run {parent.run_id}"
+    )
     return SpikeResult(parent.run_id, pairs, fp16, rows, figure, ok, outcome)

@@ -64,12 +64,17 @@ def arm_metrics(arm: Arm, twin: Arm, main_ref: Arm, cfg: Config) -> dict[str, fl
     gap = [g for g in gap if math.isfinite(g)]
     m["pre_spike_gap"] = sum(gap) / len(gap) if gap else math.nan
     row = arm.rows[at - 1]
-    m.update(spike_pre_clip_norm=row["grad_l2_pre_clip"], spike_post_clip_norm=row["grad_l2_post_clip"],
-             spike_skipped=float(bool(row["skipped"])), spike_running_peak=arm.peak,
-             spike_ratio=row["grad_l2_pre_clip"] / arm.peak if arm.peak > 0 else math.nan,
-             spike_loss_multiplier=arm.crafted.k if arm.spiked else 1.0, spike_natural_norm=arm.crafted.natural_norm,
-             tau_at_spike=row["max_norm"] if row["max_norm"] is not None else math.nan,
-             params_finite=float(all(bool(torch.isfinite(p).all()) for p in arm.task.model.parameters())))
+    m.update(
+        spike_pre_clip_norm=row["grad_l2_pre_clip"],
+        spike_post_clip_norm=row["grad_l2_post_clip"],
+        spike_skipped=float(bool(row["skipped"])),
+        spike_running_peak=arm.peak,
+        spike_ratio=row["grad_l2_pre_clip"] / arm.peak if arm.peak > 0 else math.nan,
+        spike_loss_multiplier=arm.crafted.k if arm.spiked else 1.0,
+        spike_natural_norm=arm.crafted.natural_norm,
+        tau_at_spike=row["max_norm"] if row["max_norm"] is not None else math.nan,
+        params_finite=float(all(bool(torch.isfinite(p).all()) for p in arm.task.model.parameters())),
+    )
     return m
 
 
@@ -85,17 +90,20 @@ def fp16_outcome(arm: Arm, cfg: Config) -> tuple[bool, str]:
         s0, s1 = row["scaler_scale"], after[0]["scaler_scale"] if after else math.nan
         absorbing = cfg.amp.hysteresis > 1  # DeepSpeed hysteresis may absorb one overflow
         backed = s1 < s0 or absorbing
-        what = (f"overflow at the spike ({row['skip_reason']}): step skipped, loss scale "
-                f"2^{math.log2(s0):g} → 2^{math.log2(s1):g}")
+        what = (
+            f"overflow at the spike ({row['skip_reason']}): step skipped, loss scale "
+            f"2^{math.log2(s0):g} → 2^{math.log2(s1):g}"
+        )
         ok = backed and continued and finite
     else:
         tau = row["max_norm"]
         clipped = tau is not None and row["grad_l2_post_clip"] <= tau * (1 + 1e-3)
-        what = (f"no overflow at the spike: ‖g‖ {row['grad_l2_pre_clip']:.3g} clipped to "
-                f"{row['grad_l2_post_clip']:.3g} (τ = {tau if tau is not None else float('nan'):.3g})")
+        what = (
+            f"no overflow at the spike: ‖g‖ {row['grad_l2_pre_clip']:.3g} clipped to "
+            f"{row['grad_l2_post_clip']:.3g} (τ = {tau if tau is not None else float('nan'):.3g})"
+        )
         ok = clipped and continued and finite
-    what += (f"; {len(taken_after)}/{len(after)} later steps taken, "
-             f"parameters {'finite' if finite else 'NOT finite'}")
+    what += f"; {len(taken_after)}/{len(after)} later steps taken, parameters {'finite' if finite else 'NOT finite'}"
     return ok, what
 
 

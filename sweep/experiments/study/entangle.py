@@ -40,7 +40,6 @@ from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.tracking import RunTracker, Store, redact
 
 
-
 @dataclass(frozen=True)
 class Cell:
     lr: float
@@ -100,25 +99,59 @@ def entangle_verdict(df: "pd.DataFrame") -> Verdict:
     where = f"clipped best lr={best.lr:.3g} τ={best.tau} ({best.max_norm:.3g}): eval {best.mean:.4f}"
     noise_txt = f"noise ±{noise:.4f} ({n} seeds)" if math.isfinite(noise) else "noise unknown (1 seed)"
     if overall.tau == NONE and (not math.isfinite(noise) or best.mean - overall.mean > noise):
-        return Verdict("unclipped-best", f"no clipping needed: the best cell is unclipped (lr={overall.lr:.3g}, eval "
-                       f"{overall.mean:.4f}) and beats the {where} beyond {noise_txt}", noise, best, same_cell, match)
+        return Verdict(
+            "unclipped-best",
+            f"no clipping needed: the best cell is unclipped (lr={overall.lr:.3g}, eval "
+            f"{overall.mean:.4f}) and beats the {where} beyond {noise_txt}",
+            noise,
+            best,
+            same_cell,
+            match,
+        )
     if same_cell is not None and math.isfinite(noise) and same_cell.mean - best.mean <= noise:
-        return Verdict("no-gain", f"no gain from clipping beyond noise: {where} vs unclipped at the same lr "
-                       f"{same_cell.mean:.4f} ({noise_txt})", noise, best, same_cell, match)
+        return Verdict(
+            "no-gain",
+            f"no gain from clipping beyond noise: {where} vs unclipped at the same lr "
+            f"{same_cell.mean:.4f} ({noise_txt})",
+            noise,
+            best,
+            same_cell,
+            match,
+        )
     if match is None:
-        return Verdict("undecided", f"{where}; no unclipped run at a lower LR in the grid: add a smaller "
-                       f"study.lr_factors", noise, best, same_cell, None)
+        return Verdict(
+            "undecided",
+            f"{where}; no unclipped run at a lower LR in the grid: add a smaller study.lr_factors",
+            noise,
+            best,
+            same_cell,
+            None,
+        )
     gap = match.mean - best.mean
     if math.isfinite(noise) and gap <= noise:
-        return Verdict("step-length-cap", f"clipping acts as a step-length cap: unclipped lr={match.lr:.3g} reaches "
-                       f"{match.mean:.4f}, matching the {where} (gap {gap:+.4f} within {noise_txt}): lower the LR "
-                       f"instead of clipping", noise, best, same_cell, match)
-    return Verdict("more-than-step", f"clipping does more than shorten the step: the {where} beats every unclipped "
-                   f"lower LR (best lr={match.lr:.3g}: {match.mean:.4f}, gap {gap:+.4f} > {noise_txt})",
-                   noise, best, same_cell, match)
+        return Verdict(
+            "step-length-cap",
+            f"clipping acts as a step-length cap: unclipped lr={match.lr:.3g} reaches "
+            f"{match.mean:.4f}, matching the {where} (gap {gap:+.4f} within {noise_txt}): lower the LR "
+            f"instead of clipping",
+            noise,
+            best,
+            same_cell,
+            match,
+        )
+    return Verdict(
+        "more-than-step",
+        f"clipping does more than shorten the step: the {where} beats every unclipped "
+        f"lower LR (best lr={match.lr:.3g}: {match.mean:.4f}, gap {gap:+.4f} > {noise_txt})",
+        noise,
+        best,
+        same_cell,
+        match,
+    )
 
 
 # ---------------------------------------------------------------- the study
+
 
 def entangle_grid(cfg: Config, anchor: dict[str, float]) -> list[tuple[float, str, float, int]]:
     """(lr, tau name, max_norm, seed) for every cell × seed: unclipped first, then τ from high to low."""
@@ -131,38 +164,61 @@ def check_entangle(cfg: Config) -> None:
     """``study=entangle`` options; ``UserError`` naming the value and the fix."""
     s = cfg.study
     if not s.lr_factors or any(not f > 0 for f in s.lr_factors) or len(set(s.lr_factors)) != len(s.lr_factors):
-        raise UserError(f"study.lr_factors={list(s.lr_factors)} must be distinct factors > 0 of optim.lr, "
-                        f"e.g. [0.5,1.0,2.0]")
+        raise UserError(
+            f"study.lr_factors={list(s.lr_factors)} must be distinct factors > 0 of optim.lr, e.g. [0.5,1.0,2.0]"
+        )
     bad = [q for q in s.entangle_quantiles if q not in QUANTILE_KEYS]
     if not s.entangle_quantiles or bad:
-        raise UserError(f"study.entangle_quantiles={list(s.entangle_quantiles)} must name window quantiles among "
-                        f"{', '.join(QUANTILE_KEYS)}, e.g. [p90,p50]")
+        raise UserError(
+            f"study.entangle_quantiles={list(s.entangle_quantiles)} must name window quantiles among "
+            f"{', '.join(QUANTILE_KEYS)}, e.g. [p90,p50]"
+        )
     if s.seeds < 1:
         raise UserError(f"study.seeds={s.seeds} must be >= 1 (2 or more to measure the noise)")
 
 
-def _trial(cfg: Config, store: Store, parent: RunTracker, lr: float, tau: str, max_norm: float,
-           seed: int) -> dict[str, Any]:
+def _trial(
+    cfg: Config, store: Store, parent: RunTracker, lr: float, tau: str, max_norm: float, seed: int
+) -> dict[str, Any]:
     c = child_config(cfg, seed=seed)
     c.optim.lr = lr
     c.clip = ClipConfig(mode="none") if math.isnan(max_norm) else ClipConfig(mode="norm", max_norm=max_norm)
-    spec = RunSpec(f"entangle-lr{lr:.3g}-{tau}-seed{seed}", parent_run_id=parent.run_id,
-                   tags={"sweep_role": "entangle_trial", "lr": f"{lr:.6g}", "tau": tau})
+    spec = RunSpec(
+        f"entangle-lr{lr:.3g}-{tau}-seed{seed}",
+        parent_run_id=parent.run_id,
+        tags={"sweep_role": "entangle_trial", "lr": f"{lr:.6g}", "tau": tau},
+    )
     m = run_training(c, store, spec, RunHooks(announce=lambda line: None)).metrics
-    return {"lr": lr, "tau": tau, "max_norm": max_norm, "seed": seed, "eval_loss": m["eval_loss"],
-            "clip_ratio": m["clip_ratio"], "final_loss": m["final_loss"]}
+    return {
+        "lr": lr,
+        "tau": tau,
+        "max_norm": max_norm,
+        "seed": seed,
+        "eval_loss": m["eval_loss"],
+        "clip_ratio": m["clip_ratio"],
+        "final_loss": m["final_loss"],
+    }
 
 
-def _log_parent(parent: RunTracker, cfg: Config, df: "pd.DataFrame", verdict: Verdict, anchor: dict,
-                wall: float) -> None:
+def _log_parent(
+    parent: RunTracker, cfg: Config, df: "pd.DataFrame", verdict: Verdict, anchor: dict, wall: float
+) -> None:
     cells = cell_table(df)
     df.to_csv(parent.artifact_path("trials.csv"), index=False)
     cells.to_csv(parent.artifact_path("cells.csv"), index=False)
-    parent.artifact_path("verdict.json").write_text(json.dumps(
-        {**verdict.as_dict(), "anchor": anchor, "rule": __doc__.split("answers in one line")[1].strip()},
-        indent=2, default=float))
-    plot_entangle(cells, verdict, parent.artifact_path("plots/entangle.png"),
-                  title=f"{cfg.model.name} on {cfg.data.name}, {cfg.steps} steps, {cfg.study.seeds} seeds")
+    parent.artifact_path("verdict.json").write_text(
+        json.dumps(
+            {**verdict.as_dict(), "anchor": anchor, "rule": __doc__.split("answers in one line")[1].strip()},
+            indent=2,
+            default=float,
+        )
+    )
+    plot_entangle(
+        cells,
+        verdict,
+        parent.artifact_path("plots/entangle.png"),
+        title=f"{cfg.model.name} on {cfg.data.name}, {cfg.steps} steps, {cfg.study.seeds} seeds",
+    )
     metrics = {"entangle_noise": verdict.noise, "wall_s": wall}
     if verdict.best_clipped:
         metrics["best_clipped_eval_loss"] = verdict.best_clipped.mean
@@ -176,10 +232,21 @@ def run_entangle(cfg: Config, store: Store, console: Console | None = None) -> V
     """The anchor window, the grid of child runs, then the verdict, tables and figure in the parent run."""
     console = console or Console()
     check_entangle(cfg)
-    parent = RunTracker(store.client, store.experiment_id, f"entangle-{cfg.model.name}-{cfg.steps}steps",
-                        flush_every=cfg.tracking.flush_every,
-                        tags={**store.tags, "run": "sweep", "sweep_role": "entangle", "study_mode": "entangle",
-                              "model": cfg.model.name, "data": cfg.data.name, "device": cfg.device})
+    parent = RunTracker(
+        store.client,
+        store.experiment_id,
+        f"entangle-{cfg.model.name}-{cfg.steps}steps",
+        flush_every=cfg.tracking.flush_every,
+        tags={
+            **store.tags,
+            "run": "sweep",
+            "sweep_role": "entangle",
+            "study_mode": "entangle",
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "device": cfg.device,
+        },
+    )
     status, threads, t0 = "FAILED", torch.get_num_threads(), time.perf_counter()
     try:
         if cfg.study.threads:
@@ -191,8 +258,10 @@ def run_entangle(cfg: Config, store: Store, console: Console | None = None) -> V
         for i, cell in enumerate(grid, start=1):
             rows.append(_trial(cfg, store, parent, *cell))
             r = rows[-1]
-            console.print(f"[{i}/{len(grid)}] lr={r['lr']:.3g} τ={r['tau']} seed {r['seed']}: eval "
-                          f"{r['eval_loss']:.4f}, clipped {r['clip_ratio']:.0%}")
+            console.print(
+                f"[{i}/{len(grid)}] lr={r['lr']:.3g} τ={r['tau']} seed {r['seed']}: eval "
+                f"{r['eval_loss']:.4f}, clipped {r['clip_ratio']:.0%}"
+            )
         df = pd.DataFrame(rows)
         verdict = entangle_verdict(df)
         _log_parent(parent, cfg, df, verdict, anchor, time.perf_counter() - t0)
@@ -201,6 +270,8 @@ def run_entangle(cfg: Config, store: Store, console: Console | None = None) -> V
         torch.set_num_threads(threads)
         parent.end(status)
     console.print(f"[bold]LR check:[/] {verdict.line}")
-    console.print(f"{len(grid)} runs in {time.perf_counter() - t0:.0f} s; MLflow parent run {parent.run_id}: "
-                  f"{ui_command(redact(store.uri), store.experiment_id)}")
+    console.print(
+        f"{len(grid)} runs in {time.perf_counter() - t0:.0f} s; MLflow parent run {parent.run_id}: "
+        f"{ui_command(redact(store.uri), store.experiment_id)}"
+    )
     return verdict

@@ -25,8 +25,9 @@ class TrialProgress:
         return self.progress.__exit__(*exc)
 
     def _info(self, running: int) -> str:
-        return (f"done {self.done} · running {running} · pruned {self.pruned} · failed {self.failed} · "
-                f"best {self.best()}")
+        return (
+            f"done {self.done} · running {running} · pruned {self.pruned} · failed {self.failed} · best {self.best()}"
+        )
 
     def start_trial(self, n: int, dtype: str, max_norm: float, steps: int) -> None:
         label = f"trial {n} {dtype} τ={max_norm:.3g}"

@@ -50,8 +50,12 @@ def trials_table(study, band: tuple[float, float]) -> pd.DataFrame:
     rows = []
     for t in study.get_trials(deepcopy=False):
         ua = t.user_attrs
-        row = {"trial": t.number, "state": t.state.name, "dtype": t.params.get("dtype", ""),
-               "max_norm": t.params.get("max_norm", math.nan)}
+        row = {
+            "trial": t.number,
+            "state": t.state.name,
+            "dtype": t.params.get("dtype", ""),
+            "max_norm": t.params.get("max_norm", math.nan),
+        }
         for k in ("eval_loss", "clip_ratio", "skip_ratio", "final_loss", "wall_s"):
             v = ua.get(k)
             row[k] = float(v) if _finite(v) else math.nan

@@ -19,8 +19,14 @@ from sweep.run.tracking import Store
 QUANTILE_KEYS = ("p50", "p90", "p95", "p99")
 
 
-def resolve_anchor(cfg: Config, study, store: Store, parent_run_id: str, announce: Callable[[str], None],
-                   artifacts: Callable | None = None) -> dict[str, float] | None:
+def resolve_anchor(
+    cfg: Config,
+    study,
+    store: Store,
+    parent_run_id: str,
+    announce: Callable[[str], None],
+    artifacts: Callable | None = None,
+) -> dict[str, float] | None:
     """Norm quantiles the max_norm range is anchored on: the study's, a calibrate run's, or a new window
     (a child run; ``artifacts`` is its report hook)."""
     spec = cfg.study.anchor
@@ -40,15 +46,19 @@ def resolve_anchor(cfg: Config, study, store: Store, parent_run_id: str, announc
     return anchor
 
 
-def window_quantiles(cfg: Config, study_name: str, store: Store, parent_run_id: str, announce,
-                     artifacts) -> tuple[dict[str, float], str]:
+def window_quantiles(
+    cfg: Config, study_name: str, store: Store, parent_run_id: str, announce, artifacts
+) -> tuple[dict[str, float], str]:
     """Run one calibration window (no clipping) as a child run: its quantiles and run id."""
     wcfg = child_config(cfg, steps=cfg.calibrate.window)
     wcfg.calibrate.every = 0
     wcfg = calibrated(wcfg)
     announce(f"anchor: calibration window of {wcfg.steps} steps ({cfg.amp.dtype}) …")
-    spec = RunSpec(f"anchor-window-{cfg.amp.dtype}", parent_run_id=parent_run_id,
-                   tags={"sweep_role": "anchor", "study": study_name})
+    spec = RunSpec(
+        f"anchor-window-{cfg.amp.dtype}",
+        parent_run_id=parent_run_id,
+        tags={"sweep_role": "anchor", "study": study_name},
+    )
     result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
     if "clip_ratio" not in result.metrics or not math.isfinite(result.metrics["clip_ratio"]):
         # the whole run is the window: its clipping ratio is that of the window (0 unless calibrate.cap)
@@ -61,12 +71,16 @@ def _run_quantiles(client, run_id: str) -> dict[str, float]:
     try:
         metrics = client.get_run(run_id).data.metrics
     except MlflowException:
-        raise UserError(f"study.anchor={run_id!r}: no such run in the tracking store; pass the id of a "
-                        f"calibrate run (python -m sweep.report lists them) or study.anchor=window") from None
+        raise UserError(
+            f"study.anchor={run_id!r}: no such run in the tracking store; pass the id of a "
+            f"calibrate run (python -m sweep.report lists them) or study.anchor=window"
+        ) from None
     missing = [k for k in QUANTILE_KEYS if f"grad_norm_{k}" not in metrics]
     if missing:
-        raise UserError(f"study.anchor={run_id!r}: the run has no grad_norm_{missing[0]} metric; pass a "
-                        f"calibrate run's id or study.anchor=window")
+        raise UserError(
+            f"study.anchor={run_id!r}: the run has no grad_norm_{missing[0]} metric; pass a "
+            f"calibrate run's id or study.anchor=window"
+        )
     return {k: metrics[f"grad_norm_{k}"] for k in QUANTILE_KEYS}
 
 
@@ -83,13 +97,17 @@ def enqueue_dtypes(study, dtypes: list[str], anchor: dict[str, float] | None) ->
     invocation is not queued twice; an interrupted (FAIL) trial does not count as evaluated."""
     trials = study.get_trials(deepcopy=False)
     waiting = {t.system_attrs.get("fixed_params", {}).get("dtype") for t in trials if t.state == TrialState.WAITING}
-    tried = {(t.params.get("dtype"), t.params.get("max_norm")) for t in trials
-             if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)}
+    tried = {
+        (t.params.get("dtype"), t.params.get("max_norm"))
+        for t in trials
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    }
     for dtype in dtypes:
         if dtype in waiting:
             continue
         params: dict[str, Any] = {"dtype": dtype}
-        if anchor is not None and not any(d == dtype and m is not None and math.isclose(m, anchor["p95"])
-                                          for d, m in tried):
+        if anchor is not None and not any(
+            d == dtype and m is not None and math.isclose(m, anchor["p95"]) for d, m in tried
+        ):
             params["max_norm"] = anchor["p95"]
         study.enqueue_trial(params)

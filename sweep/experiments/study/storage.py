@@ -30,14 +30,18 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
     from sqlalchemy.engine import make_url
 
     shown = redact_text(redact(url))
-    fix = ("pass study.storage=sqlite:///mlruns/optuna.db or postgresql://USER@HOST:PORT/DB "
-           "(password in $PGPASSWORD or ~/.pgpass)")
+    fix = (
+        "pass study.storage=sqlite:///mlruns/optuna.db or postgresql://USER@HOST:PORT/DB "
+        "(password in $PGPASSWORD or ~/.pgpass)"
+    )
     try:
         parsed = make_url(url)
         scheme = parsed.get_backend_name()
         _ = parsed.port  # a non-numeric port fails here
     except Exception as e:
-        raise UserError(f"study.storage={shown!r} is not a database URL ({redact_text(type(e).__name__)}): {fix}") from None
+        raise UserError(
+            f"study.storage={shown!r} is not a database URL ({redact_text(type(e).__name__)}): {fix}"
+        ) from None
     if scheme not in STORAGE_SCHEMES:
         raise UserError(f"study.storage={shown!r}: scheme {scheme!r} is not one of {', '.join(STORAGE_SCHEMES)}: {fix}")
     if scheme == "sqlite":
@@ -46,16 +50,20 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
         try:
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UserError(f"study.storage={shown!r}: cannot create {Path(parsed.database).parent}/ "
-                            f"({e.strerror}): {fix}") from None
+            raise UserError(
+                f"study.storage={shown!r}: cannot create {Path(parsed.database).parent}/ ({e.strerror}): {fix}"
+            ) from None
     if parsed.drivername == "postgresql" and not _importable("psycopg") and _importable("psycopg2"):
         # SQLAlchemy >= 2.1 maps a bare postgresql:// to psycopg 3; use the psycopg2 we ship
         url = parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
     try:
         return optuna.storages.RDBStorage(
-            url, engine_kwargs={"pool_pre_ping": True} if scheme != "sqlite" else None,
-            heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+            url,
+            engine_kwargs={"pool_pre_ping": True} if scheme != "sqlite" else None,
+            heartbeat_interval=heartbeat_interval,
+            grace_period=grace_period,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
+        )
     except Exception as e:
         reason = redact_text(" ".join(str(e).split()))[:200]
         raise UserError(f"study.storage={shown!r} cannot be opened ({type(e).__name__}: {reason}): {fix}") from None
@@ -75,14 +83,26 @@ def _changed(node: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
 def task_key(cfg: Config) -> dict[str, Any]:
     """What makes two trials comparable: task, budget, seed and search space (not n_trials, storage)."""
     s = cfg.study
-    space = {"mode": s.mode, "dtypes": list(s.dtypes), "low": s.max_norm_low, "high": s.max_norm_high,
-             "anchor": s.anchor, "anchor_low": s.anchor_low, "anchor_high": s.anchor_high}
+    space = {
+        "mode": s.mode,
+        "dtypes": list(s.dtypes),
+        "low": s.max_norm_low,
+        "high": s.max_norm_high,
+        "anchor": s.anchor,
+        "anchor_low": s.anchor_low,
+        "anchor_high": s.anchor_high,
+    }
     if s.mode == "constrained":
         space["band"] = [s.target_clip_low, s.target_clip_high]
     if s.anchor == "window":
         space["window"] = [cfg.calibrate.window, cfg.calibrate.cap, cfg.amp.dtype]
-    key = {"steps": cfg.steps, "seed": cfg.seed, "accumulation_steps": cfg.accumulation_steps,
-           "device": cfg.device, "space": space}
+    key = {
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "accumulation_steps": cfg.accumulation_steps,
+        "device": cfg.device,
+        "space": space,
+    }
     for name in ("model", "data", "optim", "amp", "clip", "faults", "forensics"):
         changed = _changed(getattr(cfg, name), drop=("dtype", "max_norm"))
         if changed:
@@ -112,8 +132,12 @@ def make_pruner(cfg: Config):
     s = cfg.study
     if s.mode != "constrained" or s.pruner == "none":
         return optuna.pruners.NopPruner()
-    return optuna.pruners.MedianPruner(n_startup_trials=len(s.dtypes), n_min_trials=len(s.dtypes),
-                                       n_warmup_steps=int(s.prune_warmup * cfg.steps), interval_steps=1)
+    return optuna.pruners.MedianPruner(
+        n_startup_trials=len(s.dtypes),
+        n_min_trials=len(s.dtypes),
+        n_warmup_steps=int(s.prune_warmup * cfg.steps),
+        interval_steps=1,
+    )
 
 
 def load_study(cfg: Config, storage, name: str):
@@ -122,7 +146,15 @@ def load_study(cfg: Config, storage, name: str):
     existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     prior = existing[name].n_trials if name in existing else 0
     if name in existing and len(existing[name].directions) != len(directions):
-        raise UserError(f"study.name={name!r} exists with {len(existing[name].directions)} objective(s), "
-                        f"but study.mode={cfg.study.mode} needs {len(directions)}: pass another study.name")
-    return optuna.create_study(storage=storage, study_name=name, directions=directions, load_if_exists=True,
-                               sampler=make_sampler(cfg, cfg.seed + prior), pruner=make_pruner(cfg))
+        raise UserError(
+            f"study.name={name!r} exists with {len(existing[name].directions)} objective(s), "
+            f"but study.mode={cfg.study.mode} needs {len(directions)}: pass another study.name"
+        )
+    return optuna.create_study(
+        storage=storage,
+        study_name=name,
+        directions=directions,
+        load_if_exists=True,
+        sampler=make_sampler(cfg, cfg.seed + prior),
+        pruner=make_pruner(cfg),
+    )

@@ -17,8 +17,14 @@ from sweep.config.schema import Config
 from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.result import SweepResult, trials_table
 from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, resolve_anchor
-from sweep.experiments.study.storage import (default_storage, load_study, make_sampler, open_storage, study_name,
-                                             task_key)
+from sweep.experiments.study.storage import (
+    default_storage,
+    load_study,
+    make_sampler,
+    open_storage,
+    study_name,
+    task_key,
+)
 from sweep.experiments.study.trial import TrialContext, run_trial
 from sweep.experiments.study.workers import hold_worker, recover_dead_workers, study_lock
 from sweep.pick import PICK_RULES, pick_trial
@@ -51,8 +57,10 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
     print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
     unfinished = int(result.trials["state"].isin(["RUNNING", "WAITING"]).sum())
     if unfinished:
-        console.print(f"the pick covers the trials finished so far: {unfinished} more are running or queued in "
-                      f"other workers; once they end, `python -m sweep.report` gives the study's pick")
+        console.print(
+            f"the pick covers the trials finished so far: {unfinished} more are running or queued in "
+            f"other workers; once they end, `python -m sweep.report` gives the study's pick"
+        )
     return result
 
 
@@ -64,10 +72,23 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = load_study(cfg, storage, name)
-    parent = RunTracker(store.client, store.experiment_id, f"sweep-{name}", flush_every=cfg.tracking.flush_every,
-                        tags={**store.tags, "run": "sweep", "sweep_role": "parent", "study": name,
-                              "study_mode": s.mode, "optuna_storage": shown_storage, "model": cfg.model.name,
-                              "data": cfg.data.name, "device": cfg.device})
+    parent = RunTracker(
+        store.client,
+        store.experiment_id,
+        f"sweep-{name}",
+        flush_every=cfg.tracking.flush_every,
+        tags={
+            **store.tags,
+            "run": "sweep",
+            "sweep_role": "parent",
+            "study": name,
+            "study_mode": s.mode,
+            "optuna_storage": shown_storage,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "device": cfg.device,
+        },
+    )
     try:
         worker = hold_worker(store, parent)
     except BaseException:
@@ -79,8 +100,9 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
         release_run(worker, finished=True)
 
 
-def _sweep_as_worker(cfg: Config, store: Store, console: Console, study, storage, storage_url: str,
-                     parent: RunTracker) -> SweepResult:
+def _sweep_as_worker(
+    cfg: Config, store: Store, console: Console, study, storage, storage_url: str, parent: RunTracker
+) -> SweepResult:
     s, name = cfg.study, study.study_name
     shown_storage = redact_text(redact(storage_url))
     status, threads, t0 = "FAILED", torch.get_num_threads(), time.perf_counter()
@@ -91,10 +113,13 @@ def _sweep_as_worker(cfg: Config, store: Store, console: Console, study, storage
             with study_lock(storage_url, name, console.print):  # one worker at a time: recovery, anchor, queue, seed
                 prior = len(study.get_trials(deepcopy=False))
                 recover_dead_workers(study, store, console.print)
-                console.print(f"study {name!r} in {shown_storage}: {prior} trials so far; adding {s.n_trials} "
-                              f"({s.mode}, {s.sampler}, dtypes {', '.join(s.dtypes)})")
-                parent.log_params({**flat_params(cfg), "study_name": name, "optuna_storage": shown_storage,
-                                   "trials_before": prior})
+                console.print(
+                    f"study {name!r} in {shown_storage}: {prior} trials so far; adding {s.n_trials} "
+                    f"({s.mode}, {s.sampler}, dtypes {', '.join(s.dtypes)})"
+                )
+                parent.log_params(
+                    {**flat_params(cfg), "study_name": name, "optuna_storage": shown_storage, "trials_before": prior}
+                )
                 anchor = _set_up(cfg, study, store, parent, console, prior)
             ctx = _run_trials(cfg, study, storage, store, parent, console, anchor)
         except KeyboardInterrupt:
@@ -104,10 +129,23 @@ def _sweep_as_worker(cfg: Config, store: Store, console: Console, study, storage
         table = trials_table(study, band)
         c = ctx.counters
         result = SweepResult(
-            study_name=name, storage=shown_storage, mode=s.mode, parent_run_id=parent.run_id, trials=table,
-            pick=pick_trial(table, band), trials_run=s.n_trials, pruned=c.pruned, failed=c.failed,
-            steps_run=c.steps_run, steps_budget=s.n_trials * cfg.steps, seconds_saved_est=c.seconds_saved,
-            prune_overhead_s=c.prune_overhead, wall_s=time.perf_counter() - t0, anchor=anchor, band=band)
+            study_name=name,
+            storage=shown_storage,
+            mode=s.mode,
+            parent_run_id=parent.run_id,
+            trials=table,
+            pick=pick_trial(table, band),
+            trials_run=s.n_trials,
+            pruned=c.pruned,
+            failed=c.failed,
+            steps_run=c.steps_run,
+            steps_budget=s.n_trials * cfg.steps,
+            seconds_saved_est=c.seconds_saved,
+            prune_overhead_s=c.prune_overhead,
+            wall_s=time.perf_counter() - t0,
+            anchor=anchor,
+            band=band,
+        )
         write_parent_artifacts(parent, result)
         write_sweep_report(parent, result)
         log_parent_summary(parent, result)
@@ -118,8 +156,9 @@ def _sweep_as_worker(cfg: Config, store: Store, console: Console, study, storage
         parent.end(status)
 
 
-def _set_up(cfg: Config, study, store: Store, parent: RunTracker, console: Console,
-            prior: int) -> dict[str, float] | None:
+def _set_up(
+    cfg: Config, study, store: Store, parent: RunTracker, console: Console, prior: int
+) -> dict[str, float] | None:
     """Under the study lock: the anchor (one window for the study), the dtype trials enqueued first,
     the sampler seeded with ``cfg.seed`` + the trials the study held before this worker."""
     with StopRequest() as stop:
@@ -132,8 +171,9 @@ def _set_up(cfg: Config, study, store: Store, parent: RunTracker, console: Conso
     return anchor
 
 
-def _run_trials(cfg: Config, study, storage, store: Store, parent: RunTracker, console: Console,
-                anchor: dict[str, float] | None) -> TrialContext:
+def _run_trials(
+    cfg: Config, study, storage, store: Store, parent: RunTracker, console: Console, anchor: dict[str, float] | None
+) -> TrialContext:
     """``study.n_trials`` trials; SIGINT/SIGTERM between trials stops before the next one."""
     s = cfg.study
     band = (s.target_clip_low, s.target_clip_high)
@@ -160,36 +200,69 @@ def write_parent_artifacts(tracker: RunTracker, result: SweepResult) -> None:
     df[df["pareto"]].to_csv(tracker.artifact_path("pareto.csv"), index=False)
     df[df["in_band"]].to_csv(tracker.artifact_path("feasible.csv"), index=False)
     pick = dataclasses.asdict(result.pick) if result.pick else None
-    tracker.artifact_path("pick.json").write_text(json.dumps(
-        {"study": result.study_name, "storage": result.storage, "mode": result.mode, "band": list(result.band),
-         "pick": pick, "override": result.pick.override() if result.pick else None, "rule_doc": PICK_RULES,
-         "this_invocation": {"trials": result.trials_run, "pruned": result.pruned, "failed": result.failed,
-                             "trial_steps_run": result.steps_run, "trial_steps_budget": result.steps_budget,
-                             "trial_steps_saved": result.steps_saved,
-                             "seconds_saved_est": result.seconds_saved_est,
-                             "prune_overhead_s": result.prune_overhead_s, "wall_s": result.wall_s},
-         "anchor": result.anchor}, indent=2, default=float))
+    tracker.artifact_path("pick.json").write_text(
+        json.dumps(
+            {
+                "study": result.study_name,
+                "storage": result.storage,
+                "mode": result.mode,
+                "band": list(result.band),
+                "pick": pick,
+                "override": result.pick.override() if result.pick else None,
+                "rule_doc": PICK_RULES,
+                "this_invocation": {
+                    "trials": result.trials_run,
+                    "pruned": result.pruned,
+                    "failed": result.failed,
+                    "trial_steps_run": result.steps_run,
+                    "trial_steps_budget": result.steps_budget,
+                    "trial_steps_saved": result.steps_saved,
+                    "seconds_saved_est": result.seconds_saved_est,
+                    "prune_overhead_s": result.prune_overhead_s,
+                    "wall_s": result.wall_s,
+                },
+                "anchor": result.anchor,
+            },
+            indent=2,
+            default=float,
+        )
+    )
 
 
 def log_parent_summary(tracker: RunTracker, result: SweepResult) -> None:
     """The parent run's metrics (trial counts, accounting, front and band sizes) and the pick as params/tags."""
     df = result.trials
     states = df["state"].value_counts().to_dict()
-    metrics = {"trials_total": float(len(df)), "trials_complete": float(states.get("COMPLETE", 0)),
-               "trials_pruned": float(states.get("PRUNED", 0)), "trials_failed": float(states.get("FAIL", 0)),
-               "trials_run": float(result.trials_run), "pruned_share": result.pruned_share,
-               "trial_steps_run": float(result.steps_run), "trial_steps_budget": float(result.steps_budget),
-               "trial_steps_saved": float(result.steps_saved), "seconds_saved_est": result.seconds_saved_est,
-               "prune_overhead_s": result.prune_overhead_s, "wall_s": result.wall_s,
-               "pareto_size": float(df["pareto"].sum()), "in_band_size": float(df["in_band"].sum())}
+    metrics = {
+        "trials_total": float(len(df)),
+        "trials_complete": float(states.get("COMPLETE", 0)),
+        "trials_pruned": float(states.get("PRUNED", 0)),
+        "trials_failed": float(states.get("FAIL", 0)),
+        "trials_run": float(result.trials_run),
+        "pruned_share": result.pruned_share,
+        "trial_steps_run": float(result.steps_run),
+        "trial_steps_budget": float(result.steps_budget),
+        "trial_steps_saved": float(result.steps_saved),
+        "seconds_saved_est": result.seconds_saved_est,
+        "prune_overhead_s": result.prune_overhead_s,
+        "wall_s": result.wall_s,
+        "pareto_size": float(df["pareto"].sum()),
+        "in_band_size": float(df["in_band"].sum()),
+    }
     tags = {"pick_rule": result.pick.rule if result.pick else "none"}
     if result.pick:
         p = result.pick
-        metrics.update(pick_max_norm=p.max_norm, pick_eval_loss=p.eval_loss, pick_clip_ratio=p.clip_ratio,
-                       pick_trial=float(p.trial))
-        tags.update(pick_dtype=p.dtype, pick_max_norm=f"{p.max_norm:.6g}", pick_trial=str(p.trial),
-                    pick_override=p.override())
-        tracker.log_params({"pick_dtype": p.dtype, "pick_max_norm": f"{p.max_norm:.6g}",
-                            "pick_trial": p.trial, "pick_rule": p.rule})
+        metrics.update(
+            pick_max_norm=p.max_norm,
+            pick_eval_loss=p.eval_loss,
+            pick_clip_ratio=p.clip_ratio,
+            pick_trial=float(p.trial),
+        )
+        tags.update(
+            pick_dtype=p.dtype, pick_max_norm=f"{p.max_norm:.6g}", pick_trial=str(p.trial), pick_override=p.override()
+        )
+        tracker.log_params(
+            {"pick_dtype": p.dtype, "pick_max_norm": f"{p.max_norm:.6g}", "pick_trial": p.trial, "pick_rule": p.rule}
+        )
     tracker.log_metrics(metrics, step=len(df))
     tracker.set_tags(tags)

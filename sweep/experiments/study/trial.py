@@ -105,8 +105,12 @@ class _Watch:
     def partial_metrics(self) -> dict[str, float]:
         """clip/skip ratios and final loss over the steps a stopped trial did run."""
         r = self.records
-        return {"clip_ratio": r.clip_ratio(), "skip_ratio": r.skip_ratio(), "final_loss": r.final_loss(),
-                "steps_run": float(len(r.rows))}
+        return {
+            "clip_ratio": r.clip_ratio(),
+            "skip_ratio": r.skip_ratio(),
+            "final_loss": r.final_loss(),
+            "steps_run": float(len(r.rows)),
+        }
 
 
 def run_trial(ctx: TrialContext, trial) -> None:
@@ -121,9 +125,17 @@ def run_trial(ctx: TrialContext, trial) -> None:
     watch = _Watch(ctx, trial)
     for k, v in {"trial": n, "dtype": dtype, "max_norm": max_norm, "seed": cfg.seed}.items():
         trial.set_user_attr(k, v)
-    spec = RunSpec(f"trial-{n}-{dtype}-{max_norm:.3g}", parent_run_id=ctx.parent_run_id,
-                   tags={"sweep_role": "trial", "study": ctx.study.study_name, "trial": str(n),
-                         "max_norm": f"{max_norm:.6g}", "sweep_parent": ctx.parent_run_id})
+    spec = RunSpec(
+        f"trial-{n}-{dtype}-{max_norm:.3g}",
+        parent_run_id=ctx.parent_run_id,
+        tags={
+            "sweep_role": "trial",
+            "study": ctx.study.study_name,
+            "trial": str(n),
+            "max_norm": f"{max_norm:.6g}",
+            "sweep_parent": ctx.parent_run_id,
+        },
+    )
     hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=lambda line: None)
     try:
         result = _train(ctx, trial, trial_config(cfg, dtype, max_norm), spec, hooks, watch)
@@ -144,8 +156,14 @@ def _train(ctx: TrialContext, trial, cfg: Config, spec: RunSpec, hooks: RunHooks
     s = ctx.cfg.study
     if s.nproc_per_trial == 1:
         return run_training(cfg, ctx.store, spec, hooks)
-    result = run_job(cfg, spec, ctx.store, s.nproc_per_trial, lambda: ctx.storage.record_heartbeat(trial._trial_id),
-                     s.heartbeat_interval)
+    result = run_job(
+        cfg,
+        spec,
+        ctx.store,
+        s.nproc_per_trial,
+        lambda: ctx.storage.record_heartbeat(trial._trial_id),
+        s.heartbeat_interval,
+    )
     watch.records.rows = result.records.rows
     ctx.counters.steps_run += len(result.records.rows)
     return result
@@ -157,8 +175,9 @@ def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
     run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
     set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id or ""})
     if run_id:
-        end_child(ctx.store, run_id, "KILLED", {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran)},
-                  part)
+        end_child(
+            ctx.store, run_id, "KILLED", {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran)}, part
+        )
     ctx.study.tell(trial, state=TrialState.PRUNED)
     ctx.counters.pruned += 1
     ctx.counters.seconds_saved += (ctx.cfg.steps - ran) * wall / max(1, ran)
@@ -170,8 +189,13 @@ def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: f
     part = watch.partial_metrics()
     run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
     if run_id is None:  # failed before run_training opened its run: record one anyway
-        tracker = RunTracker(ctx.store.client, ctx.store.experiment_id, spec.name,
-                             tags={**ctx.store.tags, **spec.tags}, parent_run_id=ctx.parent_run_id)
+        tracker = RunTracker(
+            ctx.store.client,
+            ctx.store.experiment_id,
+            spec.name,
+            tags={**ctx.store.tags, **spec.tags},
+            parent_run_id=ctx.parent_run_id,
+        )
         tracker.end("FAILED")
         run_id = tracker.run_id
     set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id, "error": reason})
@@ -183,9 +207,14 @@ def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: f
 
 def _tell_complete(ctx: TrialContext, trial, watch: _Watch, result: RunResult, wall: float) -> None:
     m, client, ran = result.metrics, ctx.store.client, float(len(watch.records.rows))
-    values = {"eval_loss": m.get("eval_loss", math.nan), "clip_ratio": m.get("clip_ratio", math.nan),
-              "skip_ratio": m.get("skip_ratio", math.nan), "final_loss": m.get("final_loss", math.nan),
-              "steps_run": ran, "wall_s": wall}
+    values = {
+        "eval_loss": m.get("eval_loss", math.nan),
+        "clip_ratio": m.get("clip_ratio", math.nan),
+        "skip_ratio": m.get("skip_ratio", math.nan),
+        "final_loss": m.get("final_loss", math.nan),
+        "steps_run": ran,
+        "wall_s": wall,
+    }
     set_attrs(trial, {**values, "run_id": result.run_id})
     client.set_tag(result.run_id, "outcome", "complete")
     client.log_metric(result.run_id, "steps_run", ran, step=ctx.cfg.steps)
@@ -200,13 +229,20 @@ def _tell_complete(ctx: TrialContext, trial, watch: _Watch, result: RunResult, w
     watch.constrain(values["clip_ratio"])
     pareto = ctx.cfg.study.mode == "pareto"
     ctx.study.tell(trial, [values["eval_loss"], values["clip_ratio"]] if pareto else values["eval_loss"])
-    ctx.ui.end_trial(trial.number, "COMPLETE", f"eval {values['eval_loss']:.4g}  clip {values['clip_ratio']:.1%}  "
-                                               f"skip {values['skip_ratio']:.1%}  ({wall:.1f} s)")
+    ctx.ui.end_trial(
+        trial.number,
+        "COMPLETE",
+        f"eval {values['eval_loss']:.4g}  clip {values['clip_ratio']:.1%}  "
+        f"skip {values['skip_ratio']:.1%}  ({wall:.1f} s)",
+    )
 
 
 def child_run_id(store: Store, parent_run_id: str, number: int) -> str | None:
-    runs = store.client.search_runs([store.experiment_id], max_results=1, filter_string=(
-        f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.trial = '{number}'"))
+    runs = store.client.search_runs(
+        [store.experiment_id],
+        max_results=1,
+        filter_string=(f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.trial = '{number}'"),
+    )
     return runs[0].info.run_id if runs else None
 
 

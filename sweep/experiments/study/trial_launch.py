@@ -29,8 +29,7 @@ from sweep.run.summary import read_rows
 from sweep.run.tracking import Store
 
 
-def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable[[], None],
-            every: float) -> RunResult:
+def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable[[], None], every: float) -> RunResult:
     """Train ``cfg`` as ``spec`` on ``nproc`` torchrun ranks; ``beat()`` every ``every`` s while it runs.
 
     Returns the child run's logged metrics and rows; a user mistake in the job raises ``UserError``
@@ -39,12 +38,30 @@ def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable
     """
     with tempfile.TemporaryDirectory(prefix="clipamp-trial-") as tmp:
         job, outcome, err_path = Path(tmp) / "job.json", Path(tmp) / "outcome.json", Path(tmp) / "stderr.txt"
-        job.write_text(json.dumps({"config": as_yaml(cfg), "name": spec.name, "parent_run_id": spec.parent_run_id,
-                                   "tags": spec.tags, "store_tags": store.tags, "uri": store.uri,
-                                   "outcome": str(outcome)}))
+        job.write_text(
+            json.dumps(
+                {
+                    "config": as_yaml(cfg),
+                    "name": spec.name,
+                    "parent_run_id": spec.parent_run_id,
+                    "tags": spec.tags,
+                    "store_tags": store.tags,
+                    "uri": store.uri,
+                    "outcome": str(outcome),
+                }
+            )
+        )
         job.chmod(0o600)  # the config may hold a storage password
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "sweep.experiments.study.trial_job", str(job)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "sweep.experiments.study.trial_job",
+            str(job),
+        ]
         with err_path.open("w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
             try:

@@ -84,8 +84,10 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
     Dead: provably (a worker of this host whose lock is free), or silent past the grace period
     (Optuna's heartbeat: workers on other hosts)."""
     client, name = store.client, study.study_name
-    parents = client.search_runs([store.experiment_id], filter_string=(
-        f"tags.study = '{name}' and tags.sweep_role = 'parent' and attributes.status = 'RUNNING'"))
+    parents = client.search_runs(
+        [store.experiment_id],
+        filter_string=(f"tags.study = '{name}' and tags.sweep_role = 'parent' and attributes.status = 'RUNNING'"),
+    )
     dead = {r.info.run_id for r in parents if _provably_dead(r.data.tags)}
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     failed = _fail([t for t in running if t.user_attrs.get("parent_run_id") in dead], study)
@@ -97,12 +99,16 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
     trials = sorted(failed + stale)
     if trials or any(killed):
         runs = [r for group in killed for r in group]
-        say(f"recovered {len(dead)} dead sweep worker(s): trials {trials} marked FAIL and re-enqueued; "
-            f"runs ended KILLED: {', '.join(runs) or 'none'}")
+        say(
+            f"recovered {len(dead)} dead sweep worker(s): trials {trials} marked FAIL and re-enqueued; "
+            f"runs ended KILLED: {', '.join(runs) or 'none'}"
+        )
     others = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     if others:
-        say(f"trials {others} are running in other live workers (or in workers on other hosts, failed after "
-            f"study.grace_period s without a heartbeat)")
+        say(
+            f"trials {others} are running in other live workers (or in workers on other hosts, failed after "
+            f"study.grace_period s without a heartbeat)"
+        )
     return trials
 
 
@@ -124,8 +130,10 @@ def _fail(trials: list, study) -> list[int]:
 
 def _kill(client, experiment_id: str, study_name: str, parent_run_id: str) -> list[str]:
     """End a dead worker's RUNNING runs KILLED (tag ``outcome=worker died``): its children, then itself."""
-    children = client.search_runs([experiment_id], filter_string=(
-        f"tags.`mlflow.parentRunId` = '{parent_run_id}' and attributes.status = 'RUNNING'"))
+    children = client.search_runs(
+        [experiment_id],
+        filter_string=(f"tags.`mlflow.parentRunId` = '{parent_run_id}' and attributes.status = 'RUNNING'"),
+    )
     names = []
     for run in children:
         client.set_tag(run.info.run_id, "outcome", "worker died")

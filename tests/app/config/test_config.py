@@ -25,35 +25,55 @@ def test_defaults_are_the_documented_ones():
     assert cfg.clip.max_norm == 1.0
     # the calibrate experiment: window placed after warm-up and transient, τ aimed at the [1%, 5%] band
     c = cfg.calibrate
-    assert (cfg.steps, c.start, c.window, c.quantile, c.target_clip, c.validate) == (500, "auto", 200, None,
-                                                                                      [0.01, 0.05], 0)
+    assert (cfg.steps, c.start, c.window, c.quantile, c.target_clip, c.validate) == (
+        500,
+        "auto",
+        200,
+        None,
+        [0.01, 0.05],
+        0,
+    )
     assert compose_cfg("+experiment=train").calibrate.start == 0  # elsewhere the window starts at step 1
     assert cfg.tracking.uri is None  # → $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db
 
 
 def test_common_overrides_compose():
-    cfg = compose_cfg("+experiment=calibrate", "steps=50", "seed=3", "model=lstm", "amp.dtype=fp16",
-                      "clip.max_norm=2.5", "calibrate.window=20", "calibrate.quantile=0.9",
-                      "tracking.uri=sqlite:///x/mlflow.db")
+    cfg = compose_cfg(
+        "+experiment=calibrate",
+        "steps=50",
+        "seed=3",
+        "model=lstm",
+        "amp.dtype=fp16",
+        "clip.max_norm=2.5",
+        "calibrate.window=20",
+        "calibrate.quantile=0.9",
+        "tracking.uri=sqlite:///x/mlflow.db",
+    )
     assert (cfg.steps, cfg.seed, cfg.model.name, cfg.amp.dtype) == (50, 3, "lstm", "fp16")
     assert (cfg.clip.max_norm, cfg.calibrate.window, cfg.calibrate.quantile) == (2.5, 20, 0.9)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
-    (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
-    (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
-    (["calibrate.start=later"], "calibrate.start='later' must be auto"),
-    (["calibrate.start=-3"], "calibrate.start=-3 must be auto"),
-    (["calibrate.start=400", "calibrate.window=200"], "calibrate.start=400 + calibrate.window=200 is larger than steps=500"),
-    (["calibrate.validate=-1"], "calibrate.validate=-1 must be >= 0"),
-    (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
-    (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
-    (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
-    (["steps=0"], "steps=0 must be >= 1"),
-    (["steps=10", "calibrate.window=20"], "calibrate.window=20 is larger than steps=10"),
-    (["accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
+        (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
+        (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
+        (["calibrate.start=later"], "calibrate.start='later' must be auto"),
+        (["calibrate.start=-3"], "calibrate.start=-3 must be auto"),
+        (
+            ["calibrate.start=400", "calibrate.window=200"],
+            "calibrate.start=400 + calibrate.window=200 is larger than steps=500",
+        ),
+        (["calibrate.validate=-1"], "calibrate.validate=-1 must be >= 0"),
+        (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
+        (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
+        (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
+        (["steps=0"], "steps=0 must be >= 1"),
+        (["steps=10", "calibrate.window=20"], "calibrate.window=20 is larger than steps=10"),
+        (["accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
+    ],
+)
 def test_semantic_checks_name_the_value(overrides, message):
     cfg = compose_cfg("+experiment=calibrate", *overrides)
     with pytest.raises(UserError) as e:
@@ -70,22 +90,35 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "steps=abc"], "steps=abc"),
     (["+experiment=calibrate", "steps=5", "calibrate.window=50"], "calibrate.window=50 is larger than steps=5"),
     (["+experiment=calibrate", "accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
-    (["+experiment=calibrate", "model=foo"], "Could not find 'model/foo' Available options in 'model': custom gpt hf hf_gpt2 hf_llama linear lstm"),
+    (
+        ["+experiment=calibrate", "model=foo"],
+        "Could not find 'model/foo' Available options in 'model': custom gpt hf hf_gpt2 hf_llama linear lstm",
+    ),
     (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
     (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
     (["+experiment=train", "clip=value", "clip.max_norm=2"], "clip=value does not take clip.max_norm"),
     (["+experiment=calibrate", "stepz=3"], "Could not override 'stepz'"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
-    (["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"],
-     "data.path='/nonexistent/corpus.txt' does not exist"),
+    (
+        ["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"],
+        "data.path='/nonexistent/corpus.txt' does not exist",
+    ),
     (["+experiment=calibrate", "data=text", "data.path=EMPTY"], "is empty (0 bytes)"),
-    (["+experiment=calibrate", "model=custom", "model._target_=no_such_pkg.Model"],
-     "model._target_='no_such_pkg.Model' could not be imported"),
+    (
+        ["+experiment=calibrate", "model=custom", "model._target_=no_such_pkg.Model"],
+        "model._target_='no_such_pkg.Model' could not be imported",
+    ),
     (["+experiment=calibrate", "+model.d=64"], "model.d is not a key of model=gpt"),
-    (["+experiment=calibrate", "model=custom", "model._target_=torch.nn.Sequential",
-      "+model._args_=[{_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 8}, {_target_: no_such.Layer}]"],
-     "Error locating target 'no_such.Layer'"),
+    (
+        [
+            "+experiment=calibrate",
+            "model=custom",
+            "model._target_=torch.nn.Sequential",
+            "+model._args_=[{_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 8}, {_target_: no_such.Layer}]",
+        ],
+        "Error locating target 'no_such.Layer'",
+    ),
     (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available on this machine"),
     (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
     (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
@@ -98,9 +131,10 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
 def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blocker").write_text("a file where a folder should be")
-    args = [a.replace("EMPTY", str(tmp_path / "empty.txt")).replace("BLOCKED", str(tmp_path / "blocker"))
-            for a in args]
-    extra = ["progress=false", "calibrate.window=2"] + ([] if any(a.startswith("steps=") for a in args) else ["steps=5"])
+    args = [a.replace("EMPTY", str(tmp_path / "empty.txt")).replace("BLOCKED", str(tmp_path / "blocker")) for a in args]
+    extra = ["progress=false", "calibrate.window=2"] + (
+        [] if any(a.startswith("steps=") for a in args) else ["steps=5"]
+    )
     res = run_cli(*(extra if args else []), *args, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()

@@ -44,8 +44,9 @@ def test_clip_yaml_lists_every_option_of_its_mode_at_the_engine_default(mode):
     cfg = compose_cfg("+experiment=train", f"clip={mode}")
     assert clip_options(cfg.clip) == {k: v for k, v in values.items() if v is not None}  # nothing dropped
     model = torch.nn.Linear(2, 2)
-    make_clip_policy(mode, named_params=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     **clip_options(cfg.clip))  # and the engine takes them
+    make_clip_policy(
+        mode, named_params=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **clip_options(cfg.clip)
+    )  # and the engine takes them
 
 
 @pytest.mark.parametrize("mode", sorted(CLIP_MODES))
@@ -92,12 +93,15 @@ def test_top_level_and_experiment_files_set_only_what_they_change():
             assert value != node, f"{path.relative_to(CONF)}: {key}={value!r} is already the composed default"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("optim.name=rmsprop", "optim.name='rmsprop' is not one of adamw, adam, sgd"),
-    ("optim.schedule=step", "optim.schedule='step' is not one of cosine, linear, constant"),
-    ("study.sampler=grid", "study.sampler='grid' is not one of tpe, random, nsga2"),
-    ("model.name=mlp", "model.name='mlp' is not one of gpt, lstm, linear, custom, hf: pass model=gpt"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optim.name=rmsprop", "optim.name='rmsprop' is not one of adamw, adam, sgd"),
+        ("optim.schedule=step", "optim.schedule='step' is not one of cosine, linear, constant"),
+        ("study.sampler=grid", "study.sampler='grid' is not one of tpe, random, nsga2"),
+        ("model.name=mlp", "model.name='mlp' is not one of gpt, lstm, linear, custom, hf: pass model=gpt"),
+    ],
+)
 def test_choices_are_checked_from_the_schema(override, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(compose_cfg("+experiment=train", override))

@@ -23,9 +23,17 @@ pytestmark = pytest.mark.slow  # end to end: real runs through the app
 def calibrated(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("cal")
     uri = store_in(root, store_template)
-    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=40", "calibrate.window=20",
-                      "calibrate.quantile=0.9", f"tracking.uri={uri}", "tracking.plots=true",
-                      "optim.lr=3e-3", "optim.warmup_steps=5")
+    cfg = compose_cfg(
+        "+experiment=calibrate",
+        *TINY,
+        "steps=40",
+        "calibrate.window=20",
+        "calibrate.quantile=0.9",
+        f"tracking.uri={uri}",
+        "tracking.plots=true",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=5",
+    )
     result = app.run(cfg, ["+experiment=calibrate"])
     return cfg, uri, result
 
@@ -36,13 +44,27 @@ def test_run_holds_params_metrics_and_artifacts(calibrated):
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     m = run.data.metrics
-    for key in ("grad_norm_p50", "grad_norm_p90", "grad_norm_p95", "grad_norm_p99", "recommended_max_norm",
-                "clip_ratio", "skip_ratio", "final_loss", "eval_loss"):
+    for key in (
+        "grad_norm_p50",
+        "grad_norm_p90",
+        "grad_norm_p95",
+        "grad_norm_p99",
+        "recommended_max_norm",
+        "clip_ratio",
+        "skip_ratio",
+        "final_loss",
+        "eval_loss",
+    ):
         assert key in m and math.isfinite(m[key]), key
     assert run.data.params["calibrate.window"] == "20" and run.data.params["model.name"] == "gpt"
     # what the run did: the engine's calibrated policy with these windows, never a fixed clip.max_norm
-    assert (run.data.params["clip.mode"], run.data.params["clip.window"], run.data.params["clip.quantile"],
-            run.data.params["clip.max_norm"], run.data.tags["clip"]) == ("calibrated", "20", "0.9", "None", "calibrated")
+    assert (
+        run.data.params["clip.mode"],
+        run.data.params["clip.window"],
+        run.data.params["clip.quantile"],
+        run.data.params["clip.max_norm"],
+        run.data.tags["clip"],
+    ) == ("calibrated", "20", "0.9", "None", "calibrated")
     assert run.data.tags["dtype"] == "bf16" and run.data.tags["device"] == "cpu"
     names = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"steps.csv", "config.yaml", "quantiles.json", "report.md", "plots"} <= names
@@ -75,12 +97,14 @@ def test_run_carries_standard_tags_tau_per_phase_and_descriptions(calibrated):
     assert t["tau.calibrate"] == "none" and t["tau.validate"] == f"{m['recommended_max_norm']:.4g}"
     assert t["tau_used"] == f"none → {m['recommended_max_norm']:.4g}"
     note = t["mlflow.note.content"]
-    assert note.startswith(f"**Recommended τ (`clip.max_norm`) = {m['recommended_max_norm']:.4g}** · p95 = "
-                           f"{m['grad_norm_p95']:.4g}")
+    assert note.startswith(
+        f"**Recommended τ (`clip.max_norm`) = {m['recommended_max_norm']:.4g}** · p95 = {m['grad_norm_p95']:.4g}"
+    )
     assert "**Verdict:**" in note and "| p95 |" in note  # the verdict and the quantile table
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.note.content"].startswith(
-        f"Latest: **{run.info.run_name}**: recommended τ (`clip.max_norm`) **{m['recommended_max_norm']:.4g}**")
+        f"Latest: **{run.info.run_name}**: recommended τ (`clip.max_norm`) **{m['recommended_max_norm']:.4g}**"
+    )
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
@@ -124,15 +148,22 @@ def test_mlflow_tracking_uri_env_wins_over_default(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model,data", [("gpt", "stdlib"), ("lstm", "stdlib"), ("linear", "synthetic")])
 def test_train_smoke_each_task(store, model, data):
-    cfg = compose_cfg("+experiment=train", f"model={model}", f"data={data}", *TINY, "steps=4",
-                      f"tracking.uri={store}")
+    cfg = compose_cfg("+experiment=train", f"model={model}", f"data={data}", *TINY, "steps=4", f"tracking.uri={store}")
     result = app.run(cfg)
     assert len(pd.read_csv(result.csv_path)) == 4
 
 
 def test_repeated_windows_report_drift(store, capsys):
-    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=30", "calibrate.window=5", "calibrate.every=10",
-                      "calibrate.start=0", "eval_every=10", f"tracking.uri={store}")
+    cfg = compose_cfg(
+        "+experiment=calibrate",
+        *TINY,
+        "steps=30",
+        "calibrate.window=5",
+        "calibrate.every=10",
+        "calibrate.start=0",
+        "eval_every=10",
+        f"tracking.uri={store}",
+    )
     result = app.run(cfg)
     printed = capsys.readouterr().out
     assert "Windows (calibrate.every)" in printed  # each window's τ and interval in the terminal
@@ -142,8 +173,9 @@ def test_repeated_windows_report_drift(store, capsys):
     drift = client.get_metric_history(result.run_id, "window_drift")
     assert sorted(h.step for h in drift) == [5, 15, 25] and drift[0].value == pytest.approx(1.0)
     lows = {h.step: h.value for h in client.get_metric_history(result.run_id, "window_tau_ci_low")}
-    assert lows and lows == {w.end_step: pytest.approx(w.tau_ci.low) for w in result.windows
-                             if math.isfinite(w.tau_ci.low)}
+    assert lows and lows == {
+        w.end_step: pytest.approx(w.tau_ci.low) for w in result.windows if math.isfinite(w.tau_ci.low)
+    }
     taus = [w.recommended_max_norm for w in result.windows]
     assert result.metrics["drift"] == pytest.approx(taus[-1] / taus[0])
     df = pd.read_csv(result.csv_path)
@@ -160,8 +192,15 @@ def test_repeated_windows_report_drift(store, capsys):
 def test_auto_start_validation_and_what_the_run_logs(store):
     """start=auto waits for the warm-up and the transient; τ is judged on the held-out steps; params and
     quantiles.json say what was done; the figures agree with the CSV."""
-    cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=120", "calibrate.window=30", "calibrate.validate=40",
-                      "optim.warmup_steps=10", f"tracking.uri={store}")
+    cfg = compose_cfg(
+        "+experiment=calibrate",
+        *TINY,
+        "steps=120",
+        "calibrate.window=30",
+        "calibrate.validate=40",
+        "optim.warmup_steps=10",
+        f"tracking.uri={store}",
+    )
     result = app.run(cfg)
     clip = result.calibration
     run = MlflowClient(store).get_run(result.run_id)
@@ -171,8 +210,8 @@ def test_auto_start_validation_and_what_the_run_logs(store):
     df = pd.read_csv(result.csv_path)
     s = clip.placement.start
     assert clip.placement.warmup_end == 11 and s > clip.placement.warmup_end and m["window_start"] == s
-    assert (df["phase"][: s - 1] == "settle").all() and (df["phase"][s - 1: s + 29] == "calibrate").all()
-    assert (df["phase"][s + 29: s + 69] == "validate").all() and (df["phase"][s + 69:] == "train").all()
+    assert (df["phase"][: s - 1] == "settle").all() and (df["phase"][s - 1 : s + 29] == "calibrate").all()
+    assert (df["phase"][s + 29 : s + 69] == "validate").all() and (df["phase"][s + 69 :] == "train").all()
     window = df[df["phase"] == "calibrate"]["grad_l2_pre_clip"].to_numpy()
     assert m["recommended_max_norm"] == pytest.approx(float(np.quantile(window, 0.97)), rel=1e-9)
     held = df[df["phase"] == "validate"]
@@ -193,8 +232,16 @@ def test_resume_restores_the_calibration_from_the_checkpoint_alone(store):
     from sweep.run.pipeline import RunHooks, RunSpec, run_training
     from sweep.run.tracking import Store
 
-    args = ["+experiment=calibrate", *TINY, "steps=60", "calibrate.window=20", "calibrate.start=auto",
-            "optim.schedule=constant", "optim.warmup_steps=5", f"tracking.uri={store}"]
+    args = [
+        "+experiment=calibrate",
+        *TINY,
+        "steps=60",
+        "calibrate.window=20",
+        "calibrate.start=auto",
+        "optim.schedule=constant",
+        "optim.warmup_steps=5",
+        f"tracking.uri={store}",
+    ]
     full = app.run(compose_cfg(*args))
 
     def stop_after_30(log):

@@ -21,10 +21,17 @@ from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
 HORIZONS = (1, 5, 20, 100)
-SPIKE = [f"steps={STEPS}", f"spike.at_step={AT}", f"calibrate.window={WINDOW}", "calibrate.every=0",
-         f"spike.peak_window={PEAK_WINDOW}", f"spike.factor={FACTOR}", "optim.warmup_steps=5",
-         # fp16 at TINY sizes; the scale grows every 10 clean steps so it sits near its ceiling
-         "spike.fp16_overrides=['amp.growth_interval=10']"]
+SPIKE = [
+    f"steps={STEPS}",
+    f"spike.at_step={AT}",
+    f"calibrate.window={WINDOW}",
+    "calibrate.every=0",
+    f"spike.peak_window={PEAK_WINDOW}",
+    f"spike.factor={FACTOR}",
+    "optim.warmup_steps=5",
+    # fp16 at TINY sizes; the scale grows every 10 clean steps so it sits near its ceiling
+    "spike.fp16_overrides=['amp.growth_interval=10']",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +61,23 @@ def test_children_exist_under_the_parent_with_the_five_metrics(spiked):
     client = MlflowClient(uri)
     parent = client.get_run(result.parent_run_id)
     assert parent.info.status == "FINISHED"
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+    )
     names = {r.info.run_name for r in children}
-    assert names == {f"spike-{n}" for n in ("reference", "calibrated", "none-reference", "none", "fixed-reference",
-                                             "fixed", "fp16-reference", "fp16-calibrated")}
+    assert names == {
+        f"spike-{n}"
+        for n in (
+            "reference",
+            "calibrated",
+            "none-reference",
+            "none",
+            "fixed-reference",
+            "fixed",
+            "fp16-reference",
+            "fp16-calibrated",
+        )
+    }
     for run in children:
         assert run.info.status == "FINISHED"
         for key in [f"loss_excess_{h}" for h in HORIZONS] + ["recovery_steps"]:
@@ -74,8 +93,8 @@ def test_each_spiked_run_is_its_twin_until_the_spike(spiked):
     for twin, arm in list(result.pairs.values()) + list(result.fp16.values()):
         ref, hit = csv_of(twin), csv_of(arm)
         # same policy, seed and batches: the same run, bit for bit, until the corrupted batch
-        np.testing.assert_array_equal(ref["loss"][:AT - 1], hit["loss"][:AT - 1])
-        np.testing.assert_array_equal(ref["grad_l2_pre_clip"][:AT - 1], hit["grad_l2_pre_clip"][:AT - 1])
+        np.testing.assert_array_equal(ref["loss"][: AT - 1], hit["loss"][: AT - 1])
+        np.testing.assert_array_equal(ref["grad_l2_pre_clip"][: AT - 1], hit["grad_l2_pre_clip"][: AT - 1])
         assert ref["loss"][AT - 1] != hit["loss"][AT - 1]  # the batch at the spike step differs
         np.testing.assert_array_equal(ref["data_source"][AT:], hit["data_source"][AT:])  # then the same data again
 
@@ -85,7 +104,7 @@ def test_spike_norm_is_factor_times_the_running_peak(spiked):
     _, _, result, _ = spiked
     for name in ("none", "fixed", "calibrated"):
         df = csv_of(result.arms[name])
-        peak = df["grad_l2_pre_clip"][AT - 1 - PEAK_WINDOW:AT - 1].max()
+        peak = df["grad_l2_pre_clip"][AT - 1 - PEAK_WINDOW : AT - 1].max()
         ratio = df["grad_l2_pre_clip"][AT - 1] / peak
         # k was solved on the twin's weights at the spike step, which are bit-identical to these,
         # and the gradient is linear in k: what is left is bf16 rounding of the k-scaled backward
@@ -162,13 +181,16 @@ def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():
     assert all(loss(torch.ones(2), part)[0] == 14.0 for part in torch.tensor_split(marked, 2))
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["spike.at_step=50", "calibrate.window=100"], "must land after the calibration window ends"),
-    (["spike.at_step=250", "steps=300"], "spike.at_step=250 must be in [2, steps - 100]"),
-    (["calibrate.window=20", "calibrate.every=100"], "opens a calibration window at steps 201–220"),
-    (["spike.factor=0"], "spike.factor=0.0 must be > 0"),
-    (["data=synthetic", "model=linear"], "spike needs byte data"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["spike.at_step=50", "calibrate.window=100"], "must land after the calibration window ends"),
+        (["spike.at_step=250", "steps=300"], "spike.at_step=250 must be in [2, steps - 100]"),
+        (["calibrate.window=20", "calibrate.every=100"], "opens a calibration window at steps 201–220"),
+        (["spike.factor=0"], "spike.factor=0.0 must be > 0"),
+        (["data=synthetic", "model=linear"], "spike needs byte data"),
+    ],
+)
 def test_bad_spike_configs_are_one_line_user_errors(overrides, message):
     cfg = compose_cfg("+experiment=spike", *overrides)
     with pytest.raises(UserError) as e:
@@ -201,8 +223,14 @@ def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
     with pytest.raises(UserError) as e:
         validate(compose_cfg("+experiment=spike", "model=hf", "data=hf"))
     msg = str(e.value)
-    assert msg.startswith("spike.fp16_overrides sets model.d_model, model.n_layer, model.n_head, model.block_size, "
-                          "which do nothing for model=hf") and "spike.fp16=false" in msg and "\n" not in msg
+    assert (
+        msg.startswith(
+            "spike.fp16_overrides sets model.d_model, model.n_layer, model.n_head, model.block_size, "
+            "which do nothing for model=hf"
+        )
+        and "spike.fp16=false" in msg
+        and "\n" not in msg
+    )
     validate(compose_cfg("+experiment=spike", "model=hf", "data=hf", "spike.fp16=false"))  # no fp16 pair: runs
 
     cfg = compose_cfg("+experiment=spike", "model=hf", "data=hf", HF_FP16_EXAMPLE.strip("'"))
@@ -216,6 +244,9 @@ def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
     assert n_params(small) < n_params(full) / 10
 
     with pytest.raises(UserError) as e:  # a pretrained model keeps its size: model.config does nothing
-        validate(compose_cfg("+experiment=spike", "model=hf", "data=hf", "model.pretrained=/any/dir",
-                             HF_FP16_EXAMPLE.strip("'")))
+        validate(
+            compose_cfg(
+                "+experiment=spike", "model=hf", "data=hf", "model.pretrained=/any/dir", HF_FP16_EXAMPLE.strip("'")
+            )
+        )
     assert "model.config.hidden_size" in str(e.value) and "model=hf model.pretrained=DIR" in str(e.value)

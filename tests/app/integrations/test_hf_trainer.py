@@ -21,8 +21,16 @@ V, T, REAL = 96, 16, 12  # vocab, sequence length, real (non -100) labels per ro
 
 def tiny_llama(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model("llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -30,15 +38,26 @@ def dataset(n: int = 64) -> Dataset:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (n, T), generator=g)
     labels = ids.clone()
-    labels[:, REAL + 1:] = -100  # REAL predicted tokens per row after the causal shift
+    labels[:, REAL + 1 :] = -100  # REAL predicted tokens per row after the causal shift
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
 def trainer(tmp_path, callbacks, *, steps: int, max_grad_norm: float, seed: int = 0, **kw) -> Trainer:
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, learning_rate=3e-3, max_grad_norm=max_grad_norm,
-                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
-                             seed=seed, **kw)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        max_grad_norm=max_grad_norm,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=seed,
+        **kw,
+    )
     return Trainer(model=tiny_llama(seed), args=args, train_dataset=dataset(), callbacks=callbacks)
 
 
@@ -62,8 +81,9 @@ def test_records_trainers_own_norms_calibrates_and_applies(tmp_path, store):
     expected_tau = [tau0] * window + [tau] * (steps - window)
     np.testing.assert_allclose(df["max_norm"], expected_tau, rtol=1e-9)
     pre = df["grad_l2_pre_clip"].to_numpy()
-    np.testing.assert_allclose(df["grad_l2_post_clip"], pre * np.minimum(1, np.array(expected_tau) / (pre + 1e-6)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        df["grad_l2_post_clip"], pre * np.minimum(1, np.array(expected_tau) / (pre + 1e-6)), rtol=1e-5
+    )
     assert list(df["phase"]) == ["calibrate"] * window + ["validate"] * (steps - window)
     m = MlflowClient(store).get_run(run_id).data.metrics
     assert m["recommended_max_norm"] == pytest.approx(tau, rel=1e-9)
@@ -74,8 +94,9 @@ def test_records_trainers_own_norms_calibrates_and_applies(tmp_path, store):
 
 def test_clipping_is_trainers_own(tmp_path):
     """During the window the callback's clip equals Trainer's: same parameters after the same steps."""
-    ours = trainer(tmp_path / "a", [ClipampCallback(window=6, tracking=None, verbose=False)], steps=3,
-                   max_grad_norm=0.3)
+    ours = trainer(
+        tmp_path / "a", [ClipampCallback(window=6, tracking=None, verbose=False)], steps=3, max_grad_norm=0.3
+    )
     ref = trainer(tmp_path / "b", [], steps=3, max_grad_norm=0.3)
     ours.train(), ref.train()
     for (n, p), (_, q) in zip(ours.model.named_parameters(), ref.model.named_parameters()):

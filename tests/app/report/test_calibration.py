@@ -24,9 +24,18 @@ def _driven(every=0, n=400, q=None):
     for s, lr, g in zip(steps, lrs, norms):
         tau = clip.threshold
         hit = tau is not None and g > tau
-        clip.observe(StepLog(step=int(s), lr=float(lr), grad_l2_pre_clip=float(g),
-                             grad_l2_post_clip=float(min(g, tau) if hit else g), loss=2.0, scaler_scale=1.0,
-                             clipped=bool(hit), max_norm=tau))
+        clip.observe(
+            StepLog(
+                step=int(s),
+                lr=float(lr),
+                grad_l2_pre_clip=float(g),
+                grad_l2_post_clip=float(min(g, tau) if hit else g),
+                loss=2.0,
+                scaler_scale=1.0,
+                clipped=bool(hit),
+                max_norm=tau,
+            )
+        )
     return clip
 
 

@@ -42,8 +42,17 @@ def _chromium() -> str:
 
 def _browser(chromium: str, url: str, *args: str) -> str:
     """Chromium loads ``url`` headless (1600×1000, 20 s of virtual time for the page's requests)."""
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1600,1000",
-           "--virtual-time-budget=20000", *args, url]
+    cmd = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--window-size=1600,1000",
+        "--virtual-time-budget=20000",
+        *args,
+        url,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180).stdout
 
 
@@ -58,9 +67,25 @@ def server(tmp_path):
     port = _free_port()
     store = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", store,
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--backend-store-uri",
+            store,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         yield store, port
     finally:
@@ -111,5 +136,10 @@ def test_printed_link_shows_the_recommended_tau_and_p95(tmp_path, store, server,
     text = _visible_text(_browser(chromium, charts, "--dump-dom"))
     first, others = text.find("Gradient clipping (7)"), text.find("Model metrics (")
     assert 0 < first < others, text
-    _browser(chromium, charts, "--window-size=1600,1400", "--virtual-time-budget=60000",
-             f"--screenshot={screens / 'mlflow-charts.png'}")
+    _browser(
+        chromium,
+        charts,
+        "--window-size=1600,1400",
+        "--virtual-time-budget=60000",
+        f"--screenshot={screens / 'mlflow-charts.png'}",
+    )

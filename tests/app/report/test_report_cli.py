@@ -24,11 +24,21 @@ def runs(store):
     exp = client.create_experiment("clipamp")
     ids = []
     for i, (name, clip, used, tau, p95, clipped, skipped, loss) in enumerate(RUNS):
-        run = client.create_run(exp, run_name=name, start_time=1_700_000_000_000 + i * 1000,
-                                tags={"clip": clip, "dtype": "bf16", "tau_used": used, "model": "gpt"})
-        for key, value in {"recommended_max_norm": tau, "grad_norm_p95": p95, "grad_norm_p50": p95 / 2,
-                           "grad_norm_p99": p95 * 1.5, "clip_ratio": clipped, "skip_ratio": skipped,
-                           "final_loss": loss}.items():
+        run = client.create_run(
+            exp,
+            run_name=name,
+            start_time=1_700_000_000_000 + i * 1000,
+            tags={"clip": clip, "dtype": "bf16", "tau_used": used, "model": "gpt"},
+        )
+        for key, value in {
+            "recommended_max_norm": tau,
+            "grad_norm_p95": p95,
+            "grad_norm_p50": p95 / 2,
+            "grad_norm_p99": p95 * 1.5,
+            "clip_ratio": clipped,
+            "skip_ratio": skipped,
+            "final_loss": loss,
+        }.items():
             client.log_metric(run.info.run_id, key, value)
         client.set_terminated(run.info.run_id)
         ids.append(run.info.run_id)
@@ -61,9 +71,12 @@ def test_table_holds_the_stores_values_newest_first_in_100_columns(runs, capsys)
         name = run.info.run_name
         assert name == cells[0] or (cells[0].endswith("…") and name.startswith(cells[0][:-1]))
         assert cells[1:4] == [t["clip"], t["dtype"], t["tau_used"]]
-        assert [float(c) for c in cells[4:6]] == pytest.approx([m["recommended_max_norm"], m["grad_norm_p95"]], rel=1e-3)
+        assert [float(c) for c in cells[4:6]] == pytest.approx(
+            [m["recommended_max_norm"], m["grad_norm_p95"]], rel=1e-3
+        )
         assert [float(c.rstrip("%")) / 100 for c in cells[6:8]] == pytest.approx(
-            [m["clip_ratio"], m["skip_ratio"]], abs=5e-4)
+            [m["clip_ratio"], m["skip_ratio"]], abs=5e-4
+        )
         assert float(cells[8]) == pytest.approx(m["final_loss"], rel=1e-3) and cells[9] == "—"  # no eval_loss
 
 
@@ -82,17 +95,19 @@ def test_wide_last_and_experiment(runs, capsys):
     assert len(other) == 2 and other[1].startswith("elsewhere") and "—" in other[1]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--last", "0"], "error: --last 0 must be >= 1, e.g. --last 10"),
-    (["--experiment", "nope"], "error: experiment 'nope' not found in the tracking store"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--last", "0"], "error: --last 0 must be >= 1, e.g. --last 10"),
+        (["--experiment", "nope"], "error: experiment 'nope' not found in the tracking store"),
+    ],
+)
 def test_bad_filter_is_one_line_exit_2(runs, capsys, argv, message):
     store, _ = runs
     with pytest.raises(SystemExit) as e:
         cli.main(["--tracking-uri", store, *argv])
     err = capsys.readouterr()
     assert e.value.code == 2 and err.out == "" and len(err.err.splitlines()) == 1 and err.err.startswith(message)
-
 
 
 def test_out_csv_holds_the_stores_values_and_md_the_table(runs, capsys, tmp_path):

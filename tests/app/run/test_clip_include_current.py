@@ -11,8 +11,9 @@ from sweep.run.build import build_clip_policy
 from tests.app.helpers import compose_cfg
 
 
-@pytest.mark.parametrize("override,expected", [(None, True), ("clip.include_current=false", False),
-                                               ("clip.include_current=true", True)])
+@pytest.mark.parametrize(
+    "override,expected", [(None, True), ("clip.include_current=false", False), ("clip.include_current=true", True)]
+)
 def test_quantile_convention_is_a_config_key(override, expected):
     cfg = compose_cfg("clip=quantile", *([override] if override else []))
     policy = build_clip_policy(cfg.clip, torch.nn.Linear(2, 1))

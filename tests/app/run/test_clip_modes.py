@@ -32,8 +32,14 @@ def test_every_engine_mode_has_a_config():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_train_runs_with_each_clip_mode(uri, mode):
-    cfg = compose_cfg("+experiment=train", f"clip={mode}", *TINY, "steps=6", "clip.warmup_steps=2"
-                      if mode == "zscore" else "steps=6", f"tracking.uri={uri}")
+    cfg = compose_cfg(
+        "+experiment=train",
+        f"clip={mode}",
+        *TINY,
+        "steps=6",
+        "clip.warmup_steps=2" if mode == "zscore" else "steps=6",
+        f"tracking.uri={uri}",
+    )
     result = app.run(cfg)
     df = pd.read_csv(result.csv_path)
     assert df["step"].tolist() == list(range(1, 7)) and not df["skipped"].any()
@@ -46,9 +52,16 @@ def test_train_runs_with_each_clip_mode(uri, mode):
 
 
 def test_forensic_columns(uri):
-    cfg = compose_cfg("+experiment=train", *TINY, "steps=4", "forensics.update_norm=true",
-                      "forensics.param_norm=true", "forensics.top_k=2", "forensics.zero_grads=true",
-                      f"tracking.uri={uri}")
+    cfg = compose_cfg(
+        "+experiment=train",
+        *TINY,
+        "steps=4",
+        "forensics.update_norm=true",
+        "forensics.param_norm=true",
+        "forensics.top_k=2",
+        "forensics.zero_grads=true",
+        f"tracking.uri={uri}",
+    )
     df = pd.read_csv(app.run(cfg).csv_path)
     assert (df["update_norm"] > 0).all() and (df["param_norm"] > 0).all()
     assert df["top_grad_params"].str.count(";").eq(1).all()
@@ -56,8 +69,9 @@ def test_forensic_columns(uri):
 
 
 def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri):
-    cfg = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "clip.noise_multiplier=0.0",
-                      f"tracking.uri={uri}")
+    cfg = compose_cfg(
+        "+experiment=train", "clip=dpsgd", *TINY, "steps=3", "clip.noise_multiplier=0.0", f"tracking.uri={uri}"
+    )
     df = pd.read_csv(app.run(cfg).csv_path)
     assert df["dp_clip_fraction"].between(0, 1).all()
     bad = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "amp.dtype=fp16", f"tracking.uri={uri}")

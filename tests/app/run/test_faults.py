@@ -36,20 +36,34 @@ EXPECTED = {
 
 
 def _run(dtype: str, accumulation: int, fault: str | None):
-    cfg = compose_cfg("+experiment=train", *TINY, f"amp.dtype={dtype}", f"accumulation_steps={accumulation}",
-                      "data.batch_size=8", "amp.init_scale=1024", "optim.lr=3e-3", "clip.max_norm=1.0")
+    cfg = compose_cfg(
+        "+experiment=train",
+        *TINY,
+        f"amp.dtype={dtype}",
+        f"accumulation_steps={accumulation}",
+        "data.batch_size=8",
+        "amp.init_scale=1024",
+        "optim.lr=3e-3",
+        "clip.max_norm=1.0",
+    )
     task = build_task(cfg.model, cfg.data, seed=0)
     faults = FaultInjector(FaultsConfig(**({fault: [FAULT_STEP]} if fault else {})), task.model, task.loss_fn)
     state = build_state(cfg, task.model, faults.loss_fn, total_steps=STEPS)
-    logs = [state.step(*(lambda b: (b.inputs, b.targets))(faults.batch(i, next(task.train_batches))))
-            for i in range(1, STEPS + 1)]
+    logs = [
+        state.step(*(lambda b: (b.inputs, b.targets))(faults.batch(i, next(task.train_batches))))
+        for i in range(1, STEPS + 1)
+    ]
     return state, logs, faults
 
 
 #: The full matrix is end to end (slow); one case per fault family stays in the fast subset.
 FAST_CASES = {("nan_grad", "bf16", 1), ("nan_loss", "fp32", 1)}
-CASES = [pytest.param(f, d, a, marks=() if (f, d, a) in FAST_CASES else pytest.mark.slow, id=f"{f}-{d}-{a}")
-         for f in FAULTS for d in ("fp16", "bf16", "fp32") for a in (1, 4)]
+CASES = [
+    pytest.param(f, d, a, marks=() if (f, d, a) in FAST_CASES else pytest.mark.slow, id=f"{f}-{d}-{a}")
+    for f in FAULTS
+    for d in ("fp16", "bf16", "fp32")
+    for a in (1, 4)
+]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +86,19 @@ def test_fault_is_contained(fault, dtype, accumulation, controls):
     allowed = EXPECTED[fault].get(dtype, EXPECTED[fault]["*"])
     control_logs = control(controls, dtype, accumulation)
     tail = lambda ls: sum(l.loss for l in ls[-3:]) / 3  # noqa: E731
-    MATRIX.append((fault, dtype, accumulation, outcome, hit.grad_l2_pre_clip, hit.scaler_scale,
-                   logs[FAULT_STEP].scaler_scale, tail(logs), tail(control_logs)))
+    MATRIX.append(
+        (
+            fault,
+            dtype,
+            accumulation,
+            outcome,
+            hit.grad_l2_pre_clip,
+            hit.scaler_scale,
+            logs[FAULT_STEP].scaler_scale,
+            tail(logs),
+            tail(control_logs),
+        )
+    )
     assert (FAULT_STEP, fault) in faults.fired
     assert outcome in allowed, f"{fault}/{dtype}/acc{accumulation}: {outcome} not in {allowed}"
     assert non_finite_state(state) is None  # params and optimizer state finite
@@ -91,8 +116,10 @@ def test_print_matrix():
     """Shown in the CI log (pytest -rA / the terminal summary) as the fault table."""
     if not MATRIX:
         pytest.skip("matrix not run")
-    lines = [f"{'fault':<11}{'dtype':<6}{'acc':>4}  {'outcome':<15}{'pre-clip':>11}{'scale':>8}{'next':>8}"
-             f"{'loss':>8}{'control':>9}"]
+    lines = [
+        f"{'fault':<11}{'dtype':<6}{'acc':>4}  {'outcome':<15}{'pre-clip':>11}{'scale':>8}{'next':>8}"
+        f"{'loss':>8}{'control':>9}"
+    ]
     for f, d, a, o, pre, s0, s1, lt, lc in MATRIX:
         lines.append(f"{f:<11}{d:<6}{a:>4}  {o:<15}{pre:>11.3g}{s0:>8g}{s1:>8g}{lt:>8.3f}{lc:>9.3f}")
     text = "\n".join(lines)

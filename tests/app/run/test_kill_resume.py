@@ -24,8 +24,14 @@ RUN = ["+experiment=train", *TINY, "seed=1", "optim.schedule=constant", "optim.w
 
 
 def _start(tmp: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *RUN, *args], cwd=tmp, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweep", *RUN, *args],
+        cwd=tmp,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:  # the path is printed as the run starts
         if line.startswith("steps.csv: "):
             return proc, Path(line.split(": ", 1)[1].strip())
@@ -48,8 +54,9 @@ def _complete_steps(csv: Path) -> list[int]:
 
 
 def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweep", *RUN, *args], cwd=tmp, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sweep", *RUN, *args], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

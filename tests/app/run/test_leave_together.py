@@ -17,8 +17,22 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _torchrun(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[tuple[float, float]]]:
     env = {**ENV, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(SCRIPT), str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(SCRIPT),
+            str(tmp_path),
+            mode,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     times = [tuple(map(float, (tmp_path / f"rank-{r}.txt").read_text().split())) for r in (0, 1)]
     return res, times
 

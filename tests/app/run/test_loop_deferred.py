@@ -28,8 +28,9 @@ def _run(tmp_path, log_every, checkpoint_every=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     scaler = HysteresisScaler("cpu", init_scale=2.0**10, hysteresis=2)
-    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", max_norm=0.5, scheduler=sched, scaler=scaler,
-                          log_every=log_every)
+    state = AmpTrainState(
+        model, opt, F.mse_loss, dtype="fp16", max_norm=0.5, scheduler=sched, scaler=scaler, log_every=log_every
+    )
     assert state.pipeline == "fused"
 
     def batches():
@@ -45,8 +46,18 @@ def _run(tmp_path, log_every, checkpoint_every=0):
     tracker, records = MetricLog(), RunRecords()
     path = tmp_path / f"steps{log_every}.csv"
     with StepCSVWriter(path, APP_COLUMNS) as writer:
-        run_steps(state, batches(), range(1, 13), writer=writer, tracker=tracker, records=records,
-                  on_record=seen.append, progress=False, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
+        run_steps(
+            state,
+            batches(),
+            range(1, 13),
+            writer=writer,
+            tracker=tracker,
+            records=records,
+            on_record=seen.append,
+            progress=False,
+            checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every,
+        )
     return path.read_text(), tracker.steps, [r.step for r in seen], ckpts
 
 

@@ -31,10 +31,24 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     port = _free_port()
     mlflow = Path(sys.executable).with_name("mlflow")
-    proc = subprocess.Popen([str(mlflow), "server", "--backend-store-uri", f"sqlite:///{root}/db.sqlite",
-                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(mlflow),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root}/db.sqlite",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
@@ -62,5 +76,7 @@ def test_run_tracked_on_a_server_uploads_its_artifacts(server):
     assert {"steps.csv", "report.md", "quantiles.json"} <= names
     stored = list((root / "artifacts").rglob("steps.csv"))
     assert len(stored) == 1 and stored[0].read_text().count("\n") == 9  # header + 8 steps
-    assert ui_command(uri, run.info.experiment_id) == (f"open {uri}/#/experiments/{run.info.experiment_id}/runs"
-                                                       "?workflowType=machine_learning&viewStateShareKey=clipamp")
+    assert ui_command(uri, run.info.experiment_id) == (
+        f"open {uri}/#/experiments/{run.info.experiment_id}/runs"
+        "?workflowType=machine_learning&viewStateShareKey=clipamp"
+    )

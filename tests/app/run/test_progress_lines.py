@@ -33,8 +33,11 @@ def test_lines_every_n_steps_at_marks_and_at_the_end():
             bar.update(task, completed=step, line=step == 31, info=f"loss {1 / step:.3f}")
     lines = [ln.split("  ") for ln in out.getvalue().splitlines()]
     assert [(ln[0], ln[1], ln[3]) for ln in lines] == [
-        ("run-a", "31/120", "loss 0.032"), ("run-a", "50/120", "loss 0.020"),
-        ("run-a", "100/120", "loss 0.010"), ("run-a", "120/120", "loss 0.008")]
+        ("run-a", "31/120", "loss 0.032"),
+        ("run-a", "50/120", "loss 0.020"),
+        ("run-a", "100/120", "loss 0.010"),
+        ("run-a", "120/120", "loss 0.008"),
+    ]
     assert all(ln[2].endswith("s") and float(ln[2][:-1]) >= 0 for ln in lines)
 
 
@@ -52,11 +55,25 @@ def test_a_reset_task_starts_counting_again():
 def test_a_piped_run_prints_progress_while_it_trains(tmp_path):
     """stdout is a pipe (as under nohup): the step-40 line is read while the process still runs, and the
     calibration window's end gets its own line with the τ set there (validate: the held-out steps at τ)."""
-    args = [*[a for a in TINY if a != "progress=false"], "+experiment=calibrate", "steps=200", "progress_every=40",
-            "calibrate.start=0", "calibrate.window=30", "calibrate.validate=0", "tracking.flush_every=1"]
+    args = [
+        *[a for a in TINY if a != "progress=false"],
+        "+experiment=calibrate",
+        "steps=200",
+        "progress_every=40",
+        "calibrate.start=0",
+        "calibrate.window=30",
+        "calibrate.validate=0",
+        "tracking.flush_every=1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the run's own store in tmp_path
-    proc = subprocess.Popen([sys.executable, "-m", "sweep", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweep", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen, alive_at_40 = [], None
     for line in proc.stdout:
         seen.append(line.rstrip("\n"))
@@ -68,4 +85,9 @@ def test_a_piped_run_prints_progress_while_it_trains(tmp_path):
     marks = [p[1] for p in progress]
     assert marks == ["1/200", "31/200", "40/200", "80/200", "120/200", "160/200", "200/200"], seen
     assert alive_at_40 is True  # the line came while training went on, not at the end
-    assert progress[0][3] == "calibrate" and progress[1][3] == "validate" and progress[1][-1].startswith("τ ") and progress[0][-1] == "τ nan"
+    assert (
+        progress[0][3] == "calibrate"
+        and progress[1][3] == "validate"
+        and progress[1][-1].startswith("τ ")
+        and progress[0][-1] == "τ nan"
+    )

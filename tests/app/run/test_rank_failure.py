@@ -25,17 +25,33 @@ from mlflow import MlflowClient
 from sweep.run.rank_failure import RankFailed, diagnose, register
 from tests.app.helpers import REPO
 
-ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONUNBUFFERED": "1",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+}
 STEPS = 12
-RUN = ["+experiment=train", "model=custom", "model._target_=tests.app.run.rank_faults.RankFault", "data.batch_size=4",
-       "data.seq_len=32", "data.max_files=40", "data.eval_batches=1", "progress=false", "tracking.plots=false",
-       f"steps={STEPS}", "checkpoint_every=4", "amp.dtype=fp32", "dist.timeout_s=120"]
+RUN = [
+    "+experiment=train",
+    "model=custom",
+    "model._target_=tests.app.run.rank_faults.RankFault",
+    "data.batch_size=4",
+    "data.seq_len=32",
+    "data.max_files=40",
+    "data.eval_batches=1",
+    "progress=false",
+    "tracking.plots=false",
+    f"steps={STEPS}",
+    "checkpoint_every=4",
+    "amp.dtype=fp32",
+    "dist.timeout_s=120",
+]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sweep"]
 KEPT = "the run ended {}, steps.csv keeps steps 1–6; resume=true continues from the checkpoint at step 4"
 
 
 # -- the diagnosis (no process group) ------------------------------------------------------------
+
 
 @pytest.fixture
 def sigterm_restored():
@@ -81,9 +97,11 @@ def test_a_silently_dead_rank_is_named_and_the_run_ends_killed(sigterm_restored)
     failure = diagnose(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), store, 0, 3)
     assert (failure.rank, failure.cause, failure.status) == (2, None, "KILLED")
     failure.kept(None, None)
-    assert failure.report(0) == ("rank 2 of 3 died without an error (killed by a signal, e.g. the OOM killer; "
-                                 "torchrun's summary gives its exit code); the run ended KILLED, steps.csv keeps "
-                                 "no step; no checkpoint was written yet (checkpoint_every=): start a new run")
+    assert failure.report(0) == (
+        "rank 2 of 3 died without an error (killed by a signal, e.g. the OOM killer; "
+        "torchrun's summary gives its exit code); the run ended KILLED, steps.csv keeps "
+        "no step; no checkpoint was written yet (checkpoint_every=): start a new run"
+    )
 
 
 @pytest.mark.slow  # waits out a 3 s liveness poll
@@ -102,6 +120,7 @@ def test_register_records_host_and_pid():
 
 # -- end to end ------------------------------------------------------------------------------------
 
+
 def _csv_of(stdout: str) -> Path:
     return Path(next(l for l in stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1].strip())
 
@@ -109,18 +128,28 @@ def _csv_of(stdout: str) -> Path:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> pd.DataFrame:
     tmp = tmp_path_factory.mktemp("one")
-    res = subprocess.run([sys.executable, "-m", "sweep", *RUN], cwd=tmp, env=ENV, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "sweep", *RUN], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return pd.read_csv(_csv_of(res.stdout))
 
 
 def _fail_rank_1(tmp: Path, how: str) -> tuple[subprocess.CompletedProcess, Path, str]:
-    res = subprocess.run([*TORCHRUN, *RUN], cwd=tmp, env={**ENV, "CLIPAMP_TEST_RANK_FAULT": f"{how}:1:7"},
-                         capture_output=True, text=True, timeout=400)  # rank 0 must not hang
+    res = subprocess.run(
+        [*TORCHRUN, *RUN],
+        cwd=tmp,
+        env={**ENV, "CLIPAMP_TEST_RANK_FAULT": f"{how}:1:7"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )  # rank 0 must not hang
     assert res.returncode != 0 and res.stdout.count("steps.csv: ") == 1, res.stderr[-3000:]
-    ours = [l for l in res.stderr.splitlines() if l.strip().startswith('File "') and "site-packages" not in l
-            and "<frozen" not in l]
+    ours = [
+        l
+        for l in res.stderr.splitlines()
+        if l.strip().startswith('File "') and "site-packages" not in l and "<frozen" not in l
+    ]
     assert ours == [], "a traceback from our code"
     csv = _csv_of(res.stdout)
     return res, csv, csv.parts[-3]
@@ -129,16 +158,18 @@ def _fail_rank_1(tmp: Path, how: str) -> tuple[subprocess.CompletedProcess, Path
 def _same_rows(rows: pd.DataFrame, ref: pd.DataFrame) -> None:
     assert rows["step"].tolist() == ref["step"].tolist()
     for col in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "lr"):
-        torch.testing.assert_close(torch.tensor(rows[col].to_numpy()), torch.tensor(ref[col].to_numpy()),
-                                   rtol=1e-5, atol=1e-7, msg=col)
+        torch.testing.assert_close(
+            torch.tensor(rows[col].to_numpy()), torch.tensor(ref[col].to_numpy()), rtol=1e-5, atol=1e-7, msg=col
+        )
 
 
 @pytest.mark.slow
 def test_an_error_on_one_rank_is_one_line_and_the_run_ends_failed(tmp_path, one_process):
     res, csv, run_id = _fail_rank_1(tmp_path, "raise")
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-    assert errors == ["error: rank 1 of 2 failed: RuntimeError: injected fault in forward at step 7; "
-                      + KEPT.format("FAILED")]
+    assert errors == [
+        "error: rank 1 of 2 failed: RuntimeError: injected fault in forward at step 7; " + KEPT.format("FAILED")
+    ]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     assert client.get_run(run_id).info.status == "FAILED"
     _same_rows(pd.read_csv(csv), one_process.iloc[:6])  # every completed step, as one process has it
@@ -149,15 +180,23 @@ def test_an_error_on_one_rank_is_one_line_and_the_run_ends_failed(tmp_path, one_
 def test_a_killed_rank_ends_the_run_killed_and_resume_finishes_it(tmp_path, one_process):
     res, csv, run_id = _fail_rank_1(tmp_path, "kill")
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-    assert errors == ["error: rank 1 of 2 died without an error (killed by a signal, e.g. the OOM killer; "
-                      "torchrun's summary gives its exit code); " + KEPT.format("KILLED")]
+    assert errors == [
+        "error: rank 1 of 2 died without an error (killed by a signal, e.g. the OOM killer; "
+        "torchrun's summary gives its exit code); " + KEPT.format("KILLED")
+    ]
     assert "exitcode  : -9" in res.stderr  # torchrun's summary: rank 1 got SIGKILL
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     assert client.get_run(run_id).info.status == "KILLED"
     assert pd.read_csv(csv)["step"].tolist() == list(range(1, 7))
     # the DDP checkpoint is a one-process checkpoint: resume in one process, to the end, every step once
-    resumed = subprocess.run([sys.executable, "-m", "sweep", *RUN, "resume=true"], cwd=tmp_path, env=ENV,
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sweep", *RUN, "resume=true"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0 and f"resumed run {run_id} at step 4" in resumed.stdout, resumed.stderr[-3000:]
     _same_rows(pd.read_csv(csv), one_process)
     assert client.get_run(run_id).info.status == "FINISHED"

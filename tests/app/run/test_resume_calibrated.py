@@ -19,9 +19,18 @@ from tests.app.helpers import TINY, compose_cfg, kill_after
 pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
 # windows at steps 1-6 and 13-18; the checkpoint at step 15 falls inside the second one
-RUN = ["+experiment=calibrate", *TINY, "steps=24", "calibrate.window=6", "calibrate.every=12", "checkpoint_every=15",
-       "calibrate.start=0",
-       "seed=2", "optim.schedule=constant", "optim.warmup_steps=3"]
+RUN = [
+    "+experiment=calibrate",
+    *TINY,
+    "steps=24",
+    "calibrate.window=6",
+    "calibrate.every=12",
+    "checkpoint_every=15",
+    "calibrate.start=0",
+    "seed=2",
+    "optim.schedule=constant",
+    "optim.warmup_steps=3",
+]
 
 
 def test_resumed_calibrate_run_equals_an_uninterrupted_one(store):
@@ -31,7 +40,9 @@ def test_resumed_calibrate_run_equals_an_uninterrupted_one(store):
     with pytest.raises(KeyboardInterrupt):
         run_training(calibrated(cfg), s, RunSpec(name), RunHooks(step=kill_after(17), announce=lambda m: None))
     resumed = run_single(dataclasses.replace(cfg, resume="true"), s)
-    local = (Path(store.removeprefix("sqlite:///")).parent / "fresh").as_uri()  # a local artifact folder, like the store's
+    local = (
+        Path(store.removeprefix("sqlite:///")).parent / "fresh"
+    ).as_uri()  # a local artifact folder, like the store's
     fresh = run_single(cfg, dataclasses.replace(s, experiment_id=s.client.create_experiment("fresh", local)))
     a, b = pd.read_csv(resumed.csv_path), pd.read_csv(fresh.csv_path)
     assert a["step"].tolist() == list(range(1, 25))

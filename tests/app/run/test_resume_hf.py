@@ -17,9 +17,19 @@ pytestmark = pytest.mark.slow  # end to end: three real CLI runs
 
 # window at steps 1-6 (tau from its p95), then training at tau; constant LR: the killed run has a
 # different `steps` than the control, and a cosine schedule's length follows `steps`
-RUN = ["+experiment=calibrate", "model=hf_llama", "data=hf", "data.source_field=source", "calibrate.start=0",
-       "calibrate.window=6", "calibrate.quantile=0.95", "seed=3", "optim.schedule=constant", "optim.warmup_steps=2",
-       *HF_TINY]
+RUN = [
+    "+experiment=calibrate",
+    "model=hf_llama",
+    "data=hf",
+    "data.source_field=source",
+    "calibrate.start=0",
+    "calibrate.window=6",
+    "calibrate.quantile=0.95",
+    "seed=3",
+    "optim.schedule=constant",
+    "optim.warmup_steps=2",
+    *HF_TINY,
+]
 
 
 def test_sigterm_then_resume_equals_an_uninterrupted_hf_run(tmp_path, store, monkeypatch):
@@ -46,8 +56,11 @@ def test_sigterm_then_resume_equals_an_uninterrupted_hf_run(tmp_path, store, mon
 
     fresh = K._cli(tmp_path, f"steps={n + 5}")  # the same run, never interrupted
     assert fresh.returncode == 0, fresh.stderr[-2000:]
-    control_id = next(r.info.run_id for r in client.search_runs([client.get_run(run_id).info.experiment_id])
-                      if r.info.run_id != run_id)
+    control_id = next(
+        r.info.run_id
+        for r in client.search_runs([client.get_run(run_id).info.experiment_id])
+        if r.info.run_id != run_id
+    )
     resumed, control = pd.read_csv(csv), pd.read_csv(csv.parents[2] / control_id / "artifacts" / "steps.csv")
     assert len(resumed) == len(control) == n + 5
     for col in ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "token_count", "scaler_scale"):

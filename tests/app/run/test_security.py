@@ -29,8 +29,9 @@ def test_the_ui_command_can_be_pasted_with_a_space_in_the_store_path():
 
 @pytest.mark.slow
 def test_password_never_reaches_run_or_terminal(tmp_path, store):
-    res = run_cli("+experiment=train", *TINY, "steps=3", f"study.storage=postgresql://bob:{SECRET}@127.0.0.1:1/x",
-                  cwd=tmp_path)
+    res = run_cli(
+        "+experiment=train", *TINY, "steps=3", f"study.storage=postgresql://bob:{SECRET}@127.0.0.1:1/x", cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr
     assert SECRET not in res.stdout + res.stderr
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
@@ -46,6 +47,5 @@ def test_password_never_reaches_run_or_terminal(tmp_path, store):
 
 @pytest.mark.slow
 def test_unreachable_tracking_server_message_is_redacted(tmp_path):
-    res = run_cli("+experiment=train", *TINY, "steps=3", f"tracking.uri=http://bob:{SECRET}@127.0.0.1:9/",
-                  cwd=tmp_path)
+    res = run_cli("+experiment=train", *TINY, "steps=3", f"tracking.uri=http://bob:{SECRET}@127.0.0.1:9/", cwd=tmp_path)
     assert res.returncode == 2 and "unreachable" in res.stderr and SECRET not in res.stderr

@@ -30,12 +30,21 @@ ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "P
 STEPS = 48  # room for SIGTERM to reach the ranks through torchrun before the run ends
 # fp32 so that 2 ranks and 1 process agree to rounding; a constant LR so that a resumed run (whose
 # first launch had steps=100000) follows the same schedule as an uninterrupted one
-RUN = ["+experiment=calibrate", *TINY, "calibrate.window=6", "calibrate.start=0", "amp.dtype=fp32", "optim.schedule=constant",
-       "optim.warmup_steps=3", "checkpoint_every=0"]
+RUN = [
+    "+experiment=calibrate",
+    *TINY,
+    "calibrate.window=6",
+    "calibrate.start=0",
+    "amp.dtype=fp32",
+    "optim.schedule=constant",
+    "optim.warmup_steps=3",
+    "checkpoint_every=0",
+]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sweep"]
 
 
 # -- launch rules (no processes) --------------------------------------------------------------
+
 
 @pytest.fixture
 def torchrun_env(monkeypatch):
@@ -45,29 +54,36 @@ def torchrun_env(monkeypatch):
         if world is not None:
             monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
             monkeypatch.setenv("WORLD_SIZE", str(world))
+
     return set_world
 
 
-@pytest.mark.parametrize("world, strategy, run, expected", [
-    (None, "auto", "calibrate", ("none", 1)),
-    (None, "none", "sweep", ("none", 1)),
-    (1, "auto", "train", ("none", 1)),
-    (2, "auto", "calibrate", ("ddp", 2)),
-    (2, "fsdp2", "train", ("fsdp2", 2)),
-    (2, "auto", "spike", ("ddp", 2)),
-])
+@pytest.mark.parametrize(
+    "world, strategy, run, expected",
+    [
+        (None, "auto", "calibrate", ("none", 1)),
+        (None, "none", "sweep", ("none", 1)),
+        (1, "auto", "train", ("none", 1)),
+        (2, "auto", "calibrate", ("ddp", 2)),
+        (2, "fsdp2", "train", ("fsdp2", 2)),
+        (2, "auto", "spike", ("ddp", 2)),
+    ],
+)
 def test_strategy_follows_the_launcher(torchrun_env, world, strategy, run, expected):
     torchrun_env(world)
     assert resolve_strategy(strategy, run, 4) == expected
 
 
-@pytest.mark.parametrize("world, strategy, run, batch, message", [
-    (None, "ddp", "train", 4, "dist.strategy=ddp needs several processes: launch with `torchrun"),
-    (2, "none", "train", 4, "torchrun started 2 processes but dist.strategy=none would run 2 identical jobs"),
-    (2, "auto", "sweep", 4, "+experiment=sweep runs in one process: launch it without torchrun"),
-    (2, "fsdp2", "spike", 4, "+experiment=spike under torchrun runs with dist.strategy=ddp, not fsdp2"),
-    (2, "ddp", "train", 5, "data.batch_size=5 does not split over 2 ranks: use a multiple of 2"),
-])
+@pytest.mark.parametrize(
+    "world, strategy, run, batch, message",
+    [
+        (None, "ddp", "train", 4, "dist.strategy=ddp needs several processes: launch with `torchrun"),
+        (2, "none", "train", 4, "torchrun started 2 processes but dist.strategy=none would run 2 identical jobs"),
+        (2, "auto", "sweep", 4, "+experiment=sweep runs in one process: launch it without torchrun"),
+        (2, "fsdp2", "spike", 4, "+experiment=spike under torchrun runs with dist.strategy=ddp, not fsdp2"),
+        (2, "ddp", "train", 5, "data.batch_size=5 does not split over 2 ranks: use a multiple of 2"),
+    ],
+)
 def test_impossible_combinations_are_one_line_errors(torchrun_env, world, strategy, run, batch, message):
     torchrun_env(world)
     with pytest.raises(UserError) as e:
@@ -86,6 +102,7 @@ def test_ranks_share_each_global_batch_in_order():
 
 # -- end to end ---------------------------------------------------------------------------------
 
+
 def _csv_of(stdout: str) -> Path:
     return Path(next(l for l in stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1].strip())
 
@@ -98,8 +115,14 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedP
 
 def _kill_and_resume(tmp: Path, *extra: str) -> tuple[pd.DataFrame, str, subprocess.CompletedProcess]:
     """Start under torchrun, SIGTERM the launcher after a few steps, resume to STEPS."""
-    proc = subprocess.Popen([*TORCHRUN, *RUN, "steps=100000", *extra], cwd=tmp, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*TORCHRUN, *RUN, "steps=100000", *extra],
+        cwd=tmp,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     csv = None
     for line in proc.stdout:
         if line.startswith("steps.csv: "):
@@ -171,11 +194,14 @@ def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, on
 
 @pytest.mark.slow
 def test_a_user_mistake_under_torchrun_is_one_line(tmp_path):
-    res = subprocess.run([*TORCHRUN, "+experiment=sweep", *TINY], cwd=tmp_path, env=ENV, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [*TORCHRUN, "+experiment=sweep", *TINY], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode != 0, res.stderr[-3000:]
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-    assert errors == ["error: +experiment=sweep runs in one process: launch it without torchrun "
-                      "(under torchrun: +experiment=calibrate, train or spike)"]
+    assert errors == [
+        "error: +experiment=sweep runs in one process: launch it without torchrun "
+        "(under torchrun: +experiment=calibrate, train or spike)"
+    ]
     assert "Traceback" not in res.stderr.split("error:")[0]  # no traceback from our ranks before it
     assert not (tmp_path / "mlruns").exists()  # refused before any store was opened

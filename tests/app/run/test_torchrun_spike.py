@@ -23,13 +23,29 @@ from tests.app.helpers import TINY
 from tests.app.run.test_torchrun import ENV, TORCHRUN
 
 AT, STEPS = 16, 24
-SPIKE = ["+experiment=spike", *TINY, "amp.dtype=fp32", "spike.fp16=false", f"steps={STEPS}", f"spike.at_step={AT}",
-         "spike.horizons=[1,4,8]", "spike.peak_window=8", "calibrate.window=6", "calibrate.every=0",
-         "optim.warmup_steps=3"]
+SPIKE = [
+    "+experiment=spike",
+    *TINY,
+    "amp.dtype=fp32",
+    "spike.fp16=false",
+    f"steps={STEPS}",
+    f"spike.at_step={AT}",
+    "spike.horizons=[1,4,8]",
+    "spike.peak_window=8",
+    "calibrate.window=6",
+    "calibrate.every=0",
+    "optim.warmup_steps=3",
+]
 CHILDREN = {f"spike-{n}" for n in ("none-reference", "none", "fixed-reference", "fixed", "reference", "calibrated")}
 #: what each child logs about the spike step, computed from its own rows and crafted batch
-SPIKE_METRICS = ("spike_pre_clip_norm", "spike_running_peak", "spike_loss_multiplier", "spike_natural_norm",
-                 "loss_excess_1", "loss_excess_8")
+SPIKE_METRICS = (
+    "spike_pre_clip_norm",
+    "spike_running_peak",
+    "spike_loss_multiplier",
+    "spike_natural_norm",
+    "loss_excess_1",
+    "loss_excess_8",
+)
 
 
 def _spike(cmd: list[str], cwd: Path) -> tuple[MlflowClient, str, dict[str, object]]:
@@ -50,8 +66,9 @@ def _spike(cmd: list[str], cwd: Path) -> tuple[MlflowClient, str, dict[str, obje
 
 
 def _steps(uri: str, run, dst: Path) -> pd.DataFrame:
-    path = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="steps.csv",
-                                               dst_path=str(dst / run.info.run_id), tracking_uri=uri)
+    path = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, artifact_path="steps.csv", dst_path=str(dst / run.info.run_id), tracking_uri=uri
+    )
     return pd.read_csv(path)
 
 
@@ -66,16 +83,26 @@ def test_spike_under_torchrun_is_the_one_process_replay(tmp_path):
         for col in ("skipped", "clipped", "token_count"):
             assert got[col].tolist() == want[col].tolist(), (name, col)  # token_count: global, not a share
         for col in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "max_norm"):
-            torch.testing.assert_close(torch.tensor(got[col].fillna(0).to_numpy()),
-                                       torch.tensor(want[col].fillna(0).to_numpy()), rtol=1e-5, atol=1e-6,
-                                       msg=f"{name} {col}")
+            torch.testing.assert_close(
+                torch.tensor(got[col].fillna(0).to_numpy()),
+                torch.tensor(want[col].fillna(0).to_numpy()),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"{name} {col}",
+            )
         assert two[name].data.tags["ranks"] == "2" and one[name].data.tags["ranks"] == "1"
         for key in SPIKE_METRICS:
-            assert two[name].data.metrics[key] == pytest.approx(one[name].data.metrics[key], rel=1e-5, abs=1e-6), \
-                (name, key)
+            assert two[name].data.metrics[key] == pytest.approx(one[name].data.metrics[key], rel=1e-5, abs=1e-6), (
+                name,
+                key,
+            )
     # the spike really hit the spiked arms: 20 × the running peak (global norms), where the twins saw none
     for name in ("none", "fixed", "calibrated"):
         m = two[f"spike-{name}"].data.metrics
         assert m["spike_pre_clip_norm"] == pytest.approx(20 * m["spike_running_peak"], rel=1e-3)
-        assert two[f"spike-{name}-reference" if name != "calibrated" else "spike-reference"].data.metrics[
-            "spike_pre_clip_norm"] < 3 * m["spike_running_peak"]
+        assert (
+            two[f"spike-{name}-reference" if name != "calibrated" else "spike-reference"].data.metrics[
+                "spike_pre_clip_norm"
+            ]
+            < 3 * m["spike_running_peak"]
+        )

@@ -19,15 +19,24 @@ def _rows(phases, taus):
     return [{"phase": p, "max_norm": t} for p, t in zip(phases, taus)]
 
 
-@pytest.mark.parametrize("phases,taus,expected", [
-    (["calibrate"] * 3 + ["validate"] * 2 + ["train"] * 2, [None] * 3 + [2.4581] * 4,
-     {"tau.calibrate": "none", "tau.validate": "2.458", "tau.train": "2.458", "tau_used": "none → 2.458"}),
-    (["train"] * 4, [1.0] * 4, {"tau.train": "1", "tau_used": "1"}),
-    (["train"] * 4, [None] * 4, {"tau.train": "none", "tau_used": "none"}),
-    (["train"] * 4, [0.52, 2.1, 1.0, float("nan")], {"tau.train": "none/0.52–2.1", "tau_used": "none/0.52–2.1"}),
-    (["settle", "calibrate", "validate", "calibrate", "validate"], [0.5, 0.5, 2.0, 2.0, 3.0],
-     {"tau.settle": "0.5", "tau.calibrate": "0.5–2", "tau.validate": "2–3", "tau_used": "0.5 → 0.5–2 → 2–3"}),
-])
+@pytest.mark.parametrize(
+    "phases,taus,expected",
+    [
+        (
+            ["calibrate"] * 3 + ["validate"] * 2 + ["train"] * 2,
+            [None] * 3 + [2.4581] * 4,
+            {"tau.calibrate": "none", "tau.validate": "2.458", "tau.train": "2.458", "tau_used": "none → 2.458"},
+        ),
+        (["train"] * 4, [1.0] * 4, {"tau.train": "1", "tau_used": "1"}),
+        (["train"] * 4, [None] * 4, {"tau.train": "none", "tau_used": "none"}),
+        (["train"] * 4, [0.52, 2.1, 1.0, float("nan")], {"tau.train": "none/0.52–2.1", "tau_used": "none/0.52–2.1"}),
+        (
+            ["settle", "calibrate", "validate", "calibrate", "validate"],
+            [0.5, 0.5, 2.0, 2.0, 3.0],
+            {"tau.settle": "0.5", "tau.calibrate": "0.5–2", "tau.validate": "2–3", "tau_used": "0.5 → 0.5–2 → 2–3"},
+        ),
+    ],
+)
 def test_tau_per_phase(phases, taus, expected):
     assert tau_tags(_rows(phases, taus)) == expected
 
@@ -36,19 +45,33 @@ def test_rolling_clip_ratio_equals_pandas_over_the_taken_steps():
     rng = np.random.default_rng(0)
     n = 3 * ROLLING
     clipped, skipped = rng.random(n) < 0.3, rng.random(n) < 0.1
-    skipped[60:60 + ROLLING] = True  # a stretch of skipped steps: no ratio (NaN, not sent)
+    skipped[60 : 60 + ROLLING] = True  # a stretch of skipped steps: no ratio (NaN, not sent)
     records = RunRecords()
     got = []
     for i in range(n):
-        records.rows.append({"loss": 1.0, "grad_l2_pre_clip": 1.0, "grad_l2_post_clip": 1.0, "lr": 1e-3,
-                             "scaler_scale": 1.0, "clipped": bool(clipped[i] and not skipped[i]),
-                             "skipped": bool(skipped[i])})
+        records.rows.append(
+            {
+                "loss": 1.0,
+                "grad_l2_pre_clip": 1.0,
+                "grad_l2_post_clip": 1.0,
+                "lr": 1e-3,
+                "scaler_scale": 1.0,
+                "clipped": bool(clipped[i] and not skipped[i]),
+                "skipped": bool(skipped[i]),
+            }
+        )
         got.append(records.step_metrics()["clip_ratio_rolling"])
     taken = pd.Series(np.where(skipped, np.nan, clipped & ~skipped), dtype=float)
     want = taken.rolling(ROLLING, min_periods=1).mean()
     np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
     assert np.isnan(got[60 + ROLLING - 1]) and set(records.step_metrics()) == {
-        "loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_scale", "clip_ratio_rolling"}
+        "loss",
+        "grad_l2_pre_clip",
+        "grad_l2_post_clip",
+        "lr",
+        "scaler_scale",
+        "clip_ratio_rolling",
+    }
 
 
 def test_experiment_opens_on_training_runs_with_the_answer_columns(store):

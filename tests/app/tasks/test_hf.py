@@ -19,8 +19,15 @@ from sweep.tasks.hf_model import PAD
 
 from tests.app.helpers import compose_cfg
 
-TINY_LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+TINY_LLAMA = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def write_corpus(path: Path, n: int = 400, seed: int = 0) -> Path:
@@ -43,8 +50,16 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def hf_task(corpus: Path, seed: int = 0, **data):
-    d = dict(name="hf", files=str(corpus), source_field="source", vocab_size=300, seq_len=32, batch_size=8,
-             packing=False, eval_batches=1)
+    d = dict(
+        name="hf",
+        files=str(corpus),
+        source_field="source",
+        vocab_size=300,
+        seq_len=32,
+        batch_size=8,
+        packing=False,
+        eval_batches=1,
+    )
     d.update(data)
     return build_task(ModelConfig(name="hf", config=dict(TINY_LLAMA)), DataConfig(**d), seed=seed)
 
@@ -112,11 +127,26 @@ def test_trained_tokenizer_is_cached_and_lossless(corpus, tmp_path):
 def test_runner_uses_the_token_mean_over_the_accumulated_batch(corpus, store):
     """steps.csv's first norm is the token-mean gradient norm (transformers' own loss as reference),
     not the sequence-mean one, over both micro-batches together; N_tok is the real token count."""
-    cfg = compose_cfg("+experiment=train", "model=hf_llama", "data=hf", f"data.files={corpus}",
-                      "data.source_field=source", "data.vocab_size=300", "data.seq_len=32", "data.batch_size=8",
-                      "data.packing=false", "data.eval_batches=1", "model.config.max_position_embeddings=128",
-                      "accumulation_steps=2", "amp.dtype=fp32", "clip=none", "steps=1", "progress=false",
-                      "tracking.plots=false", f"tracking.uri={store}")
+    cfg = compose_cfg(
+        "+experiment=train",
+        "model=hf_llama",
+        "data=hf",
+        f"data.files={corpus}",
+        "data.source_field=source",
+        "data.vocab_size=300",
+        "data.seq_len=32",
+        "data.batch_size=8",
+        "data.packing=false",
+        "data.eval_batches=1",
+        "model.config.max_position_embeddings=128",
+        "accumulation_steps=2",
+        "amp.dtype=fp32",
+        "clip=none",
+        "steps=1",
+        "progress=false",
+        "tracking.plots=false",
+        f"tracking.uri={store}",
+    )
     result = app.run(cfg, [])
     row = pd.read_csv(result.csv_path).iloc[0]
 
@@ -124,8 +154,9 @@ def test_runner_uses_the_token_mean_over_the_accumulated_batch(corpus, store):
     b = next(task.train_batches)
     logits = task.model(b.inputs)
     real = b.targets != -100
-    token_mean = task.model.loss_function(logits=logits, labels=None, vocab_size=logits.size(-1),
-                                          shift_labels=b.targets)
+    token_mean = task.model.loss_function(
+        logits=logits, labels=None, vocab_size=logits.size(-1), shift_labels=b.targets
+    )
     per_tok = F.cross_entropy(logits.float().transpose(1, 2), b.targets, reduction="none")
     seq_mean = ((per_tok * real).sum(1) / real.sum(1)).mean()
     n_tok, n_seq = grad_norm(task.model, token_mean), grad_norm(task.model, seq_mean)
@@ -137,20 +168,24 @@ def test_runner_uses_the_token_mean_over_the_accumulated_batch(corpus, store):
     assert row["grad_l2_token_normalised"] == pytest.approx(n_tok * math.sqrt(row["token_count"]), rel=1e-4)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["model.config.model_type=bertish"], "model.config.model_type='bertish' is not a transformers causal LM"),
-    (["model.pretrained=/nonexistent/dir"], "model.pretrained='/nonexistent/dir' does not exist"),
-    (["model.pretrained=someorg/somemodel"], "looks like a hub name"),
-    (["data.text_field=body"], "data.text_field='body' is not a column"),
-    (["model.config.vocab_size=100"], "tokens but the model's embedding has 100 rows"),
-    (["model.freeze=[nothing_matches]"], "matches no parameter name"),
-    (["+model.config.num_hiden_layers=2"], "did you mean model.config.num_hidden_layers"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.config.model_type=bertish"], "model.config.model_type='bertish' is not a transformers causal LM"),
+        (["model.pretrained=/nonexistent/dir"], "model.pretrained='/nonexistent/dir' does not exist"),
+        (["model.pretrained=someorg/somemodel"], "looks like a hub name"),
+        (["data.text_field=body"], "data.text_field='body' is not a column"),
+        (["model.config.vocab_size=100"], "tokens but the model's embedding has 100 rows"),
+        (["model.freeze=[nothing_matches]"], "matches no parameter name"),
+        (["+model.config.num_hiden_layers=2"], "did you mean model.config.num_hidden_layers"),
+    ],
+)
 def test_user_errors_name_the_value(corpus, overrides, match):
     from sweep.errors import UserError
 
-    cfg = compose_cfg("+experiment=train", "model=hf_llama", "data=hf", f"data.files={corpus}",
-                      "data.vocab_size=300", *overrides)
+    cfg = compose_cfg(
+        "+experiment=train", "model=hf_llama", "data=hf", f"data.files={corpus}", "data.vocab_size=300", *overrides
+    )
     with pytest.raises(UserError, match=match.replace("(", r"\(").replace(".", r"\.")):
         build_task(cfg.model, cfg.data, seed=0)
 

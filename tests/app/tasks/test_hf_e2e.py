@@ -21,20 +21,46 @@ from .test_hf import TINY_LLAMA, grad_norm, write_corpus
 
 pytestmark = pytest.mark.slow
 
-HF_TINY = ["data.vocab_size=300", "data.seq_len=32", "data.batch_size=8", "data.eval_batches=1",
-           "model.config.max_position_embeddings=128", "progress=false", "tracking.plots=false"]
+HF_TINY = [
+    "data.vocab_size=300",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "data.eval_batches=1",
+    "model.config.max_position_embeddings=128",
+    "progress=false",
+    "tracking.plots=false",
+]
 
 
 def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    r = run_cli("+experiment=calibrate", "model=hf_llama", "data=hf", f"data.files={corpus}",
-                "data.source_field=source", "steps=24", "calibrate.window=12", "calibrate.start=0", "calibrate.quantile=0.95", *HF_TINY, cwd=tmp_path)
+    r = run_cli(
+        "+experiment=calibrate",
+        "model=hf_llama",
+        "data=hf",
+        f"data.files={corpus}",
+        "data.source_field=source",
+        "steps=24",
+        "calibrate.window=12",
+        "calibrate.start=0",
+        "calibrate.quantile=0.95",
+        *HF_TINY,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
     m = run.data.metrics
-    for key in ("grad_norm_p50", "grad_norm_p95", "grad_norm_p99", "recommended_max_norm", "clip_ratio",
-                "skip_ratio", "final_loss", "eval_loss"):
+    for key in (
+        "grad_norm_p50",
+        "grad_norm_p95",
+        "grad_norm_p99",
+        "recommended_max_norm",
+        "clip_ratio",
+        "skip_ratio",
+        "final_loss",
+        "eval_loss",
+    ):
         assert math.isfinite(m[key]), key
     assert run.data.params["model.name"] == "hf" and "LlamaForCausalLM" in run.data.tags["task"]
     assert {"steps.csv", "quantiles.json", "report.md"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -48,8 +74,9 @@ def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
 
     from transformers import PreTrainedTokenizerFast
 
-    logged = PreTrainedTokenizerFast.from_pretrained(client.download_artifacts(run.info.run_id, "tokenizer",
-                                                                              str(tmp_path / "dl")))
+    logged = PreTrainedTokenizerFast.from_pretrained(
+        client.download_artifacts(run.info.run_id, "tokenizer", str(tmp_path / "dl"))
+    )
     used = PreTrainedTokenizerFast.from_pretrained(cached)
     lines = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     assert logged(lines)["input_ids"] == used(lines)["input_ids"]  # the artifact encodes the data as the run did
@@ -75,11 +102,25 @@ def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
     tok.save_pretrained(tmp_path / "model")
 
     frozen_rx = ["embed_tokens", r"layers\.0\."]
-    cfg = compose_cfg("+experiment=calibrate", "model=hf", f"model.pretrained={tmp_path / 'model'}",
-                      f"model.freeze=[{','.join(frozen_rx)}]", "data=hf", f"data.files={corpus}",
-                      "data.packing=false", "amp.dtype=fp32", "steps=12", "calibrate.window=6", "calibrate.start=0", "calibrate.quantile=0.95",
-                      "forensics.top_k=100", "forensics.zero_grads=true", "forensics.param_norm=true",
-                      f"tracking.uri={store}", *HF_TINY)
+    cfg = compose_cfg(
+        "+experiment=calibrate",
+        "model=hf",
+        f"model.pretrained={tmp_path / 'model'}",
+        f"model.freeze=[{','.join(frozen_rx)}]",
+        "data=hf",
+        f"data.files={corpus}",
+        "data.packing=false",
+        "amp.dtype=fp32",
+        "steps=12",
+        "calibrate.window=6",
+        "calibrate.start=0",
+        "calibrate.quantile=0.95",
+        "forensics.top_k=100",
+        "forensics.zero_grads=true",
+        "forensics.param_norm=true",
+        f"tracking.uri={store}",
+        *HF_TINY,
+    )
     task = build_task(cfg.model, cfg.data, seed=cfg.seed)
     model = task.model
     for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
@@ -92,8 +133,9 @@ def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
     b = next(probe.train_batches)
     expected = grad_norm(probe.model, probe.loss_fn(probe.model(b.inputs), b.targets)[0] / (b.targets != -100).sum())
 
-    result = run_training(cfg, Store.open(store, "clipamp"), RunSpec("ft", task=task),
-                          RunHooks(announce=lambda s: None))
+    result = run_training(
+        cfg, Store.open(store, "clipamp"), RunSpec("ft", task=task), RunHooks(announce=lambda s: None)
+    )
     df = pd.read_csv(result.csv_path)
     assert df["grad_l2_pre_clip"][0] == pytest.approx(expected, rel=1e-4)  # trainable parameters only
     listed = {item.split(":")[0] for cell in df["top_grad_params"] for item in cell.split(";")}
@@ -102,15 +144,26 @@ def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
     assert (df["zero_grad_count"] == 0).all()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) == (n in frozen), n
-    total = math.sqrt(sum(p.detach().float().pow(2).sum().item() for n, p in model.named_parameters() if n in trainable))
+    total = math.sqrt(
+        sum(p.detach().float().pow(2).sum().item() for n, p in model.named_parameters() if n in trainable)
+    )
     assert df["param_norm"].iloc[-1] == pytest.approx(total, rel=1e-4)
 
 
 def test_sweep_runs_both_dtypes(tmp_path, store):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    cfg = compose_cfg("+experiment=sweep", "model=hf_llama", "data=hf", f"data.files={corpus}", "steps=10",
-                      "calibrate.window=5", "study.n_trials=2", f"tracking.uri={store}",
-                      f"study.storage=sqlite:///{tmp_path}/optuna.db", *HF_TINY)
+    cfg = compose_cfg(
+        "+experiment=sweep",
+        "model=hf_llama",
+        "data=hf",
+        f"data.files={corpus}",
+        "steps=10",
+        "calibrate.window=5",
+        "study.n_trials=2",
+        f"tracking.uri={store}",
+        f"study.storage=sqlite:///{tmp_path}/optuna.db",
+        *HF_TINY,
+    )
     result = app.run(cfg, [])
     done = result.trials[result.trials["state"] == "COMPLETE"]
     assert sorted(done["dtype"]) == ["bf16", "fp16"]
@@ -134,9 +187,21 @@ def test_spike_runs_its_fp16_pair_on_the_model_config_shrunk_model(tmp_path, sto
     from sweep.config.validate import HF_FP16_EXAMPLE
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    cfg = compose_cfg("+experiment=spike", "model=hf", "data=hf", f"data.files={corpus}", "steps=60",
-                      "spike.at_step=30", "spike.horizons=[1,5,20]", "calibrate.window=10", "calibrate.every=0",
-                      "spike.peak_window=10", HF_FP16_EXAMPLE.strip("'"), f"tracking.uri={store}", *HF_TINY)
+    cfg = compose_cfg(
+        "+experiment=spike",
+        "model=hf",
+        "data=hf",
+        f"data.files={corpus}",
+        "steps=60",
+        "spike.at_step=30",
+        "spike.horizons=[1,5,20]",
+        "calibrate.window=10",
+        "calibrate.every=0",
+        "spike.peak_window=10",
+        HF_FP16_EXAMPLE.strip("'"),
+        f"tracking.uri={store}",
+        *HF_TINY,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: intra-op threads only wait on a busy 2-core box
     try:
@@ -144,8 +209,11 @@ def test_spike_runs_its_fp16_pair_on_the_model_config_shrunk_model(tmp_path, sto
     finally:
         torch.set_num_threads(threads)
     widths = {name: arm.task.model.config.hidden_size for name, arm in result.arms.items()}
-    assert widths == {**{n: 128 for n in ("reference", "calibrated", "none-reference", "none", "fixed-reference",
-                                         "fixed")}, "fp16-reference": 32, "fp16-calibrated": 32}
+    assert widths == {
+        **{n: 128 for n in ("reference", "calibrated", "none-reference", "none", "fixed-reference", "fixed")},
+        "fp16-reference": 32,
+        "fp16-calibrated": 32,
+    }
     arm = result.fp16["calibrated"][1]
     assert arm.task.model.config.num_hidden_layers == 2 and arm.family == "fp16"
     assert result.fp16_ok is True

@@ -68,9 +68,11 @@ def test_nested_target_builds_a_transformers_config_inside_its_model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     sizes = dict(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32)
-    cfg, task = build("model._target_=transformers.GPT2LMHeadModel",
-                      "+model.config={_target_: transformers.GPT2Config, vocab_size: 256, n_embd: 16, n_layer: 1, "
-                      "n_head: 2, n_positions: 32}")
+    cfg, task = build(
+        "model._target_=transformers.GPT2LMHeadModel",
+        "+model.config={_target_: transformers.GPT2Config, vocab_size: 256, n_embd: 16, n_layer: 1, "
+        "n_head: 2, n_positions: 32}",
+    )
     assert isinstance(task.model, GPT2LMHeadModel) and task.model.config.n_embd == 16
     ref = reference(lambda: GPT2LMHeadModel(GPT2Config(**sizes)))
     assert_same_model(task.model, ref)
@@ -84,26 +86,39 @@ def test_nested_target_builds_a_transformers_config_inside_its_model():
 
 
 def test_args_and_partial_work_as_in_hydra():
-    _, seq = build("model._target_=torch.nn.Sequential",
-                   "+model._args_=[{_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 8}, "
-                   "{_target_: torch.nn.Linear, in_features: 8, out_features: 256}]")
+    _, seq = build(
+        "model._target_=torch.nn.Sequential",
+        "+model._args_=[{_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 8}, "
+        "{_target_: torch.nn.Linear, in_features: 8, out_features: 256}]",
+    )
     assert_same_model(seq.model, reference(lambda: nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))))
 
-    _, fac = build(f"model._target_={__name__}.FactoryLM", "+model.d=8",
-                   "+model.activation={_target_: torch.nn.LeakyReLU, _partial_: true, negative_slope: 0.3}")
+    _, fac = build(
+        f"model._target_={__name__}.FactoryLM",
+        "+model.d=8",
+        "+model.activation={_target_: torch.nn.LeakyReLU, _partial_: true, negative_slope: 0.3}",
+    )
     assert isinstance(fac.model.act, nn.LeakyReLU) and fac.model.act.negative_slope == 0.3
     assert_same_model(fac.model, reference(lambda: FactoryLM(8, lambda: nn.LeakyReLU(0.3))))
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["model._target_=transformers.GPT2LMHeadModel", "+model.config={_target_: transformers.GPT2Confg}"],
-     r"model._target_='transformers.GPT2LMHeadModel' failed .*Error locating target 'transformers.GPT2Confg'.*"
-     r"full_key: config .*fix model.kwargs"),
-    (["+model.bogus=1"], r"model._target_='sweep.tasks.models.TinyMLPLM' failed with model.kwargs=\{'bogus': 1\}: "
-     r".*unexpected keyword argument 'bogus'"),
-    (["+model._partial_=true"], r"model._partial_=true would make the model a factory, not an nn.Module"),
-    (["model.pretrained=/some/dir"], r"model.pretrained='/some/dir' is for model=hf"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            ["model._target_=transformers.GPT2LMHeadModel", "+model.config={_target_: transformers.GPT2Confg}"],
+            r"model._target_='transformers.GPT2LMHeadModel' failed .*Error locating target 'transformers.GPT2Confg'.*"
+            r"full_key: config .*fix model.kwargs",
+        ),
+        (
+            ["+model.bogus=1"],
+            r"model._target_='sweep.tasks.models.TinyMLPLM' failed with model.kwargs=\{'bogus': 1\}: "
+            r".*unexpected keyword argument 'bogus'",
+        ),
+        (["+model._partial_=true"], r"model._partial_=true would make the model a factory, not an nn.Module"),
+        (["model.pretrained=/some/dir"], r"model.pretrained='/some/dir' is for model=hf"),
+    ],
+)
 def test_failures_are_one_line(overrides, match):
     with pytest.raises(UserError, match=match) as e:
         build(*overrides)

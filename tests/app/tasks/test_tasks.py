@@ -1,4 +1,5 @@
 """Behaviour of the built-in training tasks (sweep.tasks)."""
+
 from __future__ import annotations
 
 import math
@@ -43,6 +44,7 @@ def overfit(task, steps=30, lr=1e-2):
 
 # --- determinism ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("model,dname", [(TINY_GPT, "stdlib"), (dict(name="linear"), "synthetic")])
 def test_same_seed_same_batches_different_seed_different(model, dname):
     a, b, c = (first(build_task(ModelConfig(**model), data(name=dname), seed=s)) for s in (7, 7, 8))
@@ -58,6 +60,7 @@ def test_same_seed_same_initial_model():
 
 
 # --- batches -------------------------------------------------------------------------------
+
 
 def test_padding_is_exactly_the_ignored_targets(tmp_path):
     lengths = [3, 10, 20, 33, 200]  # seq_len 32: windows of at most 33 bytes
@@ -142,12 +145,16 @@ def test_models_run_under_cpu_autocast(model, dtype):
 
 # --- learning ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model,dname", [
-    (TINY_GPT, "stdlib"),
-    (TINY_LSTM, "stdlib"),
-    (dict(name="linear"), "synthetic"),
-    (dict(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"d": 16, "hidden": 64}), "stdlib"),
-])
+
+@pytest.mark.parametrize(
+    "model,dname",
+    [
+        (TINY_GPT, "stdlib"),
+        (TINY_LSTM, "stdlib"),
+        (dict(name="linear"), "synthetic"),
+        (dict(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"d": 16, "hidden": 64}), "stdlib"),
+    ],
+)
 def test_adamw_overfits_a_fixed_batch(model, dname):
     task = build_task(ModelConfig(**model), data(name=dname), seed=0)
     start, end = overfit(task, lr=3e-2 if model["name"] == "linear" else 1e-2)
@@ -173,30 +180,49 @@ def test_yaml_nodes_match_the_schema(group):
 
 
 def test_custom_loss_target_is_used():
-    task = build_task(ModelConfig(name="custom", _target_="sweep.tasks.models.TinyMLPLM",
-                                  loss_target="sweep.tasks.build.lm_loss"), data(), seed=0)
+    task = build_task(
+        ModelConfig(name="custom", _target_="sweep.tasks.models.TinyMLPLM", loss_target="sweep.tasks.build.lm_loss"),
+        data(),
+        seed=0,
+    )
     assert task.loss_fn is lm_loss
 
 
 # --- user errors ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model,dkw,match", [
-    (dict(name="foo"), {}, r"model.name='foo' is not one of gpt, lstm, linear, custom"),
-    (TINY_GPT, dict(name="wiki"), r"data.name='wiki' is not one of stdlib, text, synthetic"),
-    (TINY_GPT, dict(name="text"), r"data.path is not set.*pass data.path=FILE"),
-    (TINY_GPT, dict(name="text", path="/no/such/file.txt"), r"data.path='/no/such/file.txt' does not exist: pass data.path=FILE"),
-    (TINY_GPT, dict(seq_len=64), r"data.seq_len=64 exceeds model.block_size=32"),
-    (dict(name="custom"), {}, r"model._target_ is not set.*model._target_="),
-    (dict(name="custom", _target_="a.b.C"), {}, r"model._target_='a.b.C' could not be imported: ModuleNotFoundError"),
-    (dict(name="custom", _target_="torch.nn.Lineer"), {}, r"could not be imported: AttributeError"),
-    (dict(name="custom", _target_="sweep.tasks.models.TinyMLPLM", loss_target="x.y"), {}, r"model.loss_target='x.y' could not be imported"),
-    (dict(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"bogus": 1}), {}, r"model.kwargs"),
-    (dict(name="linear"), {}, r"model=linear needs data=synthetic.*pass data=synthetic"),
-    (TINY_GPT, dict(name="synthetic"), r"model=gpt needs byte data.*pass data=stdlib"),
-    (dict(name="lstm"), dict(name="synthetic"), r"model=lstm needs byte data"),
-    (dict(name="gpt", d_model=30, n_head=4), {}, r"model.d_model=30 is not divisible by model.n_head=4"),
-    (TINY_GPT, dict(batch_size=0), r"data.batch_size=0 must be a positive integer"),
-])
+
+@pytest.mark.parametrize(
+    "model,dkw,match",
+    [
+        (dict(name="foo"), {}, r"model.name='foo' is not one of gpt, lstm, linear, custom"),
+        (TINY_GPT, dict(name="wiki"), r"data.name='wiki' is not one of stdlib, text, synthetic"),
+        (TINY_GPT, dict(name="text"), r"data.path is not set.*pass data.path=FILE"),
+        (
+            TINY_GPT,
+            dict(name="text", path="/no/such/file.txt"),
+            r"data.path='/no/such/file.txt' does not exist: pass data.path=FILE",
+        ),
+        (TINY_GPT, dict(seq_len=64), r"data.seq_len=64 exceeds model.block_size=32"),
+        (dict(name="custom"), {}, r"model._target_ is not set.*model._target_="),
+        (
+            dict(name="custom", _target_="a.b.C"),
+            {},
+            r"model._target_='a.b.C' could not be imported: ModuleNotFoundError",
+        ),
+        (dict(name="custom", _target_="torch.nn.Lineer"), {}, r"could not be imported: AttributeError"),
+        (
+            dict(name="custom", _target_="sweep.tasks.models.TinyMLPLM", loss_target="x.y"),
+            {},
+            r"model.loss_target='x.y' could not be imported",
+        ),
+        (dict(name="custom", _target_="sweep.tasks.models.TinyMLPLM", kwargs={"bogus": 1}), {}, r"model.kwargs"),
+        (dict(name="linear"), {}, r"model=linear needs data=synthetic.*pass data=synthetic"),
+        (TINY_GPT, dict(name="synthetic"), r"model=gpt needs byte data.*pass data=stdlib"),
+        (dict(name="lstm"), dict(name="synthetic"), r"model=lstm needs byte data"),
+        (dict(name="gpt", d_model=30, n_head=4), {}, r"model.d_model=30 is not divisible by model.n_head=4"),
+        (TINY_GPT, dict(batch_size=0), r"data.batch_size=0 must be a positive integer"),
+    ],
+)
 def test_user_errors_are_one_line_value_errors(model, dkw, match):
     with pytest.raises(ValueError, match=match) as e:
         build_task(ModelConfig(**model), data(**dkw), seed=0)

@@ -13,6 +13,7 @@ from .helpers import _clip, _params_with_grads
 
 # -- AutoClip ---------------------------------------------------------------------------------
 
+
 def test_quantile_clips_at_the_percentile_of_the_history_including_the_current_norm():
     norms = [5.0, 1.0, 2.0, 8.0, 3.0, 0.5, 9.0, 4.0]
     policy = QuantileClip(quantile=0.25, history=5)
@@ -48,6 +49,7 @@ def test_quantile_state_round_trip_continues_identically():
 
 
 # -- ZClip ------------------------------------------------------------------------------------
+
 
 def _zclip_at(mean: float, std: float, **kw) -> ZScoreClip:
     z = ZScoreClip(**kw)
@@ -87,7 +89,7 @@ def _zclip_reference(norms, alpha=0.97, z_thresh=2.5, warmup=25, eps=1e-6):
                 var = sum((x - mean) ** 2 for x in buf) / len(buf)
             out.append(g)
             continue
-        std = var ** 0.5
+        std = var**0.5
         z = (g - mean) / (std + eps)
         clip_val = mean + (z_thresh * std) / (z / z_thresh) if z > z_thresh else None
         post = g if clip_val is None or g <= clip_val else clip_val * g / (g + 1e-6)

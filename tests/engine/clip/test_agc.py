@@ -14,6 +14,7 @@ from .helpers import _clip, _params_with_grads
 
 # -- AGC --------------------------------------------------------------------------------------
 
+
 def test_agc_acceptance_fixture_row_units():
     """ones(2,3) weights, grad 10·ones, λ=0.01: each row's weight norm is √3, its max grad norm
     0.01·√3; the row gradient 10·ones(3) (norm 10√3) is scaled to 0.01√3, i.e. 0.01 per entry."""

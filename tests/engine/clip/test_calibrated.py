@@ -44,23 +44,39 @@ def test_windows_without_a_run_length_never_end_early():
         windows.ranges()
 
 
-@pytest.mark.parametrize("options, match", [({"window": 1}, "window=1"), ({"window": 4, "every": 3}, "every=3"),
-                                            ({"cap": 0}, "cap=0"), ({"quantile": 1.0}, "quantile=1.0"),
-                                            ({"every": -1}, "every=-1")])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"window": 1}, "window=1"),
+        ({"window": 4, "every": 3}, "every=3"),
+        ({"cap": 0}, "cap=0"),
+        ({"quantile": 1.0}, "quantile=1.0"),
+        ({"every": -1}, "every=-1"),
+    ],
+)
 def test_bad_options_name_the_value(options, match):
     with pytest.raises(ValueError, match=match):
         make_clip_policy("calibrated", **options)
 
 
 def test_registered_with_plain_options_and_total_steps_as_context():
-    assert clip_mode_options("calibrated") == {"window": 100, "every": 0, "quantile": 0.95,
-                                               "candidates": [0.5, 1.0, 2.0, 5.0], "cap": None, "start": 0,
-                                               "validate": 0, "target_clip": [0.01, 0.05], "confidence": 0.95}
+    assert clip_mode_options("calibrated") == {
+        "window": 100,
+        "every": 0,
+        "quantile": 0.95,
+        "candidates": [0.5, 1.0, 2.0, 5.0],
+        "cap": None,
+        "start": 0,
+        "validate": 0,
+        "target_clip": [0.01, 0.05],
+        "confidence": 0.95,
+    }
     policy = make_clip_policy("calibrated", window=3, every=4, total_steps=TOTAL)
     assert policy.windows.ranges() == _reference_windows(3, 4, TOTAL)
 
 
 # -- against the app's manual swap -------------------------------------------------------------
+
 
 def _batches(n: int = TOTAL) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(3)
@@ -120,13 +136,15 @@ def test_records_are_bit_identical_to_the_manual_swap(window, every, cap):
     first = _reference_windows(window, every, TOTAL)[0]
     assert all(r.max_norm == cap for r in records[: first[-1]])
     assert records[first[-1]].max_norm == taus[0]
-    assert any(r.clipped for r in records[first[-1]:])  # τ = p50 of the window acts
+    assert any(r.clipped for r in records[first[-1] :])  # τ = p50 of the window acts
     assert [policy.phase(s) for s in range(1, TOTAL + 1)] == [
         "calibrate" if any(s in w for w in _reference_windows(window, every, TOTAL)) else "validate"
-        for s in range(1, TOTAL + 1)]
+        for s in range(1, TOTAL + 1)
+    ]
 
 
 # -- resume from the checkpoint alone ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("kill_after", [1, 2, 3, 5, 6, 9])  # window 1 = steps 1-3, window 2 = 5-7, 9-11
 def test_resume_from_state_dict_alone_gives_the_uninterrupted_records(kill_after):
@@ -158,10 +176,19 @@ def test_a_window_with_no_finite_norm_raises_with_the_record():
 
 # -- window placement, validation on held-out steps, drift -------------------------------------
 
+
 def _record(step, lr, norm, tau=None):
     clipped = tau is not None and norm > tau
-    return StepLog(step=step, lr=lr, grad_l2_pre_clip=norm, grad_l2_post_clip=min(norm, tau) if clipped else norm,
-                   loss=2.0, scaler_scale=1.0, clipped=clipped, max_norm=tau)
+    return StepLog(
+        step=step,
+        lr=lr,
+        grad_l2_pre_clip=norm,
+        grad_l2_post_clip=min(norm, tau) if clipped else norm,
+        loss=2.0,
+        scaler_scale=1.0,
+        clipped=clipped,
+        max_norm=tau,
+    )
 
 
 def _drive(policy, norms, lrs):
@@ -179,7 +206,7 @@ def _warmup_trace(n=400, seed=0, jump_at=None):
     lrs = np.minimum(steps / 20, 1.0) * 3e-3
     norms = (1 + 9 * np.exp(-steps / 15)) * rng.lognormal(0, 0.3, n)
     if jump_at:
-        norms[jump_at - 1:] *= 3
+        norms[jump_at - 1 :] *= 3
     return norms, lrs
 
 
@@ -191,13 +218,13 @@ def test_auto_start_is_the_placement_rule_and_the_window_is_numpy_quantiles():
     placed = auto_window_start(trace, latest=len(norms) - 200 + 1)
     assert policy.placement == placed and placed.rule == "auto" and placed.start > placed.warmup_end == 21
     s = placed.start
-    assert phases[:s - 1] == ["settle"] * (s - 1) and phases[s - 1:s + 99] == ["calibrate"] * 100
-    assert phases[s + 99:] == ["validate"] * (len(norms) - s - 99)
-    window = norms[s - 1:s + 99]
+    assert phases[: s - 1] == ["settle"] * (s - 1) and phases[s - 1 : s + 99] == ["calibrate"] * 100
+    assert phases[s + 99 :] == ["validate"] * (len(norms) - s - 99)
+    window = norms[s - 1 : s + 99]
     summary = policy.summaries[0]
     assert summary.quantile == pytest.approx(0.97)  # aimed at the band's midpoint
     assert policy.tau == pytest.approx(np.quantile(window, summary.quantile))
-    after = norms[s + 99:]
+    after = norms[s + 99 :]
     check = policy.checks()[0]
     assert (check.clipped, check.steps) == (int((after > policy.tau).sum()), len(after))
     assert check.predicted == pytest.approx(np.mean(window > policy.tau))
@@ -223,7 +250,7 @@ def test_back_to_back_windows_validate_each_tau_on_the_next_window(validate):
     ends = [s.end_step for s in policy.summaries]
     assert ends == [160, 260, 360, 400]
     for k, (summary, (clipped, taken)) in enumerate(zip(policy.summaries, policy.validation)):
-        held_out = norms[summary.end_step:(ends[k + 1] if k + 1 < len(ends) else len(norms))]
+        held_out = norms[summary.end_step : (ends[k + 1] if k + 1 < len(ends) else len(norms))]
         if validate:
             held_out = held_out[:validate]
         assert (clipped, taken) == (int((held_out > summary.recommended_max_norm).sum()), len(held_out))
@@ -274,9 +301,15 @@ def test_auto_start_and_validation_resume_from_the_state_dict_alone(kill_after):
     assert [resumed.clip.phase(s) for s in range(1, total + 1)] == [full.clip.phase(s) for s in range(1, total + 1)]
 
 
-@pytest.mark.parametrize("options, match", [({"start": "later"}, "start='later'"), ({"start": -1}, "start=-1"),
-                                            ({"validate": -2}, "validate=-2"),
-                                            ({"target_clip": [0.05, 0.01]}, "target_clip")])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"start": "later"}, "start='later'"),
+        ({"start": -1}, "start=-1"),
+        ({"validate": -2}, "validate=-2"),
+        ({"target_clip": [0.05, 0.01]}, "target_clip"),
+    ],
+)
 def test_bad_calibration_options_name_the_value(options, match):
     with pytest.raises(ValueError, match=match):
         make_clip_policy("calibrated", **options)

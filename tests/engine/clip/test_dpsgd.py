@@ -31,7 +31,7 @@ def _loop_reference(model, loss_fn, x, y, c, per_layer):
     sums = [torch.zeros_like(p) for p in model.parameters()]
     for i in range(len(x)):
         model.zero_grad()
-        loss_fn(model(x[i: i + 1]), y[i: i + 1]).backward()
+        loss_fn(model(x[i : i + 1]), y[i : i + 1]).backward()
         gs = [p.grad.clone() for p in model.parameters()]
         if per_layer:
             gs = [g * min(1.0, c / (g.norm().item() + 1e-6)) for g in gs]
@@ -67,9 +67,17 @@ def test_noise_has_std_sigma_c_over_b_and_is_reproducible():
 def test_per_layer_bounds_and_total_sensitivity():
     model = nn.Linear(2, 1)  # weight and bias: two "layers"
     x = torch.tensor([[3.0, 4.0]])
-    stats = dp_sgd_grads(model, _linear_loss, x, torch.zeros(1), max_norm=[1.0, 0.5], noise_multiplier=1.0,
-                         per_layer=True, generator=torch.Generator().manual_seed(0))
-    assert stats["noise_std"] == pytest.approx((1.0 ** 2 + 0.5 ** 2) ** 0.5)
+    stats = dp_sgd_grads(
+        model,
+        _linear_loss,
+        x,
+        torch.zeros(1),
+        max_norm=[1.0, 0.5],
+        noise_multiplier=1.0,
+        per_layer=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert stats["noise_std"] == pytest.approx((1.0**2 + 0.5**2) ** 0.5)
     with pytest.raises(ValueError, match="2 trainable parameter tensors"):
         dp_sgd_grads(model, _linear_loss, x, torch.zeros(1), max_norm=[1.0], noise_multiplier=0.0, per_layer=True)
     with pytest.raises(ValueError, match="noise_multiplier"):

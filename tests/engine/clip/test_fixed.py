@@ -17,6 +17,7 @@ from .helpers import _clip, _params_with_grads
 
 # -- value / staged ---------------------------------------------------------------------------
 
+
 def test_value_clip_matches_torch_clip_grad_value():
     torch.manual_seed(0)
     g = [torch.randn(5, 4) * 3, torch.randn(7) * 3]
@@ -40,6 +41,7 @@ def test_staged_threshold_follows_the_step():
 
 
 # -- per group --------------------------------------------------------------------------------
+
 
 def test_per_group_clips_each_group_to_its_own_tau_and_changes_direction():
     a, b, c = _params_with_grads(torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4]), torch.tensor([6.0, 8.0]))
@@ -76,6 +78,7 @@ def test_per_group_needs_one_tau_per_group():
 
 
 # -- the expected-bias example ------------------------------------------------------------------
+
 
 def test_clipping_biases_the_gradient_expected_value():
     """g = 10 w.p. 0.1 else 0 has E[g] = 1; clipped at τ=1, E[C(g)] = 0.1·1 + 0.9·0 = 0.1."""

@@ -25,8 +25,9 @@ def test_every_mode_runs_three_bf16_steps(mode):
     state = _state(mode)
     records = [state.step(x, y) for x, y in _batches(3)]
     assert all(not r.skipped for r in records)
-    assert all(math.isfinite(r.grad_l2_post_clip) and r.grad_l2_post_clip <= r.grad_l2_pre_clip * (1 + 1e-6)
-               for r in records)
+    assert all(
+        math.isfinite(r.grad_l2_post_clip) and r.grad_l2_post_clip <= r.grad_l2_pre_clip * (1 + 1e-6) for r in records
+    )
     assert all(torch.isfinite(p).all() for p in state.model.parameters())
 
 
@@ -48,8 +49,11 @@ def test_checkpointed_policy_state_resumes_identically(mode):
 
 # -- sparse embedding gradients -------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode, options", [("norm", {"max_norm": 0.5}), ("value", {"clip_value": 0.01}),
-                                           ("quantile", {}), ("zscore", {"warmup_steps": 1})])
+
+@pytest.mark.parametrize(
+    "mode, options",
+    [("norm", {"max_norm": 0.5}), ("value", {"clip_value": 0.01}), ("quantile", {}), ("zscore", {"warmup_steps": 1})],
+)
 def test_sparse_gradients_match_the_dense_reference(mode, options):
     torch.manual_seed(0)
     idx = torch.tensor([3, 7, 3, 0, 7, 7])
@@ -111,6 +115,7 @@ def test_huge_sparse_embedding_is_clipped_without_densifying():
     so the measurement would fail if any step densified. Run in a fresh process so the peak is
     this test's own."""
     import clipamp_engine
+
     root = Path(clipamp_engine.__file__).resolve().parents[1]  # the child imports this same package
     out = subprocess.run([sys.executable, "-c", _LARGE_SPARSE], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
@@ -123,6 +128,7 @@ def test_huge_sparse_embedding_is_clipped_without_densifying():
 
 # -- no host reads on the hot path ----------------------------------------------------------------
 
+
 class _NoHostReads:
     """Make every Python-level device→host read (item, bool, float, int, tolist, numpy) raise."""
 
@@ -134,6 +140,7 @@ class _NoHostReads:
         def refuse(name):
             def method(*args, **kwargs):
                 raise AssertionError(f"host sync: Tensor.{name} called inside the hot path")
+
             return method
 
         for n in self.NAMES:
@@ -149,8 +156,9 @@ class _NoHostReads:
 def test_clip_and_hooks_read_nothing_back_to_the_host(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
-    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1, weight_decay=0.1
+    )
     policy = make_clip_policy(mode, named_params=model, optimizer=opt, **MODE_OPTIONS[mode])
     params = list(model.parameters())
     for step in range(1, 5):  # zscore: past its 2-step warm-up
@@ -166,8 +174,15 @@ def test_clip_and_hooks_read_nothing_back_to_the_host(mode):
             policy.after_step(params, opt)
 
 
-@pytest.mark.parametrize("mode, options", [("per_group", {"max_norms": [1e6]}), ("agc", {"clip_factor": 1e6}),
-                                           ("value", {"clip_value": 1e6}), ("staged", {"stages": [[0, 1e6]]})])
+@pytest.mark.parametrize(
+    "mode, options",
+    [
+        ("per_group", {"max_norms": [1e6]}),
+        ("agc", {"clip_factor": 1e6}),
+        ("value", {"clip_value": 1e6}),
+        ("staged", {"stages": [[0, 1e6]]}),
+    ],
+)
 def test_nothing_clipped_reports_post_equal_to_pre(mode, options):
     """``clipped = post < pre`` in the record must not fire on rounding when no gradient changed."""
     torch.manual_seed(0)

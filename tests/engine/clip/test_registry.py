@@ -9,11 +9,13 @@ from torch import nn
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 
 
-
 # -- dispatch --------------------------------------------------------------------------------
 
+
 def test_unknown_mode_lists_the_modes():
-    with pytest.raises(ValueError, match="'bogus'.*norm, none, value, staged, per_group, agc, update, quantile, zscore"):
+    with pytest.raises(
+        ValueError, match="'bogus'.*norm, none, value, staged, per_group, agc, update, quantile, zscore"
+    ):
         make_clip_policy("bogus")
 
 
@@ -24,16 +26,19 @@ def test_unknown_option_lists_the_modes_options():
         make_clip_policy("zscore", zthresh=2.0)
 
 
-@pytest.mark.parametrize("mode, options, match", [
-    ("value", {"clip_value": 0}, "clip_value=0"),
-    ("staged", {"stages": [[5, 1.0]]}, "first stage must start"),
-    ("staged", {"stages": [[0, 1.0], [0, 2.0]]}, "strictly increasing"),
-    ("quantile", {"quantile": 10}, r"\(0, 1\]"),
-    ("zscore", {"clip_option": "median"}, "adaptive_scaling, mean"),
-    ("agc", {"exclude": ["bias"]}, "named_params"),
-    ("per_group", {}, "optimizer"),
-    ("update", {"max_update_norm": -1}, "max_update_norm"),
-])
+@pytest.mark.parametrize(
+    "mode, options, match",
+    [
+        ("value", {"clip_value": 0}, "clip_value=0"),
+        ("staged", {"stages": [[5, 1.0]]}, "first stage must start"),
+        ("staged", {"stages": [[0, 1.0], [0, 2.0]]}, "strictly increasing"),
+        ("quantile", {"quantile": 10}, r"\(0, 1\]"),
+        ("zscore", {"clip_option": "median"}, "adaptive_scaling, mean"),
+        ("agc", {"exclude": ["bias"]}, "named_params"),
+        ("per_group", {}, "optimizer"),
+        ("update", {"max_update_norm": -1}, "max_update_norm"),
+    ],
+)
 def test_bad_option_values_are_value_errors(mode, options, match):
     with pytest.raises(ValueError, match=match):
         make_clip_policy(mode, **options)

@@ -16,6 +16,7 @@ from .helpers import _clip
 
 # -- Adam update vs gradient clipping (the seed's example) ---------------------------------------
 
+
 def _adam_at_the_seed_example():
     """Adam whose preconditioned update for g=(1,1) is u=(1, 100) (√v̂+ε = (1, 0.01)):
     β1=0 (m̂ = g), β2=0.9999 with v=(1, 0) before the step, a step count so large that bias

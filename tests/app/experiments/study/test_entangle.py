@@ -20,8 +20,12 @@ TAUS = {NONE: math.nan, "p90": 2.0, "p50": 1.0}
 def _table(loss, lrs=(1e-3, 3e-3, 1e-2), seeds=2, sd=0.005, seed=0):
     """Trials whose eval loss is ``loss(lr, tau)`` plus seed noise of SD ``sd``."""
     rng = np.random.default_rng(seed)
-    rows = [{"lr": lr, "tau": t, "max_norm": m, "seed": s, "eval_loss": loss(lr, t) + rng.normal(0, sd)}
-            for lr in lrs for t, m in TAUS.items() for s in range(seeds)]
+    rows = [
+        {"lr": lr, "tau": t, "max_norm": m, "seed": s, "eval_loss": loss(lr, t) + rng.normal(0, sd)}
+        for lr in lrs
+        for t, m in TAUS.items()
+        for s in range(seeds)
+    ]
     return pd.DataFrame(rows)
 
 
@@ -71,14 +75,24 @@ def test_entangle_study_end_to_end(store):
     whose verdict tag is the verdict of its own trials table."""
     from mlflow import MlflowClient
 
-    cfg = compose_cfg("+experiment=sweep", "study=entangle", *TINY, "steps=12", "calibrate.window=6",
-                      "study.lr_factors=[0.5,1.0]", "study.entangle_quantiles=[p50]", f"tracking.uri={store}")
+    cfg = compose_cfg(
+        "+experiment=sweep",
+        "study=entangle",
+        *TINY,
+        "steps=12",
+        "calibrate.window=6",
+        "study.lr_factors=[0.5,1.0]",
+        "study.entangle_quantiles=[p50]",
+        f"tracking.uri={store}",
+    )
     verdict = app.run(cfg)
     client = MlflowClient(store)
-    parent = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                filter_string="tags.sweep_role = 'entangle'")[0]
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    parent = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], filter_string="tags.sweep_role = 'entangle'"
+    )[0]
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
     roles = sorted(r.data.tags["sweep_role"] for r in children)
     assert roles == ["anchor"] + ["entangle_trial"] * 8
     assert parent.data.tags["entangle_verdict"] == verdict.kind and parent.data.tags["entangle_line"] == verdict.line

@@ -23,15 +23,20 @@ from sweep.errors import UserError
 from tests.app.experiments.study.test_sweep import children, optuna_study, sweep_cfg
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["study.nproc_per_trial=0"], "study.nproc_per_trial=0 must be >= 1"),
-    (["study.nproc_per_trial=2", "study=constrained"],
-     "study.nproc_per_trial=2: a trial runs as a torchrun job whose steps the sweep process does not see, so "
-     "study.pruner=median cannot stop it; pass study.pruner=none (or study.nproc_per_trial=1)"),
-    (["study.nproc_per_trial=3"], "data.batch_size=4 does not split over study.nproc_per_trial=3 ranks"),
-    (["study.nproc_per_trial=2", "study=entangle"], "study.nproc_per_trial=2: study=entangle runs its grid"),
-    (["study.nproc_per_trial=2", "dist.strategy=none"], "study.nproc_per_trial=2 needs dist.strategy=auto"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["study.nproc_per_trial=0"], "study.nproc_per_trial=0 must be >= 1"),
+        (
+            ["study.nproc_per_trial=2", "study=constrained"],
+            "study.nproc_per_trial=2: a trial runs as a torchrun job whose steps the sweep process does not see, so "
+            "study.pruner=median cannot stop it; pass study.pruner=none (or study.nproc_per_trial=1)",
+        ),
+        (["study.nproc_per_trial=3"], "data.batch_size=4 does not split over study.nproc_per_trial=3 ranks"),
+        (["study.nproc_per_trial=2", "study=entangle"], "study.nproc_per_trial=2: study=entangle runs its grid"),
+        (["study.nproc_per_trial=2", "dist.strategy=none"], "study.nproc_per_trial=2 needs dist.strategy=auto"),
+    ],
+)
 def test_what_torchrun_trials_cannot_do_is_one_line(overrides, message):
     with pytest.raises(UserError) as e:
         validate(sweep_cfg("sqlite:///unused.db", *overrides))
@@ -44,8 +49,9 @@ def test_constrained_torchrun_trials_without_pruner_are_accepted():
 
 def _sweep(root: Path, nproc: int):
     uri = f"sqlite:///{root}/mlruns/mlflow.db"
-    cfg = sweep_cfg(uri, "study.anchor=null", "study.n_trials=2", "study.dtypes=[fp32]",
-                    f"study.nproc_per_trial={nproc}")
+    cfg = sweep_cfg(
+        uri, "study.anchor=null", "study.n_trials=2", "study.dtypes=[fp32]", f"study.nproc_per_trial={nproc}"
+    )
     result = app.run(cfg, ["+experiment=sweep"])
     client = MlflowClient(uri)
     runs = {int(r.data.tags["trial"]): r for r in children(client, result.parent_run_id)}
@@ -72,24 +78,34 @@ def test_torchrun_trials_are_the_one_process_trials(tmp_path):
         got, want = rows[t.number], ref_rows[t.number]
         assert got["step"].tolist() == want["step"].tolist() and got["clipped"].tolist() == want["clipped"].tolist()
         for col in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss", "lr"):
-            torch.testing.assert_close(torch.tensor(got[col].to_numpy()), torch.tensor(want[col].to_numpy()),
-                                       rtol=1e-5, atol=1e-7, msg=col)
+            torch.testing.assert_close(
+                torch.tensor(got[col].to_numpy()), torch.tensor(want[col].to_numpy()), rtol=1e-5, atol=1e-7, msg=col
+            )
 
 
 @pytest.mark.slow
 def test_a_failed_trial_job_is_a_failed_trial_with_its_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CLIPAMP_TEST_RANK_FAULT", "raise:1:3")  # the jobs' rank 1 raises at its 3rd step
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    cfg = sweep_cfg(uri, "study.anchor=null", "study.n_trials=2", "study.dtypes=[fp32]", "study.nproc_per_trial=2",
-                    "model=custom", "model._target_=tests.app.run.rank_faults.RankFault")
+    cfg = sweep_cfg(
+        uri,
+        "study.anchor=null",
+        "study.n_trials=2",
+        "study.dtypes=[fp32]",
+        "study.nproc_per_trial=2",
+        "model=custom",
+        "model._target_=tests.app.run.rank_faults.RankFault",
+    )
     result = app.run(cfg, ["+experiment=sweep"])  # the sweep goes on past failed trials, as in one process
     trials = optuna_study(result, tmp_path).trials
     assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
     client = MlflowClient(uri)
     for t in trials:
-        assert t.user_attrs["error"] == ("RuntimeError: rank 1 of 2 failed: RuntimeError: injected fault in forward "
-                                         "at step 3; the run ended FAILED, steps.csv keeps steps 1–2; no checkpoint "
-                                         "was written yet (checkpoint_every=): start a new run")
+        assert t.user_attrs["error"] == (
+            "RuntimeError: rank 1 of 2 failed: RuntimeError: injected fault in forward "
+            "at step 3; the run ended FAILED, steps.csv keeps steps 1–2; no checkpoint "
+            "was written yet (checkpoint_every=): start a new run"
+        )
         run = client.get_run(t.user_attrs["run_id"])
         assert run.info.status == "FAILED" and run.data.tags["ranks"] == "2"
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id

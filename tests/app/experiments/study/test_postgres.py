@@ -40,8 +40,17 @@ def postgres():
         port = s.getsockname()[1]
     run = lambda *a: subprocess.run([*as_user, *a], check=True, capture_output=True, text=True)  # noqa: E731
     run(initdb, "-D", str(data), "-U", "clipamp", "--pwfile", str(pwfile), "-A", "scram-sha-256")
-    run(pg_ctl, "-D", str(data), "-w", "-l", str(root / "log"), "-o",
-        f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start")
+    run(
+        pg_ctl,
+        "-D",
+        str(data),
+        "-w",
+        "-l",
+        str(root / "log"),
+        "-o",
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+        "start",
+    )
     try:
         yield f"postgresql://clipamp:{SECRET}@127.0.0.1:{port}/postgres"
     finally:
@@ -50,8 +59,15 @@ def postgres():
 
 
 def test_two_invocations_share_one_postgres_study_without_leaking_the_password(tmp_path, store, postgres):
-    args = ["+experiment=sweep", *TINY, "steps=6", "study.anchor=null", "study.n_trials=2",
-            f"study.storage={postgres}", "optim.warmup_steps=2"]
+    args = [
+        "+experiment=sweep",
+        *TINY,
+        "steps=6",
+        "study.anchor=null",
+        "study.n_trials=2",
+        f"study.storage={postgres}",
+        "optim.warmup_steps=2",
+    ]
     first, second = run_cli(*args, cwd=tmp_path), run_cli(*args, cwd=tmp_path)
     for res in (first, second):
         assert res.returncode == 0, res.stderr

@@ -29,8 +29,9 @@ STEPS = 8
 
 
 def sweep_cfg(uri: str, *overrides: str):
-    return compose_cfg("+experiment=sweep", *TINY, f"steps={STEPS}", f"tracking.uri={uri}",
-                       "optim.warmup_steps=2", *overrides)
+    return compose_cfg(
+        "+experiment=sweep", *TINY, f"steps={STEPS}", f"tracking.uri={uri}", "optim.warmup_steps=2", *overrides
+    )
 
 
 def children(client: MlflowClient, parent_run_id: str) -> list:
@@ -43,6 +44,7 @@ def optuna_study(result: SweepResult, root: Path) -> optuna.Study:
 
 
 # ---------------------------------------------------------------- pareto: run, resume, artifacts, report
+
 
 @pytest.fixture(scope="module")
 def pareto(tmp_path_factory):
@@ -112,8 +114,11 @@ def test_parent_holds_table_front_plot_and_pick(pareto):
     front = table[table["pareto"]]
     done = table[table["state"] == "COMPLETE"]
     for _, p in front.iterrows():  # nothing strictly dominates a front point
-        assert not ((done["eval_loss"] <= p["eval_loss"]) & (done["clip_ratio"] <= p["clip_ratio"])
-                    & ((done["eval_loss"] < p["eval_loss"]) | (done["clip_ratio"] < p["clip_ratio"]))).any()
+        assert not (
+            (done["eval_loss"] <= p["eval_loss"])
+            & (done["clip_ratio"] <= p["clip_ratio"])
+            & ((done["eval_loss"] < p["eval_loss"]) | (done["clip_ratio"] < p["clip_ratio"]))
+        ).any()
 
 
 @pytest.mark.slow
@@ -128,6 +133,7 @@ def test_report_command_reads_the_sweep(pareto, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- constrained: constraints, pruning, failures, anchor
+
 
 class PruneFromTrial(optuna.pruners.BasePruner):
     """Prunes every trial numbered >= ``first`` once it has reported (deterministic)."""
@@ -150,12 +156,19 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
                 hooks.step(log)
             if "trial-2-" in spec.name and log.step == 3:
                 raise RuntimeError("injected failure")
+
         return real_run_training(cfg, store, spec, dataclasses.replace(hooks, step=hook))
 
     monkeypatch.setattr(trial_module, "run_training", flaky)
     monkeypatch.setattr(storage, "make_pruner", lambda cfg: PruneFromTrial(3))
-    cfg = sweep_cfg(uri, "study=constrained", "study.n_trials=4", "study.anchor=window", "calibrate.window=6",
-                    "study.report_every=2")
+    cfg = sweep_cfg(
+        uri,
+        "study=constrained",
+        "study.n_trials=4",
+        "study.anchor=window",
+        "calibrate.window=6",
+        "study.report_every=2",
+    )
     result = app.run(cfg, ["+experiment=sweep"])
     study = optuna_study(result, tmp_path)
     states = [t.state.name for t in study.get_trials()]
@@ -168,8 +181,10 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
     for t in study.get_trials()[:2]:  # the enqueued trial of each dtype sits at the window's p95
         assert t.params["max_norm"] == pytest.approx(anchor["p95"])
         c = t.user_attrs["clip_ratio"]
-        assert t.constraints == {"clip_ratio_low": pytest.approx(cfg.study.target_clip_low - c),
-                                 "clip_ratio_high": pytest.approx(c - cfg.study.target_clip_high)}
+        assert t.constraints == {
+            "clip_ratio_low": pytest.approx(cfg.study.target_clip_low - c),
+            "clip_ratio_high": pytest.approx(c - cfg.study.target_clip_high),
+        }
     assert {t.params["dtype"] for t in study.get_trials()[:2]} == {"fp16", "bf16"}
     pruned = study.get_trials()[3]
     assert pruned.intermediate_values and pruned.user_attrs["steps_run"] == 2  # first report, then pruned
@@ -190,8 +205,13 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
 
     # a calibrate run's id anchors a new study the same way as its window
     fresh = optuna.create_study()
-    q = space.resolve_anchor(sweep_cfg(uri, f"study.anchor={kids['anchor'].info.run_id}"), fresh,
-                             Store(client, kids["anchor"].info.experiment_id, uri), result.parent_run_id, print)
+    q = space.resolve_anchor(
+        sweep_cfg(uri, f"study.anchor={kids['anchor'].info.run_id}"),
+        fresh,
+        Store(client, kids["anchor"].info.experiment_id, uri),
+        result.parent_run_id,
+        print,
+    )
     assert q == pytest.approx({k: anchor[k] for k in space.QUANTILE_KEYS})
 
 
@@ -200,8 +220,10 @@ def test_pruner_only_for_constrained():
     p = storage.make_pruner(cfg)
     assert isinstance(p, optuna.pruners.MedianPruner) and p._n_warmup_steps == 30
     assert isinstance(storage.make_pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
-    assert isinstance(storage.make_pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
-                      optuna.pruners.NopPruner)
+    assert isinstance(
+        storage.make_pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
+        optuna.pruners.NopPruner,
+    )
 
 
 def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
@@ -210,13 +232,19 @@ def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
     anchor = {"p50": 1.0, "p90": 2.0, "p95": 2.5, "p99": 3.0}
 
     def queued():
-        return sorted((t.system_attrs["fixed_params"]["dtype"], t.system_attrs["fixed_params"].get("max_norm"))
-                      for t in study.get_trials() if t.state == W)
+        return sorted(
+            (t.system_attrs["fixed_params"]["dtype"], t.system_attrs["fixed_params"].get("max_norm"))
+            for t in study.get_trials()
+            if t.state == W
+        )
 
     space.enqueue_dtypes(study, ["fp16", "bf16"], anchor)
     assert queued() == [("bf16", 2.5), ("fp16", 2.5)]
     t = study.ask()  # interrupted while training: FAIL, so fp16 at p95 is still to be evaluated
-    assert (t.suggest_categorical("dtype", ["fp16", "bf16"]), t.suggest_float("max_norm", 0.5, 6, log=True)) == ("fp16", 2.5)
+    assert (t.suggest_categorical("dtype", ["fp16", "bf16"]), t.suggest_float("max_norm", 0.5, 6, log=True)) == (
+        "fp16",
+        2.5,
+    )
     study.tell(t, state=FAIL)
     space.enqueue_dtypes(study, ["fp16", "bf16"], anchor)  # bf16 is still queued: not queued twice
     assert queued() == [("bf16", 2.5), ("fp16", 2.5)]
@@ -230,18 +258,28 @@ def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
 
 # ---------------------------------------------------------------- storage, names, validation
 
+
 def test_default_storage_sits_beside_the_tracking_store():
     assert storage.default_storage("sqlite:///some/dir/mlflow.db") == "sqlite:///some/dir/optuna.db"
     assert storage.default_storage("sqlite:////abs/dir/mlflow.db") == "sqlite:////abs/dir/optuna.db"
     assert storage.default_storage("http://127.0.0.1:5000") == "sqlite:///mlruns/optuna.db"
 
 
-@pytest.mark.parametrize("url,message", [
-    ("notaurl", "study.storage='notaurl' is not a database URL"),
-    ("postgresql://u:hunter2@db:notaport/x", "study.storage='postgresql://u:***@db:notaport/x' is not a database URL"),
-    ("redis://localhost/0", "scheme 'redis' is not one of sqlite, postgresql, mysql"),
-    ("postgresql://u:hunter2@127.0.0.1:1/optuna", "study.storage='postgresql://u:***@127.0.0.1:1/optuna' cannot be opened"),
-])
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        ("notaurl", "study.storage='notaurl' is not a database URL"),
+        (
+            "postgresql://u:hunter2@db:notaport/x",
+            "study.storage='postgresql://u:***@db:notaport/x' is not a database URL",
+        ),
+        ("redis://localhost/0", "scheme 'redis' is not one of sqlite, postgresql, mysql"),
+        (
+            "postgresql://u:hunter2@127.0.0.1:1/optuna",
+            "study.storage='postgresql://u:***@127.0.0.1:1/optuna' cannot be opened",
+        ),
+    ],
+)
 def test_bad_storage_is_one_line_without_password(url, message):
     with pytest.raises(UserError) as e:
         storage.open_storage(url)
@@ -259,22 +297,27 @@ def test_malformed_storage_url_exits_2_from_the_cli(tmp_path):
 
 def test_study_name_is_stable_and_follows_the_task():
     base = storage.study_name(compose_cfg("+experiment=sweep"))
-    assert base == storage.study_name(compose_cfg("+experiment=sweep", "study.n_trials=20", "study.storage=sqlite:///x.db"))
+    assert base == storage.study_name(
+        compose_cfg("+experiment=sweep", "study.n_trials=20", "study.storage=sqlite:///x.db")
+    )
     assert base.startswith("gpt-stdlib-pareto-")
     assert base != storage.study_name(compose_cfg("+experiment=sweep", "steps=20"))
     assert base != storage.study_name(compose_cfg("+experiment=sweep", "model.d_model=32", "model.n_head=2"))
     assert storage.study_name(compose_cfg("+experiment=sweep", "study.name=mine")) == "mine"
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["study.mode=grid"], "study.mode='grid' is not one of pareto, constrained"),
-    (["study.n_trials=1"], "study.n_trials=1 must be >= 2"),
-    (["study.dtypes=[fp8]"], "study.dtypes=['fp8'] must be distinct values of"),
-    (["study.max_norm_low=5", "study.max_norm_high=1"], "must satisfy 0 < low < high"),
-    (["study.anchor=latest"], "study.anchor='latest' is not 'window' or an MLflow run id"),
-    (["study.target_clip_low=0.5", "study.target_clip_high=0.1"], "must satisfy 0 <= low <= high <= 1"),
-    (["clip=none"], "clip=none: the sweep tunes the global-norm threshold"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["study.mode=grid"], "study.mode='grid' is not one of pareto, constrained"),
+        (["study.n_trials=1"], "study.n_trials=1 must be >= 2"),
+        (["study.dtypes=[fp8]"], "study.dtypes=['fp8'] must be distinct values of"),
+        (["study.max_norm_low=5", "study.max_norm_high=1"], "must satisfy 0 < low < high"),
+        (["study.anchor=latest"], "study.anchor='latest' is not 'window' or an MLflow run id"),
+        (["study.target_clip_low=0.5", "study.target_clip_high=0.1"], "must satisfy 0 <= low <= high <= 1"),
+        (["clip=none"], "clip=none: the sweep tunes the global-norm threshold"),
+    ],
+)
 def test_study_checks_name_the_value(overrides, message):
     with pytest.raises(UserError) as e:
         validate(compose_cfg("+experiment=sweep", *overrides))
