@@ -5,8 +5,8 @@
 Both loops train identical copies of a small byte-level transformer with AdamW under CPU
 autocast; rounds alternate A/B so machine noise hits both. Prints per-step medians and the
 ratio engine / canonical (goal ≤ 1.03). ``--fused``: both loops use fused AdamW, so the engine
-runs its fused path (unscale and clip inside the optimizer's pass) against the canonical recipe. Absolute times on shared machines are noise; the ratio
-is the figure.
+runs its fused path (unscale and clip inside the optimizer's pass) against the canonical recipe.
+Absolute times on shared machines are noise; the ratio is the figure.
 """
 
 from __future__ import annotations

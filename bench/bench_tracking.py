@@ -21,10 +21,10 @@ from mlflow import MlflowClient
 
 from clipamp_engine import StepCSVWriter
 from sweep.config.schema import Config
-from sweep.run.loop import APP_COLUMNS, RunRecords, run_steps
-from sweep.tasks.build import build_task
-from sweep.run.tracking import RunTracker, ensure_experiment
 from sweep.run.build import build_state
+from sweep.run.loop import APP_COLUMNS, RunRecords, run_steps
+from sweep.run.tracking import RunTracker, ensure_experiment
+from sweep.tasks.build import build_task
 
 
 def main() -> None:

@@ -3,8 +3,8 @@
 Seed 004 asks to choose τ "so the clipping ratio lands in a small band" (large-scale
 pretraining: low, often below 5%). ``band_quantile`` aims at the band's midpoint,
 τ = Quantile_{1 − (low + high)/2} of the window (the realised ratio's sampling error is binomial,
-about symmetric in absolute terms, and the band is stated in absolute shares); ``check_band`` then compares the ratio the window
-predicts (its share of norms above τ) with the ratio realised while clipping at τ on the
+about symmetric in absolute terms, and the band is stated in absolute shares); ``check_band`` then
+compares the ratio the window predicts (its share of norms above τ) with the ratio realised while clipping at τ on the
 following ``calibrate.validate`` steps, with an exact (Clopper–Pearson) interval on the realised
 ratio so that a handful of validation steps is not mistaken for drift.
 
@@ -118,7 +118,7 @@ def check_band(
         f"vs predicted {predicted:.1%}: {side} the band [{low:.0%}, {high:.0%}]; "
     )
     verdict += (
-        f"consistent with the window"
+        "consistent with the window"
         if consistent
         else f"drifted: {realised / predicted:.2g}× the prediction"
         if predicted > 0

@@ -130,7 +130,7 @@ class QuantileCI:
         """(high − low) / estimate; NaN when unbounded."""
         return (self.high - self.low) / self.estimate if self.bounded and self.estimate > 0 else math.nan
 
-    def overlaps(self, other: "QuantileCI") -> bool:
+    def overlaps(self, other: QuantileCI) -> bool:
         """Whether the two intervals share a point (an unbounded side reaches to ±∞)."""
         lo_a = self.low if math.isfinite(self.low) else -math.inf
         hi_a = self.high if math.isfinite(self.high) else math.inf
@@ -230,7 +230,7 @@ class CalibrationSummary:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "CalibrationSummary":
+    def from_state(cls, state: dict[str, Any]) -> CalibrationSummary:
         cis = {k: QuantileCI(**v) for k, v in state.get("cis", {}).items()}
         return cls(**{**state, "cis": cis})
 

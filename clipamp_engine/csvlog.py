@@ -129,7 +129,7 @@ class StepCSVWriter:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "StepCSVWriter":
+    def __enter__(self) -> StepCSVWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -57,7 +57,7 @@ class StepLog:
         out.update(self.extra)
         return out
 
-    def with_extra(self, **extra: Any) -> "StepLog":
+    def with_extra(self, **extra: Any) -> StepLog:
         return dataclasses.replace(self, extra={**self.extra, **extra})
 
 

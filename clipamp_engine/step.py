@@ -34,7 +34,8 @@ from .fused import (
     global_coefficient,
     is_fusable,
 )
-from .micro_batches import batch_size as _batch_size, split as _split
+from .micro_batches import batch_size as _batch_size
+from .micro_batches import split as _split
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
 from .records import SkipLog, StepLog

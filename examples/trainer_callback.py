@@ -13,18 +13,18 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from datasets import load_dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from datasets import load_dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    DataCollatorForLanguageModeling,  # noqa: E402
+    DataCollatorForLanguageModeling,
     PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
 )
 
-from sweep.integrations.hf_trainer import ClipampCallback  # noqa: E402
+from sweep.integrations.hf_trainer import ClipampCallback
 
 DATA, OUT = "examples/docstrings.jsonl", "outputs/trainer-example"
 

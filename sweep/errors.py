@@ -14,7 +14,7 @@ class UserError(ValueError):
     """A bad value a user can fix; the message names the value, the allowed set and the fix."""
 
 
-def fail(message: str, status: int = 2) -> "NoReturn":  # noqa: F821
+def fail(message: str, status: int = 2) -> NoReturn:  # noqa: F821
     """Print ``error: <first line>`` to stderr and exit with ``status``.
 
     Under torchrun every rank meets the same mistake: rank 0 alone prints it. The other ranks give

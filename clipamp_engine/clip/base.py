@@ -8,8 +8,8 @@ tensor coalesced (``sparse.mul_`` would clear the flag and make ``values()`` rai
 
 from __future__ import annotations
 
-import re
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +18,6 @@ from torch import nn
 
 from ..norms import CLIP_EPS, dense_views, group_indices
 from ..records import StepLog
-
 
 NamedParams = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 

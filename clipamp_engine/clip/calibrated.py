@@ -15,7 +15,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 

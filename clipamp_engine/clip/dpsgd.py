@@ -117,7 +117,7 @@ def dp_sgd_grads(
         sensitivity = bounds[0]
     noise_std = noise_multiplier * sensitivity
     with torch.no_grad():
-        for (name, p), g, k in zip(named.items(), grads, coef):
+        for p, g, k in zip(named.values(), grads, coef):
             summed = torch.tensordot(k.to(g.dtype), g, dims=1)  # Σ_i coef_i g_i
             if noise_std > 0:
                 summed = summed + noise_std * torch.randn(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -34,7 +34,7 @@ PRUNERS = ("median", "none")
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 
 
-def choice(default: Optional[str], allowed: tuple[str, ...], fix: str = "") -> Any:
+def choice(default: str | None, allowed: tuple[str, ...], fix: str = "") -> Any:
     """A ``str`` field whose value must be one of ``allowed`` (``fix``: how to pass a valid one)."""
     return field(default=default, metadata={"choices": tuple(allowed), "fix": fix})
 
@@ -44,9 +44,9 @@ class ModelConfig:
     """Which network to train (``conf/model/``). Defaults are the ``gpt`` task (~0.8M params)."""
 
     name: str = choice("gpt", MODEL_NAMES, "pass model=gpt (or lstm, linear, custom, hf)")
-    _target_: Optional[str] = None  # custom: dotted path of an nn.Module class/factory
-    loss_target: Optional[str] = None  # custom: dotted path of loss_fn(output, targets)
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # custom: constructor kwargs
+    _target_: str | None = None  # custom: dotted path of an nn.Module class/factory
+    loss_target: str | None = None  # custom: dotted path of loss_fn(output, targets)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # custom: constructor kwargs
     d_model: int = 128
     n_layer: int = 4
     n_head: int = 4
@@ -57,12 +57,12 @@ class ModelConfig:
     out_features: int = 1  # linear
     # hf: a transformers causal LM, randomly initialised from ``config`` (``model_type`` + the
     # config class's keys; vocab_size null = the tokenizer's) or loaded from ``pretrained``
-    config: Dict[str, Any] = field(default_factory=dict)
-    pretrained: Optional[str] = None  # hf: a local save_pretrained directory (never downloaded)
+    config: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None  # hf: a local save_pretrained directory (never downloaded)
     # any model: parameter-name regexes (re.search); frozen parameters are left out of the
     # optimizer, of every norm and of the forensics
-    freeze: List[str] = field(default_factory=list)  # these do not train
-    train_only: List[str] = field(default_factory=list)  # if set, only these train
+    freeze: list[str] = field(default_factory=list)  # these do not train
+    train_only: list[str] = field(default_factory=list)  # if set, only these train
 
 
 @dataclass
@@ -70,7 +70,7 @@ class DataConfig:
     """Where batches come from (``conf/data/``). Defaults: the stdlib's own source code."""
 
     name: str = choice("stdlib", DATA_NAMES, "pass data=stdlib (or text, synthetic, hf)")
-    path: Optional[str] = None  # text: a corpus file or a directory of files
+    path: str | None = None  # text: a corpus file or a directory of files
     batch_size: int = 16
     seq_len: int = 128  # max tokens per sequence (<= model.block_size for gpt)
     max_files: int = 400  # stdlib: cap on documents read (deterministic choice)
@@ -78,13 +78,13 @@ class DataConfig:
     eval_batches: int = 4
     # hf (and stdlib/text under model=hf): tokenized text
     files: Any = None  # hf: a file, a glob or a list of them (text/json/jsonl/parquet/csv/arrow)
-    format: Optional[str] = None  # hf: datasets builder (text|json|parquet|csv|arrow); null = by extension
+    format: str | None = None  # hf: datasets builder (text|json|parquet|csv|arrow); null = by extension
     text_field: str = "text"  # hf: the column holding the text
-    source_field: Optional[str] = None  # hf: the column that becomes data_source (null: the file name)
-    tokenizer: Optional[str] = None  # local tokenizer dir; null: model.pretrained's, else a BPE trained once
+    source_field: str | None = None  # hf: the column that becomes data_source (null: the file name)
+    tokenizer: str | None = None  # local tokenizer dir; null: model.pretrained's, else a BPE trained once
     vocab_size: int = 4096  # the trained BPE's vocabulary
     packing: bool = True  # true: documents back to back (EOS between); false: one padded document per row
-    cache_dir: Optional[str] = None  # trained tokenizers; null: beside the data (else ~/.cache/clipamp)
+    cache_dir: str | None = None  # trained tokenizers; null: beside the data (else ~/.cache/clipamp)
 
 
 @dataclass
@@ -94,7 +94,7 @@ class OptimConfig:
     name: str = choice("adamw", OPTIMIZERS)
     lr: float = 3e-3
     weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     momentum: float = 0.9  # sgd only
     warmup_steps: int = 20
     schedule: str = choice("cosine", SCHEDULES)
@@ -138,36 +138,36 @@ class ClipConfig:
     """
 
     mode: str = choice("norm", tuple(CLIP_MODES), "pass clip=MODE with a file of conf/clip/")
-    max_norm: Optional[float] = None  # norm, dpsgd: τ; zscore: optional ceiling
-    clip_value: Optional[float] = None  # value
-    stages: Optional[List[List[float]]] = None  # staged: [[start_step, τ], ...]
-    max_norms: Optional[List[float]] = None  # per_group: τ_j by optimizer param group
-    patterns: Optional[Dict[str, float]] = None  # per_group: {name regex: τ_j}
-    rest_max_norm: Optional[float] = None  # per_group: τ for params matching no pattern
-    clip_factor: Optional[float] = None  # agc
-    eps: Optional[float] = None  # agc, zscore
-    exclude: Optional[List[str]] = None  # agc: name regexes left unclipped
-    exclude_1d: Optional[bool] = None  # agc: leave biases / norm scales unclipped
-    max_update_norm: Optional[float] = None  # update: ρ
-    decoupled_weight_decay: Optional[bool] = None  # update: null = detect per group
-    quantile: Optional[float] = None  # quantile (AutoClip), calibrated: q of τ = Quantile_q
-    history: Optional[int] = None  # quantile
-    include_current: Optional[bool] = None  # quantile: the paper's rule (true) or the autoclip package's (false)
-    window: Optional[int] = None  # calibrated: steps per calibration window
-    every: Optional[int] = None  # calibrated: steps between window starts (0: one window)
-    candidates: Optional[List[float]] = None  # calibrated: thresholds whose clipping ratio is reported
-    cap: Optional[float] = None  # calibrated: τ while the first window measures (null: no clipping)
-    start: Optional[Any] = None  # calibrated: first window's start step, or "auto" (after warm-up)
-    validate: Optional[int] = None  # calibrated: held-out steps after each window that check the band
-    target_clip: Optional[List[float]] = None  # calibrated: [low, high] clipping-ratio band
-    confidence: Optional[float] = None  # calibrated: level of the quantile intervals
-    alpha: Optional[float] = None  # zscore (ZClip)
-    z_thresh: Optional[float] = None  # zscore
-    warmup_steps: Optional[int] = None  # zscore
-    clip_option: Optional[str] = None  # zscore: adaptive_scaling | mean
-    noise_multiplier: Optional[float] = None  # dpsgd: σ
-    per_layer: Optional[bool] = None  # dpsgd: clip each parameter tensor to max_norm
-    seed: Optional[int] = None  # dpsgd: noise RNG seed
+    max_norm: float | None = None  # norm, dpsgd: τ; zscore: optional ceiling
+    clip_value: float | None = None  # value
+    stages: list[list[float]] | None = None  # staged: [[start_step, τ], ...]
+    max_norms: list[float] | None = None  # per_group: τ_j by optimizer param group
+    patterns: dict[str, float] | None = None  # per_group: {name regex: τ_j}
+    rest_max_norm: float | None = None  # per_group: τ for params matching no pattern
+    clip_factor: float | None = None  # agc
+    eps: float | None = None  # agc, zscore
+    exclude: list[str] | None = None  # agc: name regexes left unclipped
+    exclude_1d: bool | None = None  # agc: leave biases / norm scales unclipped
+    max_update_norm: float | None = None  # update: ρ
+    decoupled_weight_decay: bool | None = None  # update: null = detect per group
+    quantile: float | None = None  # quantile (AutoClip), calibrated: q of τ = Quantile_q
+    history: int | None = None  # quantile
+    include_current: bool | None = None  # quantile: the paper's rule (true) or the autoclip package's (false)
+    window: int | None = None  # calibrated: steps per calibration window
+    every: int | None = None  # calibrated: steps between window starts (0: one window)
+    candidates: list[float] | None = None  # calibrated: thresholds whose clipping ratio is reported
+    cap: float | None = None  # calibrated: τ while the first window measures (null: no clipping)
+    start: Any | None = None  # calibrated: first window's start step, or "auto" (after warm-up)
+    validate: int | None = None  # calibrated: held-out steps after each window that check the band
+    target_clip: list[float] | None = None  # calibrated: [low, high] clipping-ratio band
+    confidence: float | None = None  # calibrated: level of the quantile intervals
+    alpha: float | None = None  # zscore (ZClip)
+    z_thresh: float | None = None  # zscore
+    warmup_steps: int | None = None  # zscore
+    clip_option: str | None = None  # zscore: adaptive_scaling | mean
+    noise_multiplier: float | None = None  # dpsgd: σ
+    per_layer: bool | None = None  # dpsgd: clip each parameter tensor to max_norm
+    seed: int | None = None  # dpsgd: noise RNG seed
 
 
 @dataclass
@@ -176,22 +176,22 @@ class CalibrateConfig:
     ``cap``), then clip at τ = Quantile_q(norms), q = ``quantile``; ``every``: repeat windows."""
 
     window: int = 100
-    quantile: Optional[float] = 0.95  # null: aim τ at the middle of target_clip (q = 1 − (low + high)/2)
-    cap: Optional[float] = None  # clipping during a window: None = off, or a conservative cap
+    quantile: float | None = 0.95  # null: aim τ at the middle of target_clip (q = 1 − (low + high)/2)
+    cap: float | None = None  # clipping during a window: None = off, or a conservative cap
     every: int = 0  # repeat a window every N steps (0: once)
-    candidates: List[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 5.0])
+    candidates: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 5.0])
     # where the first window starts: "auto" (after the LR warm-up and the norms' initial transient,
     # clipamp_engine.placement) or N (after N steps; 0: at step 1)
     start: Any = 0
     validate: int = 0  # held-out steps after each window that check τ (0: all while τ is in force)
-    target_clip: List[float] = field(default_factory=lambda: [0.01, 0.05])  # the clipping-ratio band τ is judged by
+    target_clip: list[float] = field(default_factory=lambda: [0.01, 0.05])  # the clipping-ratio band τ is judged by
 
 
 @dataclass
 class TrackingConfig:
     """MLflow. ``uri`` null: ``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///mlruns/mlflow.db``."""
 
-    uri: Optional[str] = None
+    uri: str | None = None
     experiment: str = "clipamp"
     flush_every: int = 50  # per-step metrics are sent in batches of this many steps
     reconnect_s: float = 30.0  # a tracking server away at the end of a run: how long to wait for it
@@ -204,20 +204,20 @@ class StudyConfig:
 
     mode: str = choice("pareto", STUDY_MODES, "pass study=pareto, study=constrained or study=entangle")
     n_trials: int = 8  # trials added by one invocation (a resumed study keeps its earlier ones)
-    name: Optional[str] = None  # default: derived from task and mode; same name + storage = resume
+    name: str | None = None  # default: derived from task and mode; same name + storage = resume
     # default: sqlite:///<dir>/optuna.db beside a sqlite:///<dir>/mlflow.db tracking store (else mlruns/);
     # shared workers: postgresql://USER@HOST:PORT/DB with the password in $PGPASSWORD or ~/.pgpass
-    storage: Optional[str] = None
+    storage: str | None = None
     sampler: str = choice("tpe", SAMPLERS)  # seeded from cfg.seed
     startup_trials: int = 4  # tpe: seeded random trials before TPE models the history
-    dtypes: List[str] = field(default_factory=lambda: ["fp16", "bf16"])
+    dtypes: list[str] = field(default_factory=lambda: ["fp16", "bf16"])
     # max_norm search space: log-uniform [max_norm_low, max_norm_high] unless `anchor` is set:
     # anchor "window" runs a calibration window first (calibrate.window steps, no clipping), a run id
     # reuses a calibrate run's grad_norm_p50..p99; the range is then
     # [anchor_low * p50, anchor_high * p99] and each dtype is tried first at the run's p95.
     max_norm_low: float = 0.05
     max_norm_high: float = 20.0
-    anchor: Optional[str] = None
+    anchor: str | None = None
     anchor_low: float = 0.5
     anchor_high: float = 2.0
     # The band of clipping ratios the pick accepts (constrained: also the trials' constraint).
@@ -235,8 +235,8 @@ class StudyConfig:
     # sweep process launches and waits for; its objective comes from the job's MLflow run. No pruning.
     nproc_per_trial: int = 1
     # entangle (the LR check): optim.lr × lr_factors by τ ∈ {none} ∪ window quantiles, `seeds` seeds per cell
-    lr_factors: List[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
-    entangle_quantiles: List[str] = field(default_factory=lambda: ["p90", "p50"])
+    lr_factors: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    entangle_quantiles: list[str] = field(default_factory=lambda: ["p90", "p50"])
     seeds: int = 2
     # A worker killed mid-trial: the next invocation marks its trial FAIL, its runs KILLED, and re-enqueues
     # its parameters once; at once on the same host (the worker's lock file is free), else once the
@@ -267,25 +267,25 @@ class SpikeConfig:
     factor: float = 20.0  # its pre-clip gradient norm = factor × the running peak
     peak_window: int = 50  # the running peak is over this many steps before the spike (0: since step 1)
     fixed_max_norm: float = 1.0  # the "common threshold" arm
-    horizons: List[int] = field(default_factory=lambda: [1, 5, 20, 100])  # loss_excess_H, steps after
+    horizons: list[int] = field(default_factory=lambda: [1, 5, 20, 100])  # loss_excess_H, steps after
     recovery_tolerance: float = 0.05  # "recovered": loss within 5% of the unspiked reference to the end
     fp16: bool = True  # also run the fp16 variant (reference + calibrated, overflow expected)
-    fp16_overrides: List[str] = field(default_factory=lambda: list(FP16_OVERRIDES))  # KEY=VALUE on top
-    figure_out: Optional[str] = None  # also copy the parent run's figure here, e.g. docs/spike.png
+    fp16_overrides: list[str] = field(default_factory=lambda: list(FP16_OVERRIDES))  # KEY=VALUE on top
+    figure_out: str | None = None  # also copy the parent run's figure here, e.g. docs/spike.png
 
 
 @dataclass
 class FaultsConfig:
     """Fault injection (``sweep.run.faults``): the 1-based steps each fault hits; off by default."""
 
-    inf_grad: List[int] = field(default_factory=list)
-    nan_grad: List[int] = field(default_factory=list)
-    nan_loss: List[int] = field(default_factory=list)
-    loss_spike: List[int] = field(default_factory=list)  # float targets × spike_factor (the seed's
+    inf_grad: list[int] = field(default_factory=list)
+    nan_grad: list[int] = field(default_factory=list)
+    nan_loss: list[int] = field(default_factory=list)
+    loss_spike: list[int] = field(default_factory=list)  # float targets × spike_factor (the seed's
     spike_factor: float = 1e8  # exercise), else the loss × spike_factor
-    overflow: List[int] = field(default_factory=list)
+    overflow: list[int] = field(default_factory=list)
     overflow_factor: float = 1e5
-    nan_input: List[int] = field(default_factory=list)
+    nan_input: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -298,7 +298,7 @@ class DistConfig:
 
 @dataclass
 class Config:
-    run: Optional[str] = choice(None, RUNS)  # set by +experiment=NAME
+    run: str | None = choice(None, RUNS)  # set by +experiment=NAME
     steps: int = 300
     seed: int = 0
     device: str = "cpu"
@@ -307,7 +307,7 @@ class Config:
     progress: bool = True
     progress_every: int = 50  # outside a terminal (nohup, CI, Slurm): one plain progress line every N steps
     checkpoint_every: int = 100  # also written at the step boundary after SIGINT/SIGTERM
-    resume: Optional[str] = None  # true: the latest run of this name with a checkpoint; or a run id
+    resume: str | None = None  # true: the latest run of this name with a checkpoint; or a run id
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -13,7 +13,6 @@ from typing import Any
 
 from clipamp_engine import DTYPES
 from clipamp_engine.band import validate_band
-
 from sweep.config.schema import RUNS, Config, window_ranges
 from sweep.errors import UserError
 
@@ -104,9 +103,10 @@ def check_numbers(cfg: Config) -> None:
             f"raise amp.max_scale or lower amp.min_scale"
         )
     if not a.min_scale <= a.init_scale <= a.max_scale:
+        nearest = a.max_scale if a.init_scale > a.max_scale else a.min_scale
         raise UserError(
             f"amp.init_scale={a.init_scale} must be in [amp.min_scale={a.min_scale}, "
-            f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={a.max_scale if a.init_scale > a.max_scale else a.min_scale}"
+            f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={nearest}"
         )
     if cfg.progress_every < 1:
         raise UserError(f"progress_every={cfg.progress_every} must be >= 1 (steps between plain progress lines)")

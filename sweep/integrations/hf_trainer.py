@@ -44,7 +44,6 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 from transformers import TrainerCallback

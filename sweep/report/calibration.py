@@ -41,7 +41,7 @@ def _needs(ci) -> str:
     return f"{need} for ±{TARGET_REL_WIDTH / 2:.0%}" if need and need > ci.n else "—"
 
 
-def markdown(clip: "CalibratedClip") -> list[str]:
+def markdown(clip: CalibratedClip) -> list[str]:
     """Report lines: placement, the first window's quantiles with intervals, the check, drift."""
     lines = []
     if clip.placement is not None:
@@ -96,7 +96,7 @@ def markdown(clip: "CalibratedClip") -> list[str]:
     return lines
 
 
-def tables(clip: "CalibratedClip") -> list[Any]:
+def tables(clip: CalibratedClip) -> list[Any]:
     """Terminal renderables: the window's quantiles with intervals, candidates, the verdict lines."""
     out: list[Any] = []
     if clip.placement is not None:
@@ -140,7 +140,7 @@ def tables(clip: "CalibratedClip") -> list[Any]:
     return out
 
 
-def _drift_table(clip: "CalibratedClip") -> Table:
+def _drift_table(clip: CalibratedClip) -> Table:
     """Every window's τ with its interval, its ratio to the previous one and its own validation."""
     t = Table(title="Windows (calibrate.every)")
     for col in ("window", "τ", "95% interval", "τ / previous", "separate?", "validation"):
@@ -150,7 +150,7 @@ def _drift_table(clip: "CalibratedClip") -> Table:
     return t
 
 
-def _window_rows(clip: "CalibratedClip", drift: str) -> list[tuple[str, ...]]:
+def _window_rows(clip: CalibratedClip, drift: str) -> list[tuple[str, ...]]:
     """Per window: its steps, τ, τ's interval, τ / the previous τ, ``drift`` or "no", its validation."""
     rows, prev = [], None
     for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):

@@ -29,7 +29,7 @@ def _fit(text: str, limit: int, tail: str) -> str:
     return text[: text.rfind("\n", 0, limit - len(tail) - 1)] + "\n" + tail
 
 
-def run_note(result: "RunResult", report: str) -> str:
+def run_note(result: RunResult, report: str) -> str:
     """The answer (recommended τ, p95, τ used per phase, ratios, the validation verdict), then ``report``."""
     m = result.metrics
     taus = tau_tags(result.records.rows)
@@ -74,7 +74,7 @@ def experiment_note(runs) -> str:
     return _fit("\n".join(lines), EXPERIMENT_NOTE_MAX, "… (`python -m sweep.report` prints every run)")
 
 
-def write_notes(tracker: "RunTracker", result: "RunResult", report: str) -> None:
+def write_notes(tracker: RunTracker, result: RunResult, report: str) -> None:
     """Set the run's description, then refresh the experiment's from every run in the store."""
     tracker.set_tags({NOTE_TAG: run_note(result, report)})
     try:

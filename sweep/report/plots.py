@@ -9,9 +9,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from sweep.pick import Pick, completed  # noqa: E402
+from sweep.pick import Pick, completed
 
 DTYPE_COLOURS = {"bf16": "tab:blue", "fp16": "tab:orange", "fp32": "tab:green"}
 

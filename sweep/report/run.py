@@ -9,7 +9,6 @@ from rich.console import Console
 from rich.table import Table
 
 from clipamp_engine.diagnosis import diagnose, format_findings
-
 from sweep.report import calibration
 from sweep.report.format import fmt, markdown_table, pct, ui_command
 from sweep.report.notes import write_notes
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
     from sweep.run.tracking import RunTracker
 
 
-def write_run_report(cfg: "Config", tracker: "RunTracker", result: "RunResult") -> None:
+def write_run_report(cfg: Config, tracker: RunTracker, result: RunResult) -> None:
     """``report.md`` and (``tracking.plots``) the run's plots into its artifacts: the run pipeline's
     ``hooks.artifacts`` for every experiment. The run's and the experiment's descriptions in the MLflow UI
     follow (``sweep.report.notes``)."""
@@ -39,7 +38,7 @@ def write_run_report(cfg: "Config", tracker: "RunTracker", result: "RunResult") 
     write_notes(tracker, result, report)
 
 
-def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
+def run_report_markdown(cfg: Config, result: RunResult) -> str:
     """The human report of one run: quantiles, candidate thresholds, recommendation, ratios."""
     m = result.metrics
     clip = "calibrated (calibrate.*)" if result.calibration is not None else cfg.clip.mode
@@ -71,7 +70,7 @@ def run_report_markdown(cfg: "Config", result: "RunResult") -> str:
     return "\n".join(lines)
 
 
-def _windows_markdown(result: "RunResult") -> list[str]:
+def _windows_markdown(result: RunResult) -> list[str]:
     w, m = result.windows[0], result.metrics
     lines = [
         f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, {w.n_skipped} skipped)",
@@ -108,7 +107,7 @@ def _windows_markdown(result: "RunResult") -> list[str]:
     return lines
 
 
-def print_run_summary(result: "RunResult", *, uri: str, experiment_id: str, console: Console | None = None) -> None:
+def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, console: Console | None = None) -> None:
     """Terminal: quantiles, candidate thresholds and their clipping ratios, the pick, the UI command."""
     console = console or Console()
     m = result.metrics

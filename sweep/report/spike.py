@@ -63,7 +63,7 @@ def table_rows(arms: Sequence[Arm], cfg: Config) -> list[dict[str, Any]]:
     return out
 
 
-def write_spike_table(tracker: "RunTracker", rows: list[dict[str, Any]], title: str, fp16_outcome: str) -> None:
+def write_spike_table(tracker: RunTracker, rows: list[dict[str, Any]], title: str, fp16_outcome: str) -> None:
     """``spike_table.md`` and ``spike_table.csv`` into the parent run's artifacts."""
     tracker.artifact_path("spike_table.md").write_text(
         f"{title}\n\n{markdown_table(list(rows[0]), [list(r.values()) for r in rows])}"

@@ -44,7 +44,7 @@ _SHORT = {
 _STATE = {"COMPLETE": "done", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "queued"}
 
 
-def write_sweep_report(tracker: "RunTracker", result: "SweepResult") -> None:
+def write_sweep_report(tracker: RunTracker, result: SweepResult) -> None:
     """``trials.md`` and ``plots/loss_vs_clip_ratio.png`` into the parent run's artifacts."""
     tracker.artifact_path("trials.md").write_text(
         sweep_markdown(result.study_name, result.trials, result.pick, band=result.band, mode=result.mode)
@@ -115,7 +115,7 @@ def sweep_table(df, pick: Pick | None, title: str) -> Table:
     return t
 
 
-def print_sweep_summary(result: "SweepResult", *, uri: str, experiment_id: str, console: Console | None = None) -> None:
+def print_sweep_summary(result: SweepResult, *, uri: str, experiment_id: str, console: Console | None = None) -> None:
     """Terminal: the study's trials, the pick and its rule, pruning accounting, the UI command."""
     console = console or Console()
     console.print(sweep_table(result.trials, result.pick, f"Study {result.study_name} ({result.mode})"))

@@ -17,7 +17,6 @@ from clipamp_engine import (
     clip_mode_options,
     make_clip_policy,
 )
-
 from sweep.config.schema import ClipConfig, Config, OptimConfig
 from sweep.errors import UserError
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from clipamp_engine import AmpTrainState, total_norm
-
 from sweep.errors import UserError
 from sweep.run.diskspace import disk_full
 from sweep.run.launch import Launch

@@ -32,7 +32,7 @@ def disk_full(exc: BaseException) -> str | None:
     return None
 
 
-def full_disk_error(exc: BaseException, reserve: "SpaceReserve", resumable: bool) -> UserError:
+def full_disk_error(exc: BaseException, reserve: SpaceReserve, resumable: bool) -> UserError:
     """Release the reserve (room for the store to record the run's end) and say what to do, in one line."""
     reserve.release()
     fix = (

@@ -8,7 +8,8 @@ writes a NaN into the first layer's input (or, for byte ids, into the embedding'
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

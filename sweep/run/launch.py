@@ -153,7 +153,7 @@ class Launch:
         if together:
             try:
                 dist.barrier(group=self.group)
-            except Exception:  # noqa: BLE001 - another rank failed; it reports itself
+            except Exception:  # another rank failed; it reports itself
                 pass
         dist.destroy_process_group()
 

@@ -103,7 +103,7 @@ class StopRequest:
             raise KeyboardInterrupt(f"second signal {signum}")
         self.signum = signum
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handler)

@@ -21,14 +21,12 @@ import torch
 
 from clipamp_engine import CalibratedClip, StepCSVWriter, StepLog
 from clipamp_engine.calibration import CalibrationError, CalibrationSummary
-
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.errors import UserError
-from sweep.run.build import build_state
 from sweep.run.artifacts import logged_params, write_data_artifacts
+from sweep.run.build import build_state
 from sweep.run.calibration import calibration_metrics
-from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
 from sweep.run.checkpoint import (
     checkpoint_path,
     find_resumable,
@@ -44,6 +42,7 @@ from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
+from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
 from sweep.run.tracking import RunTracker, SilentTracker, Store, source_tags
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 
@@ -246,7 +245,7 @@ class _ActiveRun:
         ckpt: dict | None,
         uri: str,
         launch: Launch,
-    ) -> "_ActiveRun":
+    ) -> _ActiveRun:
         """Build the engine (restored from ``ckpt`` when resuming) and open the CSV (rank 0)."""
         csv_path = tracker.artifact_path("steps.csv") if launch.is_main else None
         hooks.announce(f"steps.csv: {csv_path}")

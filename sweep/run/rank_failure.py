@@ -58,7 +58,7 @@ class RankFailed(Exception):
             f"torchrun's summary gives its exit code){self.suffix}"
         )
 
-    def kept(self, last_step: int | None, checkpoint_step: int | None) -> "RankFailed":
+    def kept(self, last_step: int | None, checkpoint_step: int | None) -> RankFailed:
         """Rank 0: add how the run ended, the steps in steps.csv and the way to continue to the line."""
         rows = f"steps 1–{last_step}" if last_step else "no step"
         resume = (

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from clipamp_engine.calibration import REPORTED_QUANTILES, CalibrationSummary, quantiles
-
 from sweep.config.schema import Config
 from sweep.run.loop import RunRecords
 

@@ -11,18 +11,17 @@ import os
 import re
 import shutil
 import time
-from math import isfinite
-from pathlib import Path
 from dataclasses import dataclass, field
 from functools import lru_cache
+from math import isfinite
+from pathlib import Path
 from typing import Any
 
 from sweep.errors import UserError
-from sweep.run.outbox import MAX_BATCH, Outbox  # noqa: F401  (MAX_BATCH re-exported)
-from sweep.run.store import DEFAULT_URI, open_client, sqlite_path  # noqa: F401  (re-exported)
+from sweep.run.outbox import MAX_BATCH, Outbox  # MAX_BATCH re-exported
+from sweep.run.store import DEFAULT_URI, open_client, sqlite_path
 from sweep.run.ui import experiment_ui_tags
-from sweep.secrets import redact, redact_text  # noqa: F401  (re-exported: callers import them from here)
-
+from sweep.secrets import redact, redact_text  # re-exported: callers import them from here
 
 # Fail fast instead of MLflow's default minutes of HTTP retries against a dead server.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -116,7 +115,7 @@ class Store:
     tags: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, uri: str | None, experiment: str, overrides: list[str] | None = None) -> "Store":
+    def open(cls, uri: str | None, experiment: str, overrides: list[str] | None = None) -> Store:
         """Resolve ``uri`` (see ``resolve_uri``), check it, create the experiment if needed."""
         uri = resolve_uri(uri)
         if not experiment.strip():
@@ -163,7 +162,7 @@ class RunTracker:
             ) from None
 
     @classmethod
-    def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> "RunTracker":
+    def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> RunTracker:
         """Continue an existing run (resume): mark it RUNNING again, same artifacts. Steps whose
         per-step metrics the run already holds (logged before it was killed) are not sent again."""
         self = cls.__new__(cls)

@@ -6,7 +6,7 @@
     loss_sum, n_tokens = task.loss_fn(task.model(batch.inputs), batch.targets)
 """
 
-from .build import Batch, Task, build_task, evaluate, lm_loss, mse_loss
 from ..config.schema import DataConfig, ModelConfig
+from .build import Batch, Task, build_task, evaluate, lm_loss, mse_loss
 
 __all__ = ["Batch", "DataConfig", "ModelConfig", "Task", "build_task", "evaluate", "lm_loss", "mse_loss"]

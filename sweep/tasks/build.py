@@ -9,17 +9,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from . import corpus as C
-from ..errors import UserError
 from ..config.schema import DATA_NAMES, MODEL_NAMES, DataConfig, ModelConfig
+from ..errors import UserError
+from . import corpus as C
 from .custom import build_custom, check_custom_output
 from .models import GPT, LSTMLM, VOCAB
 

@@ -13,9 +13,9 @@ import hashlib
 import os
 import sysconfig
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ class Corpus:
     offsets: torch.Tensor  # int64 [n_docs + 1]
 
     @staticmethod
-    def from_docs(docs: Sequence[tuple[str, str, bytes]]) -> "Corpus":
+    def from_docs(docs: Sequence[tuple[str, str, bytes]]) -> Corpus:
         return Corpus.from_pieces(
             [
                 (n, s, torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8))
@@ -57,7 +57,7 @@ class Corpus:
         )
 
     @staticmethod
-    def from_pieces(docs: Sequence[tuple[str, str, torch.Tensor]]) -> "Corpus":
+    def from_pieces(docs: Sequence[tuple[str, str, torch.Tensor]]) -> Corpus:
         """Documents as 1-D tensors of ids (bytes or tokens; the first one's dtype is kept)."""
         dtype = docs[0][2].dtype if docs else torch.uint8
         docs = [d for d in docs if len(d[2]) >= 2]  # need at least one (input, target) pair
@@ -75,7 +75,7 @@ class Corpus:
     def doc(self, i: int) -> bytes:
         return bytes(self.data[self.offsets[i] : self.offsets[i + 1]].numpy())
 
-    def subset(self, idx: Sequence[int]) -> "Corpus":
+    def subset(self, idx: Sequence[int]) -> Corpus:
         o = self.offsets
         return Corpus.from_pieces([(self.names[i], self.sources[i], self.data[o[i] : o[i + 1]]) for i in idx])
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from . import corpus as C
+from ..config.schema import DataConfig, ModelConfig
 from ..errors import UserError
+from . import corpus as C
 from . import hf_data as D
 from . import hf_model as M
-from ..config.schema import DataConfig, ModelConfig
 
 
 def _tokenizer(d: DataConfig, m: ModelConfig, docs: list[D.Doc], files: list) -> tuple[Any, str]:

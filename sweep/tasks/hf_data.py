@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import corpus as C
-from ..errors import UserError
 from ..config.schema import DataConfig
+from ..errors import UserError
+from . import corpus as C
 
 #: datasets builders for local files, by file extension.
 FORMATS = {

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UserError
 from ..config.schema import ModelConfig
+from ..errors import UserError
 from .hf_data import offline
 
 PAD = -1  # input id of a padded position (targets there are -100)

@@ -8,7 +8,6 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.secrets import hide_argv, redact_text
-
 from tests.app.helpers import TINY, compose_cfg
 from tests.reliability.helpers import finish, start_cli
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from mlflow import MlflowClient
 
-from tests.app.experiments.study.test_postgres import SECRET as PG_SECRET, postgres  # noqa: F401  (fixture)
-from tests.app.run.test_mlflow_server import server  # noqa: F401  (fixture)
+from tests.app.experiments.study.test_postgres import SECRET as PG_SECRET
 from tests.app.helpers import TINY
+from tests.app.run.test_mlflow_server import server  # noqa: F401  (fixture)
 from tests.reliability.helpers import finish, start_cli
 
 pytestmark = pytest.mark.slow  # real servers, real runs

@@ -20,7 +20,6 @@ from mlflow import MlflowClient
 
 from sweep.errors import UserError
 from sweep.run.tracking import Store
-
 from tests.app.helpers import REPO, TINY
 from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 
@@ -46,7 +45,7 @@ def _open_and_log(barrier, jobs, results) -> None:
         try:
             open_and_log(f"sqlite:///{folder}/mlruns/mlflow.db", f"p{os.getpid()}")
             results.put("ok")
-        except BaseException as e:  # noqa: BLE001 - every failure is the test's finding
+        except BaseException as e:  # every failure is the test's finding
             results.put(f"{type(e).__name__}: {e}")
 
 

@@ -88,7 +88,7 @@ def test_a_killed_worker_is_recovered_at_once(tmp_path, store_template, role):
 
     runs = _runs(client)
     assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
-    for run_id, run in before.items():  # every run of the dead worker: KILLED, marked
+    for run_id in before:  # every run of the dead worker: KILLED, marked
         now = client.get_run(run_id)
         assert now.info.status == "KILLED" and now.data.tags["outcome"] == "worker died", now.info.run_name
     trials = _study(tmp).trials

@@ -9,7 +9,6 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.run.tracking import Store
-
 from tests.app.helpers import TINY
 from tests.reliability.helpers import assert_one_line_error, finish, start_cli
 

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from clipamp_engine import DTYPES, total_norm
-
 from sweep.tasks.build import Batch
 
 

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
@@ -63,7 +63,7 @@ class Verdict:
         return asdict(self)
 
 
-def cell_table(df: "pd.DataFrame") -> "pd.DataFrame":
+def cell_table(df: pd.DataFrame) -> pd.DataFrame:
     """Mean, SD and count of ``eval_loss`` per (lr, tau) over seeds (finite losses only)."""
     import numpy as np
 
@@ -79,7 +79,7 @@ def _cell(row) -> Cell:
     return Cell(float(row["lr"]), str(row["tau"]), float(row["max_norm"]), float(row["mean"]), sd, int(row["n"]))
 
 
-def entangle_verdict(df: "pd.DataFrame") -> Verdict:
+def entangle_verdict(df: pd.DataFrame) -> Verdict:
     """The one-line answer of the module docstring from trials with lr, tau, max_norm, seed, eval_loss."""
     cells = cell_table(df)
     if cells.empty:
@@ -200,9 +200,7 @@ def _trial(
     }
 
 
-def _log_parent(
-    parent: RunTracker, cfg: Config, df: "pd.DataFrame", verdict: Verdict, anchor: dict, wall: float
-) -> None:
+def _log_parent(parent: RunTracker, cfg: Config, df: pd.DataFrame, verdict: Verdict, anchor: dict, wall: float) -> None:
     cells = cell_table(df)
     df.to_csv(parent.artifact_path("trials.csv"), index=False)
     cells.to_csv(parent.artifact_path("cells.csv"), index=False)

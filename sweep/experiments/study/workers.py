@@ -21,9 +21,9 @@ import hashlib
 import re
 import socket
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import optuna
 from filelock import FileLock, Timeout

@@ -7,7 +7,6 @@ import pytest
 from sweep.config import validate
 from sweep.config.schema import RUNS
 from sweep.errors import UserError
-
 from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
 
 
@@ -115,7 +114,8 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
             "+experiment=calibrate",
             "model=custom",
             "model._target_=torch.nn.Sequential",
-            "+model._args_=[{_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 8}, {_target_: no_such.Layer}]",
+            "+model._args_=[{_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 8},"
+            " {_target_: no_such.Layer}]",
         ],
         "Error locating target 'no_such.Layer'",
     ),

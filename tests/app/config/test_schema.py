@@ -14,7 +14,6 @@ from sweep.config import validate
 from sweep.config.schema import ClipConfig, Config
 from sweep.errors import UserError
 from sweep.run.build import clip_options
-
 from tests.app.helpers import CONF, compose_cfg
 
 #: Deliberate app choices that differ from the engine's defaults (behaviour kept from before the

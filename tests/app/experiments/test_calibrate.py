@@ -13,7 +13,6 @@ from mlflow import MlflowClient
 
 from clipamp_engine import CANONICAL_COLUMNS
 from sweep import app
-
 from tests.app.helpers import TINY, compose_cfg, store_in
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app

@@ -11,12 +11,11 @@ import torch
 from mlflow import MlflowClient
 
 from sweep import app
-from sweep.errors import UserError
 from sweep.config import validate
 from sweep.config.convert import with_overrides
+from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
 from sweep.experiments.spike.measure import recovery_steps
-
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
@@ -240,7 +239,10 @@ def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
     assert (full.config.hidden_size, full.config.num_hidden_layers) == (128, 4)  # the preset, untouched
     assert (small.config.hidden_size, small.config.intermediate_size, small.config.num_hidden_layers) == (32, 64, 2)
     assert (cfg16.data.seq_len, cfg16.amp.dtype, cfg16.amp.growth_interval) == (64, "fp16", 20)
-    n_params = lambda m: sum(p.numel() for p in m.parameters())
+
+    def n_params(m):
+        return sum(p.numel() for p in m.parameters())
+
     assert n_params(small) < n_params(full) / 10
 
     with pytest.raises(UserError) as e:  # a pretrained model keeps its size: model.config does nothing

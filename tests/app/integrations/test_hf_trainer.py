@@ -11,10 +11,10 @@ import torch
 from mlflow import MlflowClient
 
 pytest.importorskip("transformers")
-from datasets import Dataset  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from sweep.integrations.hf_trainer import ClipampCallback  # noqa: E402
+from sweep.integrations.hf_trainer import ClipampCallback
 
 V, T, REAL = 96, 16, 12  # vocab, sequence length, real (non -100) labels per row
 

@@ -23,7 +23,6 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep import app
-
 from tests.app.helpers import TINY, compose_cfg
 from tests.system import system_program
 

@@ -7,7 +7,6 @@ import torch
 
 from sweep.errors import UserError
 from sweep.run.build import build_clip_policy
-
 from tests.app.helpers import compose_cfg
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from clipamp_engine import CLIP_MODES
 from sweep import app
-
 from tests.app.helpers import CONF, TINY, compose_cfg
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app

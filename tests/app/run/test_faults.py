@@ -10,14 +10,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from sweep.run.checkpoint import non_finite_state
 from sweep.config.schema import FaultsConfig
+from sweep.run.build import build_state
+from sweep.run.checkpoint import non_finite_state
 from sweep.run.faults import FAULTS, FaultInjector
 from sweep.tasks.build import build_task
-from sweep.run.build import build_state
-
 from tests.app.helpers import TINY, compose_cfg
 
 FAULT_STEP, STEPS = 4, 12

@@ -14,7 +14,6 @@ from mlflow import MlflowClient
 
 from sweep import app
 from sweep.report.format import ui_command
-
 from tests.app.helpers import TINY, compose_cfg
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from sweep import app
-from sweep.tasks import build_task
 from sweep.config.schema import DataConfig, ModelConfig
+from sweep.tasks import build_task
 from sweep.tasks.hf_model import PAD
-
 from tests.app.helpers import compose_cfg
 
 TINY_LLAMA = dict(

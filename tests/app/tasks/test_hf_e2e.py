@@ -89,8 +89,8 @@ def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
     norms or the forensic columns."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sweep.tasks import hf_data as D
     from sweep.config.schema import DataConfig
+    from sweep.tasks import hf_data as D
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     d = DataConfig(name="hf", files=str(corpus), vocab_size=300, cache_dir=str(tmp_path / "cache"))

@@ -12,7 +12,6 @@ from torch import nn
 from sweep.errors import UserError
 from sweep.tasks.build import build_task, lm_loss
 from sweep.tasks.models import VOCAB, TinyMLPLM
-
 from tests.app.helpers import TINY, compose_cfg
 
 TINY_DATA = [t for t in TINY if t.startswith("data.")]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from omegaconf import OmegaConf
 
 from sweep.tasks import DataConfig, ModelConfig, build_task, evaluate, lm_loss
 from sweep.tasks import corpus as C
-
 from tests.app.helpers import CONF
 
 TINY_GPT = dict(name="gpt", d_model=32, n_layer=1, n_head=2, block_size=32)

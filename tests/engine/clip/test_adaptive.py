@@ -10,7 +10,6 @@ from clipamp_engine.clip import QuantileClip, ZScoreClip
 
 from .helpers import _clip, _params_with_grads
 
-
 # -- AutoClip ---------------------------------------------------------------------------------
 
 

@@ -11,7 +11,6 @@ from clipamp_engine.clip import AdaptiveGradClip, make_clip_policy, unitwise_nor
 
 from .helpers import _clip, _params_with_grads
 
-
 # -- AGC --------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,6 @@ from clipamp_engine.norms import clip_global_l2_norm, total_norm
 
 from .helpers import _clip, _params_with_grads
 
-
 # -- value / staged ---------------------------------------------------------------------------
 
 

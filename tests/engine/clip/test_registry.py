@@ -8,7 +8,6 @@ from torch import nn
 
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 
-
 # -- dispatch --------------------------------------------------------------------------------
 
 

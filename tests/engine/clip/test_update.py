@@ -13,7 +13,6 @@ from clipamp_engine.norms import clip_global_l2_norm, total_norm
 
 from .helpers import _clip
 
-
 # -- Adam update vs gradient clipping (the seed's example) ---------------------------------------
 
 

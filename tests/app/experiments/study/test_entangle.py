@@ -11,7 +11,6 @@ import pytest
 from sweep import app
 from sweep.experiments.study.entangle import NONE, cell_table, entangle_verdict
 from sweep.report.entangle import plot_entangle
-
 from tests.app.helpers import TINY, compose_cfg
 
 TAUS = {NONE: math.nan, "p90": 2.0, "p50": 1.0}

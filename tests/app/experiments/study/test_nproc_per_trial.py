@@ -19,7 +19,6 @@ from mlflow import MlflowClient
 from sweep import app
 from sweep.config import validate
 from sweep.errors import UserError
-
 from tests.app.experiments.study.test_sweep import children, optuna_study, sweep_cfg
 
 

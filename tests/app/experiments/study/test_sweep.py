@@ -4,7 +4,6 @@ the Optuna and MLflow clients; the pick rule on hand-made tables; storage URL mi
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import optuna
@@ -15,14 +14,13 @@ from mlflow import MlflowClient
 
 from sweep import app
 from sweep.config import validate
+from sweep.errors import UserError
 from sweep.experiments.study import space, storage
 from sweep.experiments.study import trial as trial_module
 from sweep.experiments.study.result import SweepResult
 from sweep.pick import pick_trial
-from sweep.run.tracking import Store
-from sweep.errors import UserError
 from sweep.report.cli import main as report_main
-
+from sweep.run.tracking import Store
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 STEPS = 8
