@@ -19,7 +19,15 @@ from sweep.errors import UserError, fail
 from sweep.run.loop import RunInterrupted
 from sweep.secrets import hide_argv, redact_text
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"  # package data: in the wheel too
+
+def _conf_dir() -> Path:
+    """Hydra's config tree: ``conf/`` at a checkout's top level, which the wheel ships as ``sweep/conf``."""
+    package = Path(__file__).resolve().parent
+    shipped = package / "conf"
+    return shipped if shipped.is_dir() else package.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
 register()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "sweep" / "conf"
+CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 #: Small enough that any experiment runs in seconds on 2 CPU cores.

@@ -155,3 +155,22 @@ def test_importing_the_app_leaves_warning_filters_alone():
 @pytest.mark.parametrize("module", ["sweep.report.cli", "sweep.app"])
 def test_graph_names_real_modules(module):
     assert module in import_graph()
+
+
+#: The design card's top level, and the usual extras beside it.
+DESIGN_CARD = {"pyproject.toml", "README.md", "conf", "sweep", "clipamp_engine", "tests", "mlruns"}
+EXTRAS = {"docs", "examples", "bench", "scripts", ".ci", ".gitignore", "CONTRIBUTING.md"}
+
+
+def test_the_top_level_is_the_design_cards():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/")[0] for line in tracked.splitlines()}
+    assert DESIGN_CARD <= top, f"missing at the top level: {sorted(DESIGN_CARD - top)}"
+    assert top <= DESIGN_CARD | EXTRAS, f"unexpected at the top level: {sorted(top - DESIGN_CARD - EXTRAS)}"
+    assert not (SWEEP / "conf").exists(), "one config tree: conf/ at the top level, shipped as sweep/conf"
+
+
+def test_the_checkout_composes_the_top_level_conf():
+    from sweep.__main__ import CONF_DIR
+
+    assert CONF_DIR == REPO / "conf" and (CONF_DIR / "config.yaml").is_file()

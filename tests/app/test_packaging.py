@@ -202,8 +202,8 @@ def test_a_wheel_without_the_config_tree_fails_from_an_empty_folder(tmp_path):
     src = copy_checkout(tmp_path / "src")
     pyproject = src / "pyproject.toml"
     text = pyproject.read_text()
-    pyproject.write_text(re.sub(r"\[tool\.setuptools\.package-data\]\n[^\n]*\n", "", text))
-    assert "package-data" not in pyproject.read_text()
+    pyproject.write_text(re.sub(r"\[tool\.hatch\.build\.targets\.wheel\.force-include\]\n[^\n]*\n", "", text))
+    assert "force-include" not in pyproject.read_text()
     venv = fresh_venv(tmp_path / "venv", build_wheel(src, tmp_path / "dist"))
     work = tmp_path / "empty"
     work.mkdir()
