@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipamp_engine import AmpTrainState, LossScaler, SkipRateExceeded, SkipRateMonitor, make_clip_policy
+from clipamp_engine import AmpTrainState, LossScaler, SkipRateExceeded, make_clip_policy
+from clipamp_engine.monitors import SkipRateMonitor
 
 from .test_step import Tiny, _batch
 
@@ -28,8 +29,7 @@ def _setup(dtype, fused, opt_name="adamw", accumulation=1, log_every=None, sched
         dtype=dtype,
         max_norm=0.5,
         scheduler=sched,
-        init_scale=2.0**10,
-        growth_interval=3,
+        scaler=LossScaler("cpu", init_scale=2.0**10, growth_interval=3, enabled=dtype == "fp16"),
         accumulation_steps=accumulation,
         fused=fused,
         log_every=log_every,
