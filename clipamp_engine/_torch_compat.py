@@ -17,6 +17,8 @@ What is used, and why:
   optimizer ``grad_scale`` / ``found_inf`` instead of unscaling first.
 - ``torch.utils._foreach_utils._get_fused_kernels_supported_devices``: the device types torch's
   fused optimizer kernels run on.
+- ``LRScheduler._last_lr``: what ``get_last_lr()`` returns, written when a schedule advanced on
+  the device is brought up to date on the host.
 - ``Tensor._values()``: a coalesced sparse COO tensor's values, aliasing its storage
   (``values()`` refuses the in-place updates clipping needs).
 - ``sys.modules["torch.distributed.tensor"]``: the DTensor class when, and only when, something
@@ -41,6 +43,7 @@ __all__ = [
     "record_found_inf",
     "reset_inf_checks",
     "scale_tensors",
+    "set_last_lr",
     "sparse_values",
     "takes_grad_scale",
 ]
@@ -79,6 +82,11 @@ def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
 def fused_kernel_devices() -> list[str]:
     """The device types torch's fused optimizer kernels (``fused=True``) run on."""
     return list(_get_fused_kernels_supported_devices())
+
+
+def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float]) -> None:
+    """Make ``scheduler.get_last_lr()`` return ``lrs`` (one per param group)."""
+    scheduler._last_lr = list(lrs)
 
 
 def sparse_values(t: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import fused_kernel_devices, takes_grad_scale
+from ._torch_compat import fused_kernel_devices, set_last_lr, takes_grad_scale
 from .clip.base import ClipPolicy
 from .records import SkipLog, StepLog
 
@@ -102,7 +102,7 @@ class DeviceLambdaLR:
     set from a window of precomputed factors ``lr_lambda(T₀ … T₀ + W − 1)`` indexed by
     ``counter − T₀``. Between two flushes at most ``W − 1`` steps run, so the window always
     holds the next LR; ``sync(taken)`` (at a flush, where the count is on the host anyway)
-    moves the window and brings the scheduler object (``last_epoch``, ``_last_lr``) up to date
+    moves the window and brings the scheduler object (``last_epoch``, ``get_last_lr()``) up to date
     for checkpoints.
     """
 
@@ -120,12 +120,13 @@ class DeviceLambdaLR:
     def sync(self, taken: int) -> None:
         s = self.scheduler
         s.last_epoch = taken
-        s._last_lr = [base * fn(taken) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        lrs = [base * fn(taken) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        set_last_lr(s, lrs)
         self.start = taken
         rows = [[base * fn(taken + i) for i in range(self.window)] for base, fn in zip(s.base_lrs, s.lr_lambdas)]
         self.table = torch.tensor(rows, dtype=torch.float32, device=self.taken.device)
         self.taken.fill_(taken)
-        for g, lr in zip(s.optimizer.param_groups, s._last_lr):
+        for g, lr in zip(s.optimizer.param_groups, lrs):
             g["lr"].fill_(lr)
 
     def advance(self, found_inf: torch.Tensor) -> None:

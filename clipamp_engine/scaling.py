@@ -200,9 +200,9 @@ class HysteresisScaler(LossScaler):
         if self._host["floor_arrivals"] > self._warned:
             self._warned = self._host["floor_arrivals"]
             warnings.warn(
-                f"loss scale reached its floor min_scale={self.min_scale:g} after {self._host['overflows']} "
-                "overflows: gradients overflow even at the smallest scale; check the loss, the LR and fp16 "
-                "ranges (or use bf16)",
+                f"loss scale reached its floor min_scale={self.min_scale:g} ({self._host['overflows']} "
+                "overflows so far): gradients overflow even at the smallest scale; check the loss, the LR "
+                "and fp16 ranges (or use bf16)",
                 LossScaleFloorWarning,
                 stacklevel=4,
             )
