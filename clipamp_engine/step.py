@@ -24,6 +24,7 @@ from torch import nn
 
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
+from .clip.registry import CLIP_MODES
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
 from .fused import (
@@ -44,8 +45,6 @@ from .scaling import LossScaler
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-#: Clip modes that index or snapshot whole parameters, refused under FSDP2 (sharded parameters).
-UNSHARDED_ONLY = ("per_group", "update")
 
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
@@ -63,6 +62,11 @@ def _unknown_arguments(unknown: dict[str, Any]) -> str:
             f"pass scaler=LossScaler(device, {given}) (or HysteresisScaler)"
         )
     return f"AmpTrainState got unexpected keyword arguments: {', '.join(sorted(unknown))}"
+
+
+def whole_param_modes() -> list[str]:
+    """The clip modes whose policies need whole (unsharded) parameters."""
+    return [mode for mode, cls in CLIP_MODES.items() if cls.needs_whole_params]
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -160,11 +164,11 @@ class AmpTrainState:
         )
         if refusal is not None:
             raise ValueError(refusal)
-        if self.replicas.kind == "fsdp2" and (self.clip.mode in UNSHARDED_ONLY or forensics is not None):
-            what = f"clip mode {self.clip.mode!r}" if self.clip.mode in UNSHARDED_ONLY else "forensics"
+        if self.replicas.kind == "fsdp2" and (self.clip.needs_whole_params or forensics is not None):
+            what = f"clip mode {self.clip.mode!r}" if self.clip.needs_whole_params else "forensics"
             raise ValueError(
                 f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
-                f"or a clip mode other than {', '.join(UNSHARDED_ONLY)} without forensics"
+                f"or a clip mode other than {', '.join(whole_param_modes())} without forensics"
             )
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps

@@ -40,11 +40,15 @@ class ClipPolicy:
       optimizer's own pass. ``GlobalCoefficientClip`` implements ``clip_`` from it.
     - ``gradient_source``: a ``GradientSource`` that produces the gradients itself (DP-SGD), used
       instead of the scaled ``loss.backward()``; ``None`` for the default.
+    - ``needs_whole_params``: the policy indexes or snapshots whole parameters, which FSDP2's
+      shards are not (the step refuses it there).
     """
 
     mode = "base"
     #: Whether ``coefficient(pre, step)`` is the whole clip of every step (see the class docstring).
     single_coefficient = False
+    #: Whether the policy needs whole (unsharded) parameters (see the class docstring).
+    needs_whole_params = False
     #: The extra record columns ``after_step`` returns.
     columns: tuple[str, ...] = ()
 

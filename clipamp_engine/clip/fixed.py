@@ -169,6 +169,7 @@ class PerGroupClip(ClipPolicy):
     """
 
     mode = "per_group"
+    needs_whole_params = True
 
     def __init__(
         self,
