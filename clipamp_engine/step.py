@@ -48,6 +48,8 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
+_SCALED_BACKWARD = ScaledBackward()
+
 #: ``GradScaler`` settings ``AmpTrainState`` does not take: they belong to the scaler.
 SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
@@ -155,7 +157,6 @@ class AmpTrainState:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
         self.replicas = replicas_of(model)
-        self.gradients: GradientSource = self.clip.gradient_source or ScaledBackward()
         refusal = self.gradients.refusal(
             accumulation_steps=accumulation_steps,
             dtype=dtype,
@@ -197,6 +198,11 @@ class AmpTrainState:
         self._device_lr = None
         if self.pipeline == "fused" and isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
             self._device_lr = DeviceLambdaLR(self.scheduler, self.log_every)
+
+    @property
+    def gradients(self) -> GradientSource:
+        """Where the gradients come from: the clip policy's own source (DP-SGD) or the scaled backward."""
+        return self.clip.gradient_source or _SCALED_BACKWARD
 
     # -- the step -------------------------------------------------------------------------
     def autocast(self):

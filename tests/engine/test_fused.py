@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from clipamp_engine import AmpTrainState, HysteresisScaler, LossScaler, SkipRateExceeded, make_clip_policy
+from clipamp_engine.clip import GlobalCoefficientClip
 from clipamp_engine.monitors import SkipRateMonitor
 
 from .test_step import Tiny, _batch
@@ -142,6 +143,23 @@ def test_one_stage_staged_clip_is_norm_clip_bit_for_bit_on_the_fused_path(dtype)
     for a, b in zip(rec_s, rec_n, strict=True):
         _same_record(a, b, rel=0)
     assert all(torch.equal(p, q) for p, q in zip(m_s.parameters(), m_n.parameters()))
+
+
+class HalfClip(GlobalCoefficientClip):
+    """A user's policy: every gradient halved. It declares one coefficient, so it runs fused."""
+
+    mode = "half"
+
+    def coefficient(self, pre, step):
+        return torch.full_like(pre, 0.5)
+
+
+def test_a_users_single_coefficient_policy_takes_the_fused_path_and_equals_default():
+    m_f, _, _, st_f, rec_f, _ = _run("bf16", None, clip=HalfClip)
+    m_d, _, _, st_d, rec_d, _ = _run("bf16", False, clip=HalfClip)
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    assert all(r.grad_l2_post_clip == pytest.approx(r.grad_l2_pre_clip / 2) for r in rec_d if not r.skipped)
+    _assert_fused_equals_default(rec_f, rec_d, m_f, m_d)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
