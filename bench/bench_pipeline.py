@@ -84,8 +84,7 @@ def engine_arm(module, fused: bool, scaling: bool):
         None,
         dtype="fp16" if scaling else "bf16",
         max_norm=MAX_NORM,
-        init_scale=SCALE,
-        growth_interval=10**9,
+        scaler=LossScaler("cpu", init_scale=SCALE, growth_interval=10**9, enabled=scaling),
     )
     assert state.pipeline == ("fused" if fused else "default")
     state.scaler.scale(torch.ones(()))  # the scale exists, as after a scaled backward

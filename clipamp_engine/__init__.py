@@ -1,79 +1,44 @@
 """clipamp engine: safe mixed-precision steps with global-norm clipping and per-step forensics.
 
-Depends on torch only. See ``AmpTrainState`` for the step, ``clip_global_l2_norm`` for the clip.
+Depends on torch only. The top level is what a training loop needs: ``AmpTrainState`` (the step)
+and its records, the CSV writer, the common clip policies and ``make_clip_policy``, the loss
+scalers, calibration (``CalibratedClip``), the two exceptions a step raises, and the norm
+functions. Everything else is imported from its module:
+
+- ``clipamp_engine.clip``: every clip policy (``StagedNormClip``, ``PerGroupClip``,
+  ``QuantileClip``, ``DPSGDClip``, …), ``CLIP_MODES``, ``clip_mode_options``;
+- ``clipamp_engine.calibration``: ``NormCalibrator``, ``CalibrationWindows``, ``CalibrationSummary``;
+- ``clipamp_engine.monitors``: ``SkipRateMonitor``, ``ClipRatioMonitor``, ``SkipRateWarning``;
+- ``clipamp_engine.forensics``, ``clipamp_engine.diagnosis``, ``clipamp_engine.records``
+  (``SKIP_REASONS``), ``clipamp_engine.scaling`` (``LossScaleFloorWarning``),
+  ``clipamp_engine.step`` (``DTYPES``, ``parse_dtype``), ``clipamp_engine.fused``.
 """
 
-from .calibration import CalibrationError, CalibrationSummary, CalibrationWindows, NormCalibrator
-from .clip import (
-    CLIP_MODES,
-    AdaptiveGradClip,
-    CalibratedClip,
-    ClipPolicy,
-    DPSGDClip,
-    GlobalNormClip,
-    NoClip,
-    PerGroupClip,
-    QuantileClip,
-    StagedNormClip,
-    UpdateNormClip,
-    ValueClip,
-    ZScoreClip,
-    clip_mode_options,
-    dp_sgd_grads,
-    make_clip_policy,
-)
+from .calibration import CalibrationError
+from .clip import CalibratedClip, ClipPolicy, GlobalNormClip, NoClip, make_clip_policy
 from .csvlog import StepCSVWriter
-from .diagnosis import Finding, diagnose, format_findings
-from .forensics import FORENSICS_COLUMNS, StepForensics
-from .monitors import ClipRatioMonitor, RollingRate, SkipRateExceeded, SkipRateMonitor, SkipRateWarning
+from .monitors import SkipRateExceeded
 from .norms import clip_global_l2_norm, has_non_finite_grad, total_norm
-from .records import CANONICAL_COLUMNS, SKIP_REASONS, SkipLog, StepLog
-from .scaling import HysteresisScaler, LossScaleFloorWarning, LossScaler
-from .step import DTYPES, AmpTrainState, parse_dtype
+from .records import CANONICAL_COLUMNS, SkipLog, StepLog
+from .scaling import HysteresisScaler, LossScaler
+from .step import AmpTrainState
 
 __all__ = [
-    "AdaptiveGradClip",
     "AmpTrainState",
     "CANONICAL_COLUMNS",
-    "CLIP_MODES",
     "CalibratedClip",
     "CalibrationError",
-    "CalibrationSummary",
-    "CalibrationWindows",
     "ClipPolicy",
-    "ClipRatioMonitor",
-    "DPSGDClip",
-    "DTYPES",
-    "FORENSICS_COLUMNS",
-    "Finding",
     "GlobalNormClip",
     "HysteresisScaler",
-    "LossScaleFloorWarning",
     "LossScaler",
     "NoClip",
-    "NormCalibrator",
-    "PerGroupClip",
-    "QuantileClip",
-    "RollingRate",
-    "SKIP_REASONS",
     "SkipLog",
     "SkipRateExceeded",
-    "SkipRateMonitor",
-    "SkipRateWarning",
-    "StagedNormClip",
     "StepCSVWriter",
-    "StepForensics",
     "StepLog",
-    "UpdateNormClip",
-    "ValueClip",
-    "ZScoreClip",
     "clip_global_l2_norm",
-    "clip_mode_options",
-    "diagnose",
-    "dp_sgd_grads",
-    "format_findings",
     "has_non_finite_grad",
     "make_clip_policy",
-    "parse_dtype",
     "total_norm",
 ]

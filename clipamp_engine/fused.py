@@ -15,16 +15,16 @@ per flush (``RecordBuffer``); the LR schedule advances on taken steps only throu
 counter (``DeviceLambdaLR``).
 
 What the fused path needs, and what it gives up (otherwise the default path runs):
-- an optimizer with ``_step_supports_amp_scaling`` (fused torch optimizers);
-- a policy whose clip is one global coefficient (``norm``, ``none``, and ``calibrated``, which
-  delegates to one of them; its windows observe the records when they are materialised); ``value``,
-  ``staged``, ``per_group``, ``agc``, ``update``, ``quantile``, ``zscore`` and ``dpsgd``
-  need per-tensor passes, the update itself or host-side state, and keep their passes;
+- an optimizer that takes ``grad_scale``/``found_inf`` (fused torch optimizers);
+- a policy that declares ``single_coefficient`` (``norm``, ``none``, ``staged``, and
+  ``calibrated``, whose threshold in force is one of them; its windows observe the records when
+  they are materialised) and computes it with ``coefficient(pre, step)``; ``value``,
+  ``per_group``, ``agc``, ``update``, ``quantile``, ``zscore`` and ``dpsgd`` need per-tensor
+  passes, the update itself, host-side state or their own gradients, and keep their passes;
 - no forensics probe (it snapshots parameters and reads the update);
 - no fp64 parameters: the fused kernels take ``grad_scale`` in fp32 only, which would round an
   fp64 run's clip coefficient (the default path clips fp64 gradients in fp64);
 - a non-finite loss still runs backward (its gradients are discarded by the same flag);
-- ``HysteresisScaler``'s rule is host arithmetic: one sync per step with fp16;
 - an LR scheduler other than ``LambdaLR`` costs one sync per step (to step it on taken
   steps only); ``LambdaLR`` turns every group's ``lr`` into a 0-dim tensor.
 
@@ -42,43 +42,36 @@ from typing import Any
 
 import torch
 
+from ._torch_compat import fused_kernel_devices, set_last_lr, takes_grad_scale
 from .clip.base import ClipPolicy
-from .clip.calibrated import CalibratedClip
-from .clip.fixed import GlobalNormClip, NoClip
-from .norms import clip_coefficient
 from .records import SkipLog, StepLog
 
 __all__ = [
     "DeviceLambdaLR",
     "RecordBuffer",
+    "fused_kernel_devices",
     "fused_optimizer_step",
     "fused_path_refusal",
     "global_coefficient",
     "is_fusable",
 ]
 
-#: Policies whose clip is one global scalar coefficient (exact types: subclasses may add state).
-FUSABLE_POLICIES: tuple[type[ClipPolicy], ...] = (GlobalNormClip, NoClip)
-
-
-def _in_force(clip: ClipPolicy) -> ClipPolicy:
-    """The policy that clips this step: a ``CalibratedClip`` delegates to a fixed one."""
-    return clip._active if type(clip) is CalibratedClip else clip
-
 
 def is_fusable(clip: ClipPolicy) -> bool:
-    """Whether ``clip`` is one global coefficient this step (see ``FUSABLE_POLICIES``)."""
-    return type(_in_force(clip)) in FUSABLE_POLICIES
+    """Whether ``clip`` declares that its clip is one global coefficient (``single_coefficient``)."""
+    return bool(clip.single_coefficient)
 
 
 def fused_path_refusal(optimizer: torch.optim.Optimizer, clip: ClipPolicy, forensics: bool) -> str | None:
     """Why the fused path cannot run for this setup, or ``None`` when it can."""
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if not takes_grad_scale(optimizer):
         return f"{type(optimizer).__name__} does not take grad_scale/found_inf (build it with fused=True)"
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return f"{type(optimizer).__name__}.step takes the deprecated grad_scaler argument"
     if not is_fusable(clip):
         return f"clip mode {clip.mode!r} is not one global coefficient"
+    if clip.gradient_source is not None:
+        return f"clip mode {clip.mode!r} produces its own gradients"
     if forensics:
         return "forensics read the update"
     if any(p.dtype == torch.float64 for g in optimizer.param_groups for p in g["params"]):
@@ -86,13 +79,10 @@ def fused_path_refusal(optimizer: torch.optim.Optimizer, clip: ClipPolicy, foren
     return None
 
 
-def global_coefficient(clip: ClipPolicy, pre: torch.Tensor) -> torch.Tensor:
-    """The policy's clip coefficient for a finite ``pre`` (1 where ``pre`` is not finite)."""
-    clip = _in_force(clip)
-    if type(clip) is GlobalNormClip:
-        coef = clip_coefficient(pre, clip.max_norm)
-        return torch.where(torch.isfinite(pre), coef, torch.ones_like(coef))
-    return torch.ones_like(pre)
+def global_coefficient(clip: ClipPolicy, pre: torch.Tensor, step: int) -> torch.Tensor:
+    """The policy's clip coefficient at ``step`` for a finite ``pre`` (1 where ``pre`` is not finite)."""
+    coef = clip.coefficient(pre, step)
+    return torch.where(torch.isfinite(pre), coef, torch.ones_like(coef))
 
 
 def fused_optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -112,7 +102,7 @@ class DeviceLambdaLR:
     set from a window of precomputed factors ``lr_lambda(T₀ … T₀ + W − 1)`` indexed by
     ``counter − T₀``. Between two flushes at most ``W − 1`` steps run, so the window always
     holds the next LR; ``sync(taken)`` (at a flush, where the count is on the host anyway)
-    moves the window and brings the scheduler object (``last_epoch``, ``_last_lr``) up to date
+    moves the window and brings the scheduler object (``last_epoch``, ``get_last_lr()``) up to date
     for checkpoints.
     """
 
@@ -130,12 +120,13 @@ class DeviceLambdaLR:
     def sync(self, taken: int) -> None:
         s = self.scheduler
         s.last_epoch = taken
-        s._last_lr = [base * fn(taken) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        lrs = [base * fn(taken) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        set_last_lr(s, lrs)
         self.start = taken
         rows = [[base * fn(taken + i) for i in range(self.window)] for base, fn in zip(s.base_lrs, s.lr_lambdas)]
         self.table = torch.tensor(rows, dtype=torch.float32, device=self.taken.device)
         self.taken.fill_(taken)
-        for g, lr in zip(s.optimizer.param_groups, s._last_lr):
+        for g, lr in zip(s.optimizer.param_groups, lrs):
             g["lr"].fill_(lr)
 
     def advance(self, found_inf: torch.Tensor) -> None:

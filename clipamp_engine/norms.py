@@ -12,11 +12,12 @@ References:
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+
+from ._torch_compat import dtensor_class, sparse_values
 
 Params = torch.Tensor | Iterable[torch.Tensor]
 
@@ -45,7 +46,7 @@ def dense_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     The values alias the sparse tensor's storage, so in-place ops on them act on the gradient,
     and a coalesced tensor stays coalesced (``sparse.mul_`` would clear the flag).
     """
-    return [t._values() if t.is_sparse else t for t in tensors]
+    return [sparse_values(t) if t.is_sparse else t for t in tensors]
 
 
 def group_indices(tensors: list[torch.Tensor], with_dtype: bool) -> dict[tuple, list[int]]:
@@ -98,8 +99,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     The norm of FSDP2's sharded gradients is a DTensor whose reduction is pending or already
     replicated; the full value is the norm of the whole unsharded gradient, equal on every rank.
     """
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (import is slow)
-    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+    dtensor = dtensor_class()  # None while nothing imported DTensor: then none exists
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
 
 
 def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:

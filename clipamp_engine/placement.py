@@ -86,7 +86,7 @@ class StartDetector:
         self.span, self.band, self.patience, self.latest = span, band, patience, latest
         self.warmup_end: int | None = None
         self.placement: Placement | None = None
-        self._last_lr: float | None = None
+        self._previous_lr: float | None = None
         self._norms: deque[float] = deque(maxlen=span)
         self._medians: deque[float] = deque(maxlen=patience)
 
@@ -94,9 +94,9 @@ class StartDetector:
         """Read one record; return the placement on the step it is decided (then keep returning it)."""
         if self.placement is not None:
             return self.placement
-        if self.warmup_end is None and self._last_lr is not None and _not_rising(self._last_lr, lr):
+        if self.warmup_end is None and self._previous_lr is not None and _not_rising(self._previous_lr, lr):
             self.warmup_end = step
-        self._last_lr = lr
+        self._previous_lr = lr
         if self.warmup_end is not None and not skipped and math.isfinite(norm):
             self._norms.append(norm)
             if len(self._norms) == self.span:
@@ -143,7 +143,7 @@ class StartDetector:
     def state_dict(self) -> dict[str, Any]:
         return {
             "warmup_end": self.warmup_end,
-            "last_lr": self._last_lr,
+            "last_lr": self._previous_lr,
             "norms": list(self._norms),
             "medians": list(self._medians),
             "latest": self.latest,
@@ -151,7 +151,7 @@ class StartDetector:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.warmup_end, self._last_lr, self.latest = state["warmup_end"], state["last_lr"], state["latest"]
+        self.warmup_end, self._previous_lr, self.latest = state["warmup_end"], state["last_lr"], state["latest"]
         self._norms = deque(state["norms"], maxlen=self.span)
         self._medians = deque(state["medians"], maxlen=self.patience)
         self.placement = Placement(**state["placement"]) if state["placement"] else None

@@ -1,6 +1,6 @@
 """Dynamic loss scaling: torch's ``GradScaler`` plus the back-off it lacks for refused losses,
 and a scaler with DeepSpeed's overflow hysteresis, GradScaler's growth count, a floor, a cap
-and a floor alarm.
+and a floor alarm, updated on the device (no host sync per step).
 
 References:
     Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740 (loss scaling).
@@ -11,16 +11,19 @@ References:
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from ._torch_compat import found_infs, record_found_inf, reset_inf_checks, scale_tensors
 
 __all__ = ["HysteresisScaler", "LossScaleFloorWarning", "LossScaler"]
 
 #: The scale lives in an fp32 tensor (as GradScaler's does): it can never exceed this.
 FP32_MAX = torch.finfo(torch.float32).max
+
+#: ``HysteresisScaler``'s device counters, in the order they are stored.
+COUNTERS = ("hysteresis_left", "overflows", "overflow_streak", "backoffs", "at_floor", "floor_arrivals")
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -43,15 +46,16 @@ class LossScaler(torch.amp.GradScaler):
     def record_inf_check(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         """Record ``found_inf`` as ``optimizer``'s inf check of this iteration, as ``unscale_`` +
         ``step`` would, for an update that unscaled inside a fused optimizer; ``update()`` follows."""
-        if not self.is_enabled():
-            return
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
-        state["stage"] = OptState.STEPPED
+        if self.is_enabled():
+            record_found_inf(self, optimizer, found_inf)
 
     def scale_tensor(self) -> torch.Tensor | None:
         """The current scale as a device tensor (no sync); ``None`` when disabled or not yet used."""
-        return self._scale if self.is_enabled() else None
+        tensors = scale_tensors(self) if self.is_enabled() else None
+        return None if tensors is None else tensors[0]
+
+    def poll(self) -> None:
+        """Bring host-side state up to date with the device (``AmpTrainState.flush`` calls it); nothing here."""
 
 
 class LossScaleFloorWarning(RuntimeWarning):
@@ -84,6 +88,14 @@ class HysteresisScaler(LossScaler):
     ``LossScaleFloorWarning`` is issued (once each time the floor is reached): the run keeps
     overflowing even at the smallest scale, so scaling cannot help (DeepSpeed raises there).
     Everything survives ``state_dict()`` / ``load_state_dict()``.
+
+    The rule runs on the device, like ``GradScaler``'s ``_amp_update_scale_``: the scale, the
+    growth count and the counters (``hysteresis_left``, ``overflows``, ``overflow_streak``,
+    ``backoffs``, ``at_floor``) are device tensors updated with branch-free tensor arithmetic
+    (the scale in fp64, then rounded to the fp32 tensor), so ``update()`` never waits for the
+    host. Reading a counter, ``get_scale()``, ``state_dict()`` or ``poll()`` brings them to the
+    host in one transfer; the floor warning is issued there (``AmpTrainState`` polls at every
+    flush). The device needs fp64 arithmetic (CUDA and CPU have it).
 
     It plugs into ``AmpTrainState(scaler=...)``: ``update()`` reads the inf checks that
     ``unscale_`` recorded (like ``GradScaler.update``) and ``back_off()`` applies the same
@@ -132,121 +144,165 @@ class HysteresisScaler(LossScaler):
         if not init_scale <= FP32_MAX:
             raise ValueError(f"init_scale={init_scale!r} must fit in fp32 (<= {FP32_MAX:.4g}), where the scale is kept")
         self.hysteresis = hysteresis
-        self.hysteresis_left = hysteresis
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self.min_scale = float(min_scale)
         self.max_scale = float(max_scale)
-        self.at_floor = False
-        self.overflows = 0  # total overflow steps seen (absorbed or not)
-        self.overflow_streak = 0  # consecutive overflow steps ending at the latest update
-        self.backoffs = 0  # overflows that lowered the scale
+        # the counters (COUNTERS order) on the device, and their host copy as of the last transfer
+        self._host = dict.fromkeys(COUNTERS, 0) | {"hysteresis_left": hysteresis}
+        self._counters = torch.tensor([self._host[k] for k in COUNTERS], dtype=torch.int64)
+        self._stale = False  # the device counters changed since the host copy was taken
+        self._warned = 0  # floor arrivals already warned about
 
-    # -- the rule (host arithmetic on the current scale) ----------------------------------
-    def _read(self) -> tuple[float, int]:
-        if self._scale is None:
-            return float(self._init_scale), int(self._init_growth_tracker)
-        scale, tracker = torch.stack([self._scale.float(), self._growth_tracker.float()]).tolist()  # sync
-        return scale, int(tracker)
+    # -- the rule (tensor arithmetic on the device) ----------------------------------------
+    def _apply(self, overflow: torch.Tensor, scale: torch.Tensor, tracker: torch.Tensor) -> None:
+        """One update from the 0-dim bool ``overflow``, in place on ``scale`` (fp32), ``tracker``
+        (int32) and the counters, without a host sync."""
+        if self._counters.device != scale.device:
+            self._counters = self._counters.to(scale.device)
+        left, overflows, streak, backoffs, at_floor, arrivals = self._counters.unbind()
+        s = scale.double()
+        clean_count = tracker.long() + 1
+        backs = overflow if self.hysteresis == 1 else overflow & (left <= 1)
+        backed = torch.clamp(s * self.get_backoff_factor(), min=self.min_scale)
+        grows = ~overflow & (clean_count >= self.get_growth_interval())
+        grown = torch.clamp(s * self.get_growth_factor(), max=self.max_scale)
+        grown = torch.where(grown <= FP32_MAX, grown, s)  # a growth past fp32 is refused, as GradScaler's
+        new_scale = torch.where(backs, backed, torch.where(grows, grown, s))
+        restored = ~overflow if self.consecutive_hysteresis else grows
+        new_left = torch.where(restored, self.hysteresis, torch.where(overflow & ~backs, left - 1, left))
+        floor = new_scale <= self.min_scale
+        arrived = floor & overflow & (at_floor == 0)
+        counters = [
+            new_left,
+            overflows + overflow.long(),
+            torch.where(overflow, streak + 1, 0),
+            backoffs + (backs & (backed < s)).long(),
+            floor.long(),
+            arrivals + arrived.long(),
+        ]
+        scale.copy_(new_scale)  # rounded to fp32 as GradScaler's fill_ rounds a Python float
+        tracker.copy_(torch.where(overflow | grows, 0, clean_count))
+        self._counters.copy_(torch.stack(counters))
+        self._stale = True
 
-    def _write(self, scale: float, tracker: int) -> None:
-        if self._scale is None:
-            self._init_scale, self._init_growth_tracker = scale, tracker
+    # -- host view ---------------------------------------------------------------------------
+    def _transfer(self) -> float:
+        """The scale and the counters on the host in one transfer; warns on a new floor arrival."""
+        tensors = scale_tensors(self)
+        if tensors is None:  # before the first scale(): GradScaler keeps the scale on the host
+            scale, counters = super().get_scale(), self._counters.tolist()  # sync: counters (CPU until then)
         else:
-            self._scale.fill_(scale)
-            self._growth_tracker.fill_(tracker)
-
-    def _apply(self, overflow: bool, scale: float, tracker: int) -> None:
-        if overflow:
-            self.overflows += 1
-            self.overflow_streak += 1
-            tracker = 0
-            if self.hysteresis == 1 or self.hysteresis_left <= 1:
-                new = max(scale * self._backoff_factor, self.min_scale)
-                self.backoffs += new < scale
-                scale = new
-            else:
-                self.hysteresis_left -= 1
-        else:
-            self.overflow_streak = 0
-            if self.consecutive_hysteresis:
-                self.hysteresis_left = self.hysteresis
-            tracker += 1
-            if tracker >= self._growth_interval:
-                if not self.consecutive_hysteresis:
-                    self.hysteresis_left = self.hysteresis
-                grown = min(scale * self._growth_factor, self.max_scale)
-                if grown <= FP32_MAX:  # else refused, as GradScaler refuses to grow the scale to inf
-                    scale = grown
-                tracker = 0
-        self._write(scale, tracker)
-        floor = scale <= self.min_scale
-        if floor and overflow and not self.at_floor:
+            scale, *counters = torch.cat(
+                [tensors[0].double().reshape(1), self._counters.to(tensors[0].device).double()]
+            ).tolist()  # sync: the scale and the counters, one transfer
+        self._host = dict(zip(COUNTERS, map(int, counters)))
+        self._stale = False
+        if self._host["floor_arrivals"] > self._warned:
+            self._warned = self._host["floor_arrivals"]
             warnings.warn(
-                f"loss scale reached its floor min_scale={self.min_scale:g} after {self.overflows} overflows: "
-                "gradients overflow even at the smallest scale; check the loss, the LR and fp16 ranges "
-                "(or use bf16)",
+                f"loss scale reached its floor min_scale={self.min_scale:g} ({self._host['overflows']} "
+                "overflows so far): gradients overflow even at the smallest scale; check the loss, the LR "
+                "and fp16 ranges (or use bf16)",
                 LossScaleFloorWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        self.at_floor = floor
+        return scale
+
+    def _counter(self, name: str) -> int:
+        if self._stale:
+            self._transfer()
+        return self._host[name]
+
+    @property
+    def hysteresis_left(self) -> int:
+        """Overflows still absorbed before the next back-off (reading it syncs when it changed)."""
+        return self._counter("hysteresis_left")
+
+    @property
+    def overflows(self) -> int:
+        """Overflow steps seen in all (absorbed or not)."""
+        return self._counter("overflows")
+
+    @property
+    def overflow_streak(self) -> int:
+        """Consecutive overflow steps ending at the latest update."""
+        return self._counter("overflow_streak")
+
+    @property
+    def backoffs(self) -> int:
+        """Overflows that lowered the scale."""
+        return self._counter("backoffs")
+
+    @property
+    def at_floor(self) -> bool:
+        """Whether the scale is at ``min_scale``."""
+        return bool(self._counter("at_floor"))
+
+    def poll(self) -> None:
+        """Read the counters (one transfer when they changed) and warn if the floor was reached."""
+        if self.is_enabled() and self._stale:
+            self._transfer()
 
     # -- GradScaler interface ---------------------------------------------------------------
+    def get_scale(self) -> float:
+        return self._transfer() if self.is_enabled() else 1.0
+
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Apply the hysteresis rule to this iteration's inf checks (or set ``new_scale``)."""
-        if not self._enabled:
+        """Apply the hysteresis rule to this iteration's inf checks (or set ``new_scale``), on the device."""
+        if not self.is_enabled():
             return
         if new_scale is not None:
             super().update(new_scale)
             return
-        _scale, _tracker = self._check_scale_growth_tracker("update")
-        found_infs = [
-            found_inf.float().to(_scale.device)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
-        if not found_infs:
+        tensors = scale_tensors(self)
+        if tensors is None:
+            raise AssertionError("Attempted update but the scale is not initialised: call scale(loss) first")
+        infs = found_infs(self)
+        if not infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        # sync: the rule branches on the overflow flag (GradScaler.step already synced it)
-        found, scale, tracker = torch.stack([torch.stack(found_infs).sum(), _scale.float(), _tracker.float()]).tolist()
-        self._apply(found > 0, scale, int(tracker))
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        scale, tracker = tensors
+        overflow = torch.stack([f.to(scale.device).float().reshape(()) for f in infs]).sum() > 0
+        self._apply(overflow, scale, tracker)
+        reset_inf_checks(self)
 
     def back_off(self) -> None:
         """A step refused before backward counts as an overflow under the same rule."""
-        if not self._enabled:
+        if not self.is_enabled():
             return
-        self._apply(True, *self._read())
+        tensors = scale_tensors(self)
+        if tensors is not None:
+            self._apply(torch.ones((), dtype=torch.bool, device=tensors[0].device), *tensors)
+            return
+        # before the first scale(): the rule on CPU copies of GradScaler's initial values, written back
+        state = torch.amp.GradScaler.state_dict(self)
+        scale = torch.tensor(state["scale"], dtype=torch.float32)
+        tracker = torch.tensor(state["_growth_tracker"], dtype=torch.int32)
+        self._apply(torch.ones((), dtype=torch.bool), scale, tracker)
+        state.update(scale=scale.item(), _growth_tracker=int(tracker))  # CPU tensors: no device sync
+        torch.amp.GradScaler.load_state_dict(self, state)
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+        state = super().state_dict()  # get_scale(): the counters come with the scale
         if state:
             state.update(
                 hysteresis=self.hysteresis,
-                hysteresis_left=self.hysteresis_left,
                 consecutive_hysteresis=self.consecutive_hysteresis,
                 min_scale=self.min_scale,
                 max_scale=self.max_scale,
-                at_floor=self.at_floor,
-                overflows=self.overflows,
-                overflow_streak=self.overflow_streak,
-                backoffs=self.backoffs,
+                **{k: self._host[k] for k in COUNTERS if k != "at_floor"},
+                at_floor=bool(self._host["at_floor"]),
             )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        if not self._enabled:
+        if not self.is_enabled():
             return
-        for key in (
-            "hysteresis",
-            "hysteresis_left",
-            "consecutive_hysteresis",
-            "min_scale",
-            "max_scale",
-            "at_floor",
-            "overflows",
-            "overflow_streak",
-            "backoffs",
-        ):
+        for key in ("hysteresis", "consecutive_hysteresis", "min_scale", "max_scale"):
             if key in state_dict:
                 setattr(self, key, state_dict[key])
+        host = {k: int(state_dict.get(k, self._host[k])) for k in COUNTERS}
+        if "floor_arrivals" not in state_dict:  # a checkpoint from before the count: the floor was warned about
+            host["floor_arrivals"] = host["at_floor"]
+        self._counters.copy_(torch.tensor([host[k] for k in COUNTERS], dtype=torch.int64))
+        self._host, self._stale, self._warned = host, False, host["floor_arrivals"]

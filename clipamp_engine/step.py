@@ -24,6 +24,7 @@ from torch import nn
 
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
+from .clip.registry import CLIP_MODES
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
 from .fused import (
@@ -34,6 +35,7 @@ from .fused import (
     global_coefficient,
     is_fusable,
 )
+from .gradients import GradientSource, ScaledBackward
 from .micro_batches import batch_size as _batch_size
 from .micro_batches import split as _split
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
@@ -43,10 +45,30 @@ from .scaling import LossScaler
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-#: Clip modes that index or snapshot whole parameters, refused under FSDP2 (sharded parameters).
-UNSHARDED_ONLY = ("per_group", "update")
 
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+
+_SCALED_BACKWARD = ScaledBackward()
+
+#: ``GradScaler`` settings ``AmpTrainState`` does not take: they belong to the scaler.
+SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+def _unknown_arguments(unknown: dict[str, Any]) -> str:
+    """The ``TypeError`` message for keyword arguments ``AmpTrainState`` does not take."""
+    settings = [k for k in unknown if k in SCALER_SETTINGS]
+    if settings:
+        given = ", ".join(f"{k}={unknown[k]!r}" for k in settings)
+        return (
+            f"AmpTrainState takes loss-scale settings through scaler=, not {', '.join(settings)}: "
+            f"pass scaler=LossScaler(device, {given}) (or HysteresisScaler)"
+        )
+    return f"AmpTrainState got unexpected keyword arguments: {', '.join(sorted(unknown))}"
+
+
+def whole_param_modes() -> list[str]:
+    """The clip modes whose policies need whole (unsharded) parameters."""
+    return [mode for mode, cls in CLIP_MODES.items() if cls.needs_whole_params]
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -78,8 +100,9 @@ class AmpTrainState:
         scheduler: optional LR scheduler, stepped only on taken steps.
         accumulation_steps: micro-batches per step; gradients are clipped once, after accumulation.
         device_type: must agree with the model's parameters when given.
-        scaler: a ``LossScaler``; by default one enabled only for fp16 with the settings below.
-        init_scale, growth_factor, backoff_factor, growth_interval: ``GradScaler`` settings.
+        scaler: a ``LossScaler`` (or ``HysteresisScaler``) carrying every loss-scale setting
+            (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, …); by
+            default ``LossScaler(device, enabled=dtype == "fp16")`` with ``GradScaler``'s defaults.
         skip_monitor: a ``SkipRateMonitor`` (default: 1,000-step window, warn above 5%).
         clip_window: steps in the rolling clipping-ratio window.
         forensics: optional probe with ``before_step(params, grads, optimizer)`` and
@@ -105,16 +128,15 @@ class AmpTrainState:
         accumulation_steps: int = 1,
         device_type: str | None = None,
         scaler: LossScaler | None = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
         skip_monitor: SkipRateMonitor | None = None,
         clip_window: int = 1000,
         forensics: Any = None,
         fused: bool | None = None,
         log_every: int | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(_unknown_arguments(unknown))
         self.autocast_dtype = parse_dtype(dtype)
         self.dtype = dtype
         model_device = _model_device_type(model)
@@ -134,37 +156,24 @@ class AmpTrainState:
             )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
-        if self.clip.per_sample and (accumulation_steps != 1 or dtype == "fp16"):
-            raise ValueError(
-                f"clip mode {self.clip.mode!r} computes per-example gradients: it needs "
-                f"accumulation_steps=1 and dtype bf16 or fp32 (got {accumulation_steps}, {dtype!r})"
-            )
         self.replicas = replicas_of(model)
-        if self.clip.per_sample and self.replicas.size > 1:
-            raise ValueError(
-                f"clip mode {self.clip.mode!r} computes per-example gradients outside backward, so "
-                f"{self.replicas.kind} never reduces them: run it in one process"
-            )
-        if self.replicas.kind == "fsdp2" and (self.clip.mode in UNSHARDED_ONLY or forensics is not None):
-            what = f"clip mode {self.clip.mode!r}" if self.clip.mode in UNSHARDED_ONLY else "forensics"
+        refusal = self.gradients.refusal(
+            accumulation_steps=accumulation_steps,
+            dtype=dtype,
+            world_size=self.replicas.size,
+            world_kind=self.replicas.kind,
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
+        if self.replicas.kind == "fsdp2" and (self.clip.needs_whole_params or forensics is not None):
+            what = f"clip mode {self.clip.mode!r}" if self.clip.needs_whole_params else "forensics"
             raise ValueError(
                 f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
-                f"or a clip mode other than {', '.join(UNSHARDED_ONLY)} without forensics"
+                f"or a clip mode other than {', '.join(whole_param_modes())} without forensics"
             )
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
-        self.scaler = (
-            scaler
-            if scaler is not None
-            else LossScaler(
-                model_device,
-                init_scale=init_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                enabled=dtype == "fp16",
-            )
-        )
+        self.scaler = scaler if scaler is not None else LossScaler(model_device, enabled=dtype == "fp16")
         self.skip_monitor = skip_monitor if skip_monitor is not None else SkipRateMonitor()
         self.clip_monitor = ClipRatioMonitor(clip_window)
         self.forensics = forensics if forensics is not None else NoForensics()
@@ -189,6 +198,11 @@ class AmpTrainState:
         self._device_lr = None
         if self.pipeline == "fused" and isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
             self._device_lr = DeviceLambdaLR(self.scheduler, self.log_every)
+
+    @property
+    def gradients(self) -> GradientSource:
+        """Where the gradients come from: the clip policy's own source (DP-SGD) or the scaled backward."""
+        return self.clip.gradient_source or _SCALED_BACKWARD
 
     # -- the step -------------------------------------------------------------------------
     def autocast(self):
@@ -225,6 +239,7 @@ class AmpTrainState:
         that raised) and ``.records`` (every record of this flush, to be written by the caller).
         """
         records, self._ready = self._ready + self._pending.drain(), []
+        self.scaler.poll()  # a device-side scaler's counters (and its floor warning) reach the host
         if self._device_lr is not None and records:
             self._device_lr.sync(self._device_lr.start + sum(not r.skipped for r in records))
         for record in records:
@@ -278,14 +293,11 @@ class AmpTrainState:
         return zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
 
     def _forward(self, x: Any, y: Any) -> Any:
-        with self.autocast(), torch.set_grad_enabled(not self.clip.per_sample):
+        with self.autocast(), torch.set_grad_enabled(self.gradients.builds_graph):
             return self.loss_fn(self.model(x), y)
 
     def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
-        if self.clip.per_sample:  # DP-SGD: gradients from clipped per-example gradients
-            self.clip.backward(self.model, self.loss_fn, x, y)
-        else:
-            self.scaler.scale(loss).backward()
+        self.gradients.backward(loss, self.scaler, self.model, self.loss_fn, x, y)
 
     def _forward_backward(self, inputs: Any, targets: Any):
         """The fused path's forward and scaled backward per micro-batch → ``(loss_acc, tokens, ref)``
@@ -381,7 +393,7 @@ class AmpTrainState:
         mean_loss = (loss_acc / tokens.float() if tokens is not None else loss_acc).detach().to(norm.device)
         loss_finite = torch.isfinite(mean_loss)
         found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
-        coef = global_coefficient(self.clip, pre)
+        coef = global_coefficient(self.clip, pre, self.step_count)
         fused_optimizer_step(self.optimizer, 1.0 / (factor * coef), found_inf)
         self.scaler.record_inf_check(self.optimizer, found_inf)
         self.scaler.update()

@@ -2,12 +2,14 @@
 
 ``make_clip_policy(mode, **options)`` (``registry``) builds one of ``CLIP_MODES``:
 ``fixed`` (norm, none, value, staged, per_group), ``agc``, ``update``, ``adaptive``
-(quantile, zscore), ``calibrated`` and ``dpsgd``; ``base.ClipPolicy`` is their interface.
+(quantile, zscore), ``calibrated`` and ``dpsgd``; ``base.ClipPolicy`` is their interface, and
+``base.GlobalCoefficientClip`` the base of the policies whose clip is one global coefficient
+(the ones the fused path runs).
 """
 
 from .adaptive import QuantileClip, ZScoreClip
 from .agc import AdaptiveGradClip, unitwise_norm
-from .base import ClipPolicy
+from .base import ClipPolicy, GlobalCoefficientClip
 from .calibrated import CalibratedClip
 from .dpsgd import DPSGDClip, dp_sgd_grads
 from .fixed import GlobalNormClip, NoClip, PerGroupClip, StagedNormClip, ValueClip
@@ -20,6 +22,7 @@ __all__ = [
     "CalibratedClip",
     "ClipPolicy",
     "DPSGDClip",
+    "GlobalCoefficientClip",
     "GlobalNormClip",
     "NoClip",
     "PerGroupClip",

@@ -1,7 +1,7 @@
 """The clipping-policy base class and the helpers the policies share.
 
 Gradients reach a policy as the list ``grads_of`` returned (``None`` skipped, sparse COO
-coalesced). Sparse gradients are handled through their values tensor (``_values()``), never
+coalesced). Sparse gradients are handled through their values tensor (``dense_views``), never
 densified: a coalesced tensor's values are exact, and scaling them in place keeps the
 tensor coalesced (``sparse.mul_`` would clear the flag and make ``values()`` raise).
 """
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..norms import CLIP_EPS, dense_views, group_indices
+from ..gradients import GradientSource
+from ..norms import CLIP_EPS, dense_views, group_indices, scale_grads_
 from ..records import StepLog
 
 NamedParams = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -31,20 +32,40 @@ class ClipPolicy:
     as a 0-dim tensor (no host sync). It is only called on steps that are taken, so a
     skipped step never changes what a policy learnt from gradients; ``observe`` then sees
     every finished record, taken or skipped (host values, no sync).
+
+    Capabilities a policy declares (the step asks them, never the policy's type):
+
+    - ``single_coefficient``: the clip multiplies every gradient by one scalar,
+      ``coefficient(pre, step)``; the fused path (``clipamp_engine.fused``) then folds it into the
+      optimizer's own pass. ``GlobalCoefficientClip`` implements ``clip_`` from it.
+    - ``gradient_source``: a ``GradientSource`` that produces the gradients itself (DP-SGD), used
+      instead of the scaled ``loss.backward()``; ``None`` for the default.
+    - ``needs_whole_params``: the policy indexes or snapshots whole parameters, which FSDP2's
+      shards are not (the step refuses it there).
     """
 
     mode = "base"
-    #: True for policies that produce the gradients themselves from per-example gradients
-    #: (DP-SGD): the step then calls ``backward(model, loss_fn, inputs, targets)`` instead of
-    #: ``loss.backward()``.
-    per_sample = False
+    #: Whether ``coefficient(pre, step)`` is the whole clip of every step (see the class docstring).
+    single_coefficient = False
+    #: Whether the policy needs whole (unsharded) parameters (see the class docstring).
+    needs_whole_params = False
     #: The extra record columns ``after_step`` returns.
     columns: tuple[str, ...] = ()
+
+    @property
+    def gradient_source(self) -> GradientSource | None:
+        """The source of the gradients this policy clips (``None``: the step's scaled backward)."""
+        return None
 
     def clip_(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], pre: torch.Tensor, step: int
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def coefficient(self, pre: torch.Tensor, step: int) -> torch.Tensor:
+        """The one scalar every gradient is multiplied by at ``step`` (0-dim, no sync), for a finite
+        ``pre``; only for policies with ``single_coefficient``. Sets what ``threshold`` reports."""
+        raise NotImplementedError(f"clip mode {self.mode!r} is not one global coefficient")
 
     @property
     def threshold(self) -> float | None:
@@ -76,6 +97,21 @@ class ClipPolicy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class GlobalCoefficientClip(ClipPolicy):
+    """A policy whose clip is one global coefficient: ``g ← g · coefficient(pre, step)`` for every gradient.
+
+    Subclasses implement ``coefficient``; ``clip_`` scales the gradients by it (sparse ones through
+    their values) and returns ``pre · coefficient``, the post-clip norm.
+    """
+
+    single_coefficient = True
+
+    def clip_(self, params, grads, pre, step):
+        coef = self.coefficient(pre, step)
+        scale_grads_(grads, coef)
+        return pre * coef
 
 
 # -- option checks and record values ---------------------------------------------------------

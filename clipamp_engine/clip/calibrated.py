@@ -71,6 +71,7 @@ class CalibratedClip(ClipPolicy):
     """
 
     mode = "calibrated"
+    single_coefficient = True  # the threshold in force is a GlobalNormClip (or NoClip before a window)
 
     def __init__(
         self,
@@ -118,7 +119,7 @@ class CalibratedClip(ClipPolicy):
         self.summaries: list[CalibrationSummary] = []
         self.validation: list[list[int]] = []  # per closed window: [clipped, taken] over its validation steps
         self._calibrator: NormCalibrator | None = None  # the open window's
-        self._active: ClipPolicy = self._before_first_window()
+        self._active: GlobalNormClip | NoClip = self._before_first_window()
 
     def _latest_start(self) -> int | None:
         if self.total_steps is None:
@@ -130,7 +131,7 @@ class CalibratedClip(ClipPolicy):
             return None
         return CalibrationWindows(self.window, self.every, self.total_steps, first=self.placement.start)
 
-    def _before_first_window(self) -> ClipPolicy:
+    def _before_first_window(self) -> GlobalNormClip | NoClip:
         return GlobalNormClip(self.cap) if self.cap is not None else NoClip()
 
     @property
@@ -155,6 +156,9 @@ class CalibratedClip(ClipPolicy):
 
     def clip_(self, params, grads, pre, step):
         return self._active.clip_(params, grads, pre, step)
+
+    def coefficient(self, pre, step):
+        return self._active.coefficient(pre, step)
 
     @property
     def threshold(self) -> float | None:

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from ..gradients import GradientSource
 from ..norms import CLIP_EPS
 from .base import ClipPolicy
 
-__all__ = ["DPSGDClip", "dp_sgd_grads"]
+__all__ = ["DPSGDClip", "PerExampleGradients", "dp_sgd_grads"]
 
 
 def dp_sgd_grads(
@@ -134,17 +135,48 @@ def dp_sgd_grads(
     }
 
 
+class PerExampleGradients(GradientSource):
+    """The gradient source of ``DPSGDClip``: ``policy.backward`` writes the clipped, noised mean of the
+    per-example gradients; the forward then only computes the loss (no autograd graph).
+
+    Refuses accumulation (each call is one noisy batch), fp16 (the per-example gradients are not
+    loss-scaled) and several replicas (DDP/FSDP2 reduce inside ``loss.backward``, which never runs).
+    """
+
+    builds_graph = False
+
+    def __init__(self, policy: DPSGDClip) -> None:
+        self.policy = policy
+
+    def refusal(self, *, accumulation_steps, dtype, world_size, world_kind):
+        mode = self.policy.mode
+        if accumulation_steps != 1 or dtype == "fp16":
+            return (
+                f"clip mode {mode!r} computes per-example gradients: it needs "
+                f"accumulation_steps=1 and dtype bf16 or fp32 (got {accumulation_steps}, {dtype!r})"
+            )
+        if world_size > 1:
+            return (
+                f"clip mode {mode!r} computes per-example gradients outside backward, so "
+                f"{world_kind} never reduces them: run it in one process"
+            )
+        return None
+
+    def backward(self, loss, scaler, model, loss_fn, inputs, targets) -> None:
+        self.policy.backward(model, loss_fn, inputs, targets)
+
+
 class DPSGDClip(ClipPolicy):
     """``clip=dpsgd``: per-example clipping to ``max_norm`` plus Gaussian noise (σ = ``noise_multiplier``).
 
-    The step computes gradients with ``dp_sgd_grads`` instead of ``loss.backward()``; ``clip_``
-    then has nothing left to do. Needs ``accumulation_steps=1`` and bf16/fp32 (the per-example
-    gradients are not loss-scaled). Privacy accounting is out of scope (see the module docstring).
-    A ``(loss_sum, token_count)`` loss is taken per example as its token mean.
+    Its ``gradient_source`` (``PerExampleGradients``) computes the gradients with ``dp_sgd_grads``
+    instead of ``loss.backward()``; ``clip_`` then has nothing left to do. Needs
+    ``accumulation_steps=1`` and bf16/fp32 (the per-example gradients are not loss-scaled).
+    Privacy accounting is out of scope (see the module docstring). A ``(loss_sum, token_count)``
+    loss is taken per example as its token mean.
     """
 
     mode = "dpsgd"
-    per_sample = True
     columns = ("dp_clip_fraction",)
 
     def __init__(
@@ -155,6 +187,11 @@ class DPSGDClip(ClipPolicy):
         self.max_norm, self.noise_multiplier, self.per_layer = float(max_norm), float(noise_multiplier), per_layer
         self.generator = torch.Generator().manual_seed(seed)
         self.last_stats: dict[str, float] = {}
+        self._source = PerExampleGradients(self)
+
+    @property
+    def gradient_source(self) -> PerExampleGradients:
+        return self._source
 
     def backward(self, model: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         def example_loss(output, target):

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..norms import clip_coefficient, dense_views, per_tensor_norms, scale_grads_, total_norm
-from .base import ClipPolicy, NamedParams, compile_patterns, param_names, positive, scale_each_
+from ..norms import clip_coefficient, dense_views, per_tensor_norms, total_norm
+from .base import ClipPolicy, GlobalCoefficientClip, NamedParams, compile_patterns, param_names, positive, scale_each_
 
 __all__ = ["GlobalNormClip", "NoClip", "PerGroupClip", "StagedNormClip", "ValueClip"]
 
@@ -26,7 +26,7 @@ __all__ = ["GlobalNormClip", "NoClip", "PerGroupClip", "StagedNormClip", "ValueC
 # -- norm / none -----------------------------------------------------------------------------
 
 
-class GlobalNormClip(ClipPolicy):
+class GlobalNormClip(GlobalCoefficientClip):
     """Global L2 clipping at a fixed τ: ``g ← g · min(1, τ / (‖g‖ + 1e-6))`` (projection on the τ-ball)."""
 
     mode = "norm"
@@ -36,20 +36,21 @@ class GlobalNormClip(ClipPolicy):
             raise ValueError(f"max_norm={max_norm!r} must be > 0 (use clip mode 'none' to disable clipping)")
         self.max_norm = float(max_norm)
 
-    def clip_(self, params, grads, pre, step):
-        coef = clip_coefficient(pre, self.max_norm)
-        scale_grads_(grads, coef)  # sparse grads: their values, so they stay coalesced
-        return pre * coef
+    def coefficient(self, pre, step):
+        return clip_coefficient(pre, self.max_norm)
 
     @property
     def threshold(self) -> float:
         return self.max_norm
 
 
-class NoClip(ClipPolicy):
-    """Measure and record norms, never clip."""
+class NoClip(GlobalCoefficientClip):
+    """Measure and record norms, never clip (the coefficient is 1)."""
 
     mode = "none"
+
+    def coefficient(self, pre, step):
+        return torch.ones_like(pre)
 
     def clip_(self, params, grads, pre, step):
         return pre
@@ -88,7 +89,7 @@ class ValueClip(ClipPolicy):
 # -- staged --------------------------------------------------------------------------------
 
 
-class StagedNormClip(ClipPolicy):
+class StagedNormClip(GlobalCoefficientClip):
     """Global-norm clipping whose τ depends on the step: stage-wise thresholds.
 
     ``stages=[[0, 2.0], [1000, 1.0]]`` clips at τ=2 for steps 1–999 and τ=1 from step 1000
@@ -133,11 +134,9 @@ class StagedNormClip(ClipPolicy):
         """The τ of the stage that covers ``step``."""
         return self.stages[max(bisect.bisect_right(self._starts, step) - 1, 0)][1]
 
-    def clip_(self, params, grads, pre, step):
+    def coefficient(self, pre, step):
         self._tau = self.max_norm_at(step)
-        coef = clip_coefficient(pre, self._tau)
-        scale_grads_(grads, coef)
-        return pre * coef
+        return clip_coefficient(pre, self._tau)
 
     @property
     def threshold(self) -> float:
@@ -170,6 +169,7 @@ class PerGroupClip(ClipPolicy):
     """
 
     mode = "per_group"
+    needs_whole_params = True
 
     def __init__(
         self,

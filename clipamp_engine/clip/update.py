@@ -108,6 +108,7 @@ class UpdateNormClip(ClipPolicy):
     """
 
     mode = "update"
+    needs_whole_params = True
     columns = ("update_l2_pre_clip", "update_l2_post_clip")
 
     def __init__(self, max_update_norm: float = 1.0, decoupled_weight_decay: bool | None = None) -> None:

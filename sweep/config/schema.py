@@ -19,9 +19,10 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from clipamp_engine import CLIP_MODES, DTYPES
 from clipamp_engine.band import band_quantile
 from clipamp_engine.calibration import CalibrationWindows
+from clipamp_engine.clip import CLIP_MODES
+from clipamp_engine.step import DTYPES
 
 RUNS = ("calibrate", "train", "sweep", "spike")
 OPTIMIZERS = ("adamw", "adam", "sgd")

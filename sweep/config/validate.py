@@ -11,8 +11,8 @@ import dataclasses
 import re
 from typing import Any
 
-from clipamp_engine import DTYPES
 from clipamp_engine.band import validate_band
+from clipamp_engine.step import DTYPES
 from sweep.config.schema import RUNS, Config, window_ranges
 from sweep.errors import UserError
 

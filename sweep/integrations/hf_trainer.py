@@ -48,16 +48,8 @@ from types import SimpleNamespace
 import torch
 from transformers import TrainerCallback
 
-from clipamp_engine import (
-    CalibratedClip,
-    NormCalibrator,
-    SkipLog,
-    StepCSVWriter,
-    StepLog,
-    clip_global_l2_norm,
-    total_norm,
-)
-from clipamp_engine.calibration import CalibrationError
+from clipamp_engine import CalibratedClip, SkipLog, StepCSVWriter, StepLog, clip_global_l2_norm, total_norm
+from clipamp_engine.calibration import CalibrationError, NormCalibrator
 from clipamp_engine.norms import grads_of
 
 from ..run.loop import RunRecords

@@ -8,22 +8,16 @@ from typing import Any
 
 import torch
 
-from clipamp_engine import (
-    CLIP_MODES,
-    AmpTrainState,
-    ClipPolicy,
-    HysteresisScaler,
-    StepForensics,
-    clip_mode_options,
-    make_clip_policy,
-)
+from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
+from clipamp_engine.clip import CLIP_MODES, clip_mode_options
+from clipamp_engine.forensics import StepForensics
 from sweep.config.schema import ClipConfig, Config, OptimConfig
 from sweep.errors import UserError
 
 
 def fused_supported(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused optimizer kernels run on these parameters (device and dtype)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
+    from clipamp_engine.fused import fused_kernel_devices as _get_fused_kernels_supported_devices  # torch's own list
 
     return bool(params) and all(
         p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p) for p in params

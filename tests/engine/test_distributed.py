@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from clipamp_engine import AmpTrainState, GlobalNormClip, clip_global_l2_norm, has_non_finite_grad
+from clipamp_engine import AmpTrainState, GlobalNormClip, LossScaler, clip_global_l2_norm, has_non_finite_grad
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,7 @@ def build(wrap=None, dtype="fp32", k=1, loss_fn=mean_loss, clip=None):
         dtype=dtype,
         accumulation_steps=k,
         clip=clip if clip is not None else GlobalNormClip(1.0),
-        init_scale=2.0**10,
+        scaler=LossScaler("cpu", init_scale=2.0**10, enabled=dtype == "fp16"),
     )
 
 
@@ -200,7 +200,8 @@ def scenario_refusals(rank, world):
 
 
 def scenario_fsdp_refusals(rank, world):
-    from clipamp_engine import StepForensics, make_clip_policy
+    from clipamp_engine import make_clip_policy
+    from clipamp_engine.forensics import StepForensics
 
     messages = []
     for clip, forensics in ((make_clip_policy("update"), False), (None, True)):

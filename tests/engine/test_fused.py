@@ -7,14 +7,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipamp_engine import AmpTrainState, LossScaler, SkipRateExceeded, SkipRateMonitor, make_clip_policy
+from clipamp_engine import AmpTrainState, HysteresisScaler, LossScaler, SkipRateExceeded, make_clip_policy
+from clipamp_engine.clip import GlobalCoefficientClip
+from clipamp_engine.monitors import SkipRateMonitor
 
 from .test_step import Tiny, _batch
 
 FLOATS = ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")
 
 
-def _setup(dtype, fused, opt_name="adamw", accumulation=1, log_every=None, schedule=True, loss_fn=F.mse_loss):
+def _setup(
+    dtype,
+    fused,
+    opt_name="adamw",
+    accumulation=1,
+    log_every=None,
+    schedule=True,
+    loss_fn=F.mse_loss,
+    scaler_cls=LossScaler,
+    clip=None,
+):
     torch.manual_seed(0)
     model = Tiny()
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[opt_name]
@@ -27,9 +39,9 @@ def _setup(dtype, fused, opt_name="adamw", accumulation=1, log_every=None, sched
         loss_fn,
         dtype=dtype,
         max_norm=0.5,
+        clip=clip() if clip is not None else None,
         scheduler=sched,
-        init_scale=2.0**10,
-        growth_interval=3,
+        scaler=scaler_cls("cpu", init_scale=2.0**10, growth_interval=3, enabled=dtype == "fp16"),
         accumulation_steps=accumulation,
         fused=fused,
         log_every=log_every,
@@ -101,6 +113,68 @@ def test_fused_path_equals_default_path(dtype, opt_name):
             assert all(torch.equal(a, b) for a, b in zip(pre, post)), r.step
 
 
+def _assert_fused_equals_default(rec_f, rec_d, m_f, m_d):
+    assert {r.pipeline for r in rec_f} == {"fused"} and {r.pipeline for r in rec_d} == {"default"}
+    for a, b in zip(rec_f, rec_d, strict=True):
+        _same_record(a, b, rel=1e-5)
+    for p, q in zip(m_f.parameters(), m_d.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _staged():
+    return make_clip_policy("staged", stages=[[0, 2.0], [5, 0.5], [9, 0.05]])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_staged_clip_takes_the_fused_path_and_equals_default(dtype):
+    """One global coefficient with a host-known τ per step: the policy says so, the fused path runs it."""
+    m_f, _, _, st_f, rec_f, _ = _run(dtype, None, clip=_staged)
+    m_d, _, _, st_d, rec_d, _ = _run(dtype, False, clip=_staged)
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    assert [r.max_norm for r in rec_d] == [2.0] * 4 + [0.5] * 4 + [0.05] * 6  # every stage ran
+    assert any(r.clipped for r in rec_d[4:8]) and all(r.clipped for r in rec_d[8:] if not r.skipped)
+    _assert_fused_equals_default(rec_f, rec_d, m_f, m_d)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_one_stage_staged_clip_is_norm_clip_bit_for_bit_on_the_fused_path(dtype):
+    m_s, _, _, _, rec_s, _ = _run(dtype, None, clip=lambda: make_clip_policy("staged", stages=[[0, 0.5]]))
+    m_n, _, _, _, rec_n, _ = _run(dtype, None)  # norm at max_norm=0.5
+    for a, b in zip(rec_s, rec_n, strict=True):
+        _same_record(a, b, rel=0)
+    assert all(torch.equal(p, q) for p, q in zip(m_s.parameters(), m_n.parameters()))
+
+
+class HalfClip(GlobalCoefficientClip):
+    """A user's policy: every gradient halved. It declares one coefficient, so it runs fused."""
+
+    mode = "half"
+
+    def coefficient(self, pre, step):
+        return torch.full_like(pre, 0.5)
+
+
+def test_a_users_single_coefficient_policy_takes_the_fused_path_and_equals_default():
+    m_f, _, _, st_f, rec_f, _ = _run("bf16", None, clip=HalfClip)
+    m_d, _, _, st_d, rec_d, _ = _run("bf16", False, clip=HalfClip)
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    assert all(r.grad_l2_post_clip == pytest.approx(r.grad_l2_pre_clip / 2) for r in rec_d if not r.skipped)
+    _assert_fused_equals_default(rec_f, rec_d, m_f, m_d)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_hysteresis_scaler_fused_equals_default(dtype):
+    """The device-side hysteresis rule on the fused path gives the default path's scales and skips."""
+    m_f, _, s_f, st_f, rec_f, _ = _run(dtype, None, scaler_cls=HysteresisScaler)
+    m_d, _, s_d, st_d, rec_d, _ = _run(dtype, False, scaler_cls=HysteresisScaler)
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    _assert_fused_equals_default(rec_f, rec_d, m_f, m_d)
+    assert [r.scaler_scale for r in rec_f] == [r.scaler_scale for r in rec_d]
+    assert st_f.scaler.state_dict() == st_d.scaler.state_dict()
+    if dtype == "fp16":
+        assert st_f.scaler.overflows > 0 and len({r.scaler_scale for r in rec_f}) > 1
+
+
 def test_calibrated_clip_fused_equals_default():
     """A calibration window closes on observed records; τ applies from the next step on both paths."""
     runs = []
@@ -118,10 +192,7 @@ def test_calibrated_clip_fused_equals_default():
     (st_f, rec_f, m_f), (st_d, rec_d, m_d) = runs
     assert st_f.pipeline == "fused" and st_d.pipeline == "default"
     assert st_f.clip.tau == pytest.approx(st_d.clip.tau, rel=1e-5) and rec_d[-1].max_norm == st_d.clip.tau
-    for a, b in zip(rec_f, rec_d, strict=True):
-        _same_record(a, b, rel=1e-5)
-    for p, q in zip(m_f.parameters(), m_d.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_fused_equals_default(rec_f, rec_d, m_f, m_d)
 
 
 def test_calibrated_tau_applies_from_the_same_step_with_deferred_records():
@@ -209,13 +280,39 @@ def test_no_host_sync_between_flushes(monkeypatch):
     assert sched.last_epoch == sum(not r.skipped for r in records)  # the schedule saw taken steps only
 
 
+def test_hysteresis_scaler_has_no_host_sync_between_flushes(monkeypatch):
+    """fp16 with the device-side hysteresis rule: nothing reaches the host between flushes; a flush
+    is the records' transfer and the scaler's counters (its floor warning)."""
+    model, opt, sched, state = _setup("fp16", None, log_every=5, scaler_cls=HysteresisScaler)
+    calls = []
+    for name in SYNCS:
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1]
+        )
+    per_step, records = [], []
+    for i in range(10):
+        out = state.step_deferred(*_script(i, model))
+        per_step.append((len(out), list(calls)))
+        records += out
+        calls.clear()
+    monkeypatch.undo()
+    assert [n for n, _ in per_step] == [0, 0, 0, 0, 5] * 2
+    assert [c for n, c in per_step if n == 0] == [[]] * 8
+    assert [c for n, c in per_step if n == 5] == [["tolist", "tolist"]] * 2
+    assert {r.skip_reason for r in records} == {"", "nonfinite_grad", "nonfinite_loss"}
+    assert state.scaler.overflows == sum(r.skipped for r in records)  # the counters were kept on the device
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_no_cuda_sync_between_flushes():
+@pytest.mark.parametrize("scaler_cls", [LossScaler, HysteresisScaler])
+def test_no_cuda_sync_between_flushes(scaler_cls):
     torch.manual_seed(0)
     model = Tiny().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, scaler=LossScaler("cuda"), log_every=4)
+    scaler = scaler_cls("cuda")
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, scaler=scaler, log_every=4)
     batches = [tuple(t.cuda() for t in _batch(i)) for i in range(8)]
     state.step_deferred(*batches[0])  # warm-up (lazy state, scaler init)
     state.flush()

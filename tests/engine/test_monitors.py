@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 
-from clipamp_engine import RollingRate, SkipRateExceeded, SkipRateMonitor, SkipRateWarning
+from clipamp_engine import SkipRateExceeded
+from clipamp_engine.monitors import RollingRate, SkipRateMonitor, SkipRateWarning
 
 
 def test_rolling_rate_matches_a_direct_window_count():
@@ -30,7 +31,7 @@ def test_warns_once_above_threshold_then_rearms():
     assert not m.alarm
 
 
-@pytest.mark.filterwarnings("ignore::clipamp_engine.SkipRateWarning")
+@pytest.mark.filterwarnings("ignore::clipamp_engine.monitors.SkipRateWarning")
 def test_fail_fast_needs_a_full_window():
     m = SkipRateMonitor(window=1000, fail_window=100, fail_above=0.5)
     for i in range(99):
@@ -39,7 +40,7 @@ def test_fail_fast_needs_a_full_window():
         m.update(True, step=99)
 
 
-@pytest.mark.filterwarnings("ignore::clipamp_engine.SkipRateWarning")
+@pytest.mark.filterwarnings("ignore::clipamp_engine.monitors.SkipRateWarning")
 def test_state_roundtrip():
     m = SkipRateMonitor(window=10, fail_window=5)
     for i in range(23):

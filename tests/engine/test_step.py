@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipamp_engine import AmpTrainState, SkipLog, SkipRateExceeded, SkipRateMonitor, StepLog
+from clipamp_engine import AmpTrainState, LossScaler, SkipLog, SkipRateExceeded, StepLog
+from clipamp_engine.monitors import SkipRateMonitor
 
 DTYPES = ["fp16", "bf16", "fp32"]
 
@@ -58,7 +59,14 @@ def _opt_state_equal(o1, o2):
 def test_skipped_grad_step_leaves_state_exactly_as_control(dtype, bad):
     """torch's GradScaler property: a skip == not calling optimizer.step() at all."""
     model, opt = _pair()
-    state = AmpTrainState(model, opt, F.mse_loss, dtype=dtype, max_norm=1.0, init_scale=2.0**8)
+    state = AmpTrainState(
+        model,
+        opt,
+        F.mse_loss,
+        dtype=dtype,
+        max_norm=1.0,
+        scaler=LossScaler("cpu", init_scale=2.0**8, enabled=dtype == "fp16"),
+    )
     for i in range(3):
         assert not state.step(*_batch(i)).skipped
     control_model, control_opt = copy.deepcopy(model), copy.deepcopy(opt)
@@ -82,7 +90,9 @@ def test_nonfinite_loss_skips_before_backward(dtype):
     model, opt = _pair()
     calls = []
     model.b.weight.register_hook(lambda g: calls.append(1))
-    state = AmpTrainState(model, opt, F.mse_loss, dtype=dtype, init_scale=1024.0)
+    state = AmpTrainState(
+        model, opt, F.mse_loss, dtype=dtype, scaler=LossScaler("cpu", init_scale=1024.0, enabled=dtype == "fp16")
+    )
     state.step(*_batch(0))
     assert calls == [1]
     before = copy.deepcopy(model.state_dict())
@@ -100,7 +110,9 @@ def test_nonfinite_loss_skips_before_backward(dtype):
 
 def test_fp16_scale_grows_after_clean_interval_and_halves_on_overflow():
     model, opt = _pair()
-    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", init_scale=256.0, growth_interval=2)
+    state = AmpTrainState(
+        model, opt, F.mse_loss, dtype="fp16", scaler=LossScaler("cpu", init_scale=256.0, growth_interval=2)
+    )
     scales = [state.step(*_batch(i)).scaler_scale for i in range(3)]
     assert scales == [256.0, 256.0, 512.0]  # the scale used by each step's backward
     model.poison = float("inf")
@@ -115,7 +127,9 @@ def test_clip_applies_to_unscaled_grads():
     x, y = _batch(0)
     F.mse_loss(ref(x), y).backward()
     true_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", init_scale=2.0**12, max_norm=1e-3)
+    state = AmpTrainState(
+        model, opt, F.mse_loss, dtype="fp16", max_norm=1e-3, scaler=LossScaler("cpu", init_scale=2.0**12)
+    )
     log = state.step(x, y)
     assert log.grad_l2_pre_clip == pytest.approx(float(true_norm), rel=5e-3)
     assert log.grad_l2_post_clip == pytest.approx(1e-3, rel=1e-4) and log.clipped
@@ -207,13 +221,22 @@ def test_checkpoint_resume_is_bitwise_identical():
     def run(split):
         model, opt = _pair()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        st = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, init_scale=64.0, growth_interval=2)
+        st = AmpTrainState(
+            model,
+            opt,
+            F.mse_loss,
+            dtype="fp16",
+            scheduler=sched,
+            scaler=LossScaler("cpu", init_scale=64.0, growth_interval=2),
+        )
         logs = [st.step(*_batch(i)) for i in range(split)]
         if split < 6:
             saved = copy.deepcopy(st.state_dict())
             model, opt = _pair(seed=123)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-            st = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scheduler=sched, init_scale=1.0)
+            st = AmpTrainState(
+                model, opt, F.mse_loss, dtype="fp16", scheduler=sched, scaler=LossScaler("cpu", init_scale=1.0)
+            )
             st.load_state_dict(saved)
         logs += [st.step(*_batch(i)) for i in range(split, 6)]
         return model, logs
@@ -228,13 +251,13 @@ def test_checkpoint_resume_is_bitwise_identical():
 def test_load_without_model_and_optimizer_restores_the_rest_only():
     """A sharded checkpoint restores model and optimizer itself: the engine leaves them alone."""
     model, opt = _pair()
-    st = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", init_scale=64.0)
+    st = AmpTrainState(model, opt, F.mse_loss, dtype="fp16", scaler=LossScaler("cpu", init_scale=64.0))
     for i in range(3):
         st.step(*_batch(i))
     saved = {k: v for k, v in copy.deepcopy(st.state_dict()).items() if k not in ("model", "optimizer")}
     fresh, fresh_opt = _pair(seed=5)
     before = [p.detach().clone() for p in fresh.parameters()]
-    st2 = AmpTrainState(fresh, fresh_opt, F.mse_loss, dtype="fp16", init_scale=1.0)
+    st2 = AmpTrainState(fresh, fresh_opt, F.mse_loss, dtype="fp16", scaler=LossScaler("cpu", init_scale=1.0))
     st2.load_state_dict(saved)
     assert st2.step_count == 3 and st2.scaler.get_scale() == st.scaler.get_scale()
     assert all(torch.equal(p, q) for p, q in zip(before, fresh.parameters())) and not fresh_opt.state

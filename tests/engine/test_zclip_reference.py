@@ -16,7 +16,8 @@ import pytest
 import torch
 from zclip import ZClip
 
-from clipamp_engine import ZScoreClip, total_norm
+from clipamp_engine import total_norm
+from clipamp_engine.clip import ZScoreClip
 
 DIRECTION = torch.tensor([0.6, 0.0, -0.8], dtype=torch.float64)  # unit vector
 

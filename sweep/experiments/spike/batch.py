@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from clipamp_engine import DTYPES, total_norm
+from clipamp_engine import total_norm
+from clipamp_engine.step import DTYPES
 from sweep.tasks.build import Batch
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import yaml
 
-from clipamp_engine import CLIP_MODES, clip_mode_options, make_clip_policy
+from clipamp_engine import make_clip_policy
+from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from sweep.config import validate
 from sweep.config.schema import ClipConfig, Config
 from sweep.errors import UserError

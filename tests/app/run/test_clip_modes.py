@@ -8,7 +8,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from clipamp_engine import CLIP_MODES
+from clipamp_engine.clip import CLIP_MODES
 from sweep import app
 from tests.app.helpers import CONF, TINY, compose_cfg
 

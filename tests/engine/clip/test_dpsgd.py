@@ -82,3 +82,53 @@ def test_per_layer_bounds_and_total_sensitivity():
         dp_sgd_grads(model, _linear_loss, x, torch.zeros(1), max_norm=[1.0], noise_multiplier=0.0, per_layer=True)
     with pytest.raises(ValueError, match="noise_multiplier"):
         dp_sgd_grads(model, _linear_loss, x, torch.zeros(1), max_norm=1.0, noise_multiplier=-1.0)
+
+
+# -- the declared gradient source, through AmpTrainState --------------------------------------------
+
+
+def test_amp_train_state_takes_dpsgd_gradients_from_its_declared_source():
+    """The step runs the policy's ``gradient_source`` instead of ``loss.backward()``: the update is
+    SGD on ``dp_sgd_grads``' gradients (no noise), equal to the per-example loop's mean."""
+    from clipamp_engine import AmpTrainState, make_clip_policy
+    from clipamp_engine.clip.dpsgd import PerExampleGradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(12, 5) * 3, torch.randint(0, 3, (12,))
+    grads = _loop_reference(model, nn.functional.cross_entropy, x, y, 0.5, per_layer=False)
+    clip = make_clip_policy("dpsgd", max_norm=0.5, noise_multiplier=0.0)
+    assert isinstance(clip.gradient_source, PerExampleGradients) and not clip.gradient_source.builds_graph
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, clip=clip)
+    assert state.gradients is clip.gradient_source and state.pipeline == "default"
+    log = state.step(x, y)
+    assert not log.skipped and 0 < log.extra["dp_clip_fraction"] <= 1
+    for p, r, g in zip(model.parameters(), ref, grads):
+        torch.testing.assert_close(p.detach(), r - 0.1 * g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        (
+            {"dtype": "fp16"},
+            "clip mode 'dpsgd' computes per-example gradients: it needs accumulation_steps=1 and "
+            "dtype bf16 or fp32 (got 1, 'fp16')",
+        ),
+        ({"accumulation_steps": 2}, "(got 2, 'bf16')"),
+    ],
+)
+def test_the_gradient_source_refuses_fp16_and_accumulation_in_one_line(kw, msg):
+    from clipamp_engine import AmpTrainState, make_clip_policy
+
+    model = nn.Linear(3, 1)
+    with pytest.raises(ValueError) as err:
+        AmpTrainState(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.functional.mse_loss,
+            clip=make_clip_policy("dpsgd"),
+            **kw,
+        )
+    assert msg in str(err.value) and "\n" not in str(err.value)
