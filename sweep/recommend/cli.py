@@ -21,8 +21,8 @@ from clipamp_engine.diagnosis import diagnose
 from sweep.errors import UserError, fail
 from sweep.recommend.readers import read_series
 from sweep.recommend.replay import Options, diagnosis_rows, on_grid, replay
-from sweep.recommend.report import Recommendation, caveats, print_report
-from sweep.recommend.series import post_clip_reason
+from sweep.recommend.report import Recommendation, caveats, outcome_notes, print_report
+from sweep.recommend.series import post_clip_reason, with_gaps_skipped
 
 DESCRIPTION = (
     "A max_grad_norm from logged gradient norms (Trainer state, TensorBoard, CSV, MLflow run): the calibrate "
@@ -87,14 +87,20 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
             f"{series.source}: {taken} finite norms over steps {series.steps[0]}–{series.steps[-1]}{every}, fewer "
             f"than one {grid.window}-step window holds ({grid.window // n}): lower --window or read a longer log"
         )
-    clip = replay(series, grid)
+    replayed, gaps = with_gaps_skipped(series)
+    clip = replay(replayed, grid)
     if not clip.summaries:
         start = clip.placement.start if clip.placement else "?"
         raise UserError(
             f"{series.source}: no calibration window closed by step {series.steps[-1]} (the {grid.window}-step window "
             f"starts at step {start}; its last step is past the log or not logged): lower --window or pass --start N"
         )
-    return Recommendation(series, grid, clip, diagnose(diagnosis_rows(series)), caveats(series, grid) + moved)
+    if gaps:
+        moved.append(
+            f"{gaps} step(s) of the logging grid hold no value: counted as skipped, as a run counts a refused step"
+        )
+    notes = caveats(series, grid) + moved + outcome_notes(clip, grid)
+    return Recommendation(series, grid, clip, diagnose(diagnosis_rows(series)), notes)
 
 
 def main(argv: list[str] | None = None) -> int:

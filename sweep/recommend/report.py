@@ -63,6 +63,24 @@ def caveats(series: NormSeries, options: Options) -> list[str]:
     return out + s.notes + [RUNNER_NAMES]
 
 
+def outcome_notes(clip: CalibratedClip, options: Options) -> list[str]:
+    """What the replay could not do: a first window cut by the end of the log, no step to check τ on."""
+    out = []
+    first = clip.summaries[0]
+    span = clip.windows.window_at(first.end_step)
+    if span is not None and len(span) < options.window:
+        out.append(
+            f"the window was cut at the log's end: steps {span[0]}–{span[-1]} instead of {options.window} "
+            f"(lower --start or read a longer log)"
+        )
+    if clip.checks()[0] is None:
+        out.append(
+            "no logged step after the window: nothing checks τ against the band (lower --window or --start, "
+            "or read a longer log)"
+        )
+    return out
+
+
 def header(rec: Recommendation) -> str:
     s = rec.series
     taken = int(s.taken.sum())

@@ -19,6 +19,7 @@ the limits of such a series before any quantile is taken:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,3 +196,37 @@ def sampling_note(series: NormSeries, window: int, q: float = 0.95, auto: bool =
             else ""
         )
     )
+
+
+def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
+    """``series`` with a skipped, non-finite value at every step of its logging grid (every N steps,
+    ending at its last step) that holds none, and how many were added.
+
+    A window closes on its last step, so that step must be in the series; a step with no value is
+    counted as skipped, as a run counts a step it refused (clipamp's MLflow runs store no
+    non-finite norm, so their gaps are exactly those steps).
+    """
+    n, steps = series.interval, series.steps
+    last = int(steps[-1])
+    grid = np.arange(last - (last - int(steps[0])) // n * n, last + 1, n)
+    missing = np.setdiff1d(grid, steps)
+    if not len(missing):
+        return series, 0
+    order = np.argsort(np.r_[steps, missing], kind="stable")
+    gap = np.full(len(missing), np.nan)
+
+    def merged(values, fill):
+        return None if values is None else np.r_[values, fill][order]
+
+    skipped = series.skipped if series.skipped is not None else np.zeros(len(steps), dtype=bool)
+    filled = dataclasses.replace(
+        series,
+        steps=np.r_[steps, missing][order],
+        norms=merged(series.norms, gap),
+        lrs=merged(series.lrs, gap),
+        max_norm=merged(series.max_norm, gap),
+        skipped=merged(skipped, np.ones(len(missing), dtype=bool)),
+        rows=None,
+        notes=list(series.notes),
+    )
+    return filled, len(missing)

@@ -186,6 +186,8 @@ def test_mlflow_run_and_track(store, tmp_path, capsys):
     assert logged.data.metrics["recommended_max_norm"] == pytest.approx(tau, rel=1e-12)
     assert logged.data.metrics["grad_norm_p95"] == logged.data.metrics["recommended_max_norm"]
     assert logged.data.params["calibrate.start"] == "100" and logged.data.tags["run"] == "recommend"
+    bare = parse([run.info.run_id, "--tracking-uri", store, "--start", "100"])  # a run id without runs:/
+    assert bare.tau == logged.data.metrics["recommended_max_norm"]
     names = {a.path for a in client.list_artifacts(logged.info.run_id)}
     assert names == {"report.md", "quantiles.json"} and f"MLflow run {logged.info.run_id}" in out
 
@@ -277,3 +279,32 @@ def test_repeated_steps_keep_the_last_value_and_several_runs_are_refused(tmp_pat
         writer.add_scalar("grad_norm", 1.0, 1)
         writer.close()
     assert "2 runs log grad_norm: pass one of them" in _error(capsys, [str(tmp_path / "tb")])
+
+
+def test_a_gap_at_the_windows_end_is_a_skipped_step_and_a_cut_window_says_so(tmp_path):
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms}, keep=lambda r: r[0] != 200)
+    rec = parse([str(path), "--start", "100"])
+    w = rec.clip.summaries[0]
+    assert (w.start_step, w.end_step, w.n_finite, w.n_skipped) == (101, 200, 99, 1)
+    assert rec.tau == pytest.approx(numpy_tau(steps[steps != 200], norms[steps != 200], 101, 200), rel=1e-12)
+    assert any("1 step(s) of the logging grid hold no value" in n for n in rec.notes)
+    cut = parse([str(path), "--start", "350"])
+    assert (cut.clip.summaries[0].start_step, cut.clip.summaries[0].end_step) == (351, 400)
+    assert any("the window was cut at the log's end: steps 351–400 instead of 100" in n for n in cut.notes)
+    assert any("no logged step after the window" in n for n in cut.notes)
+
+
+def test_console_script_runs_the_same_cli(tmp_path, monkeypatch, capsys):
+    import importlib
+    import tomllib
+
+    from tests.app.helpers import REPO
+
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["clipamp-recommend"]
+    module, _, name = target.partition(":")
+    script = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr("sys.argv", ["clipamp-recommend", str(tmp_path / "none.csv")])
+    with pytest.raises(SystemExit) as e:
+        script()
+    assert e.value.code == 2 and "no such file or folder" in capsys.readouterr().err
