@@ -70,6 +70,8 @@ def options_from(args: argparse.Namespace) -> Options:
 
 def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommendation:
     """Read ``path``, refuse what cannot calibrate, replay it through ``CalibratedClip``, diagnose it."""
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise UserError(f"--max-grad-norm {args.max_grad_norm:g}: pass the τ > 0 the run clipped at, e.g. 1.0")
     series = read_series(path, norm=args.norm, lr=args.lr, step=args.step_column, tracking_uri=args.tracking_uri)
     if args.max_grad_norm is not None:
         tau = np.full(len(series.steps), float(args.max_grad_norm))
@@ -108,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from(args)
         found = [recommend(p, options, args) for p in args.paths]
-        client = None
+        store = None
         if args.track:
             from sweep.recommend.track import open_store
 
-            client, uri = open_store(args.tracking_uri)
+            store = open_store(args.tracking_uri, args.experiment)
     except UserError as e:
         fail(str(e))
     console = Console(soft_wrap=True)
@@ -120,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         if i:
             console.print()
         print_report(rec, console)
-    if client is not None:
+    if store is not None:
         from sweep.recommend.track import log_recommendation
 
         for rec in found:
-            run_id = log_recommendation(client, uri, args.experiment, rec)
+            run_id = log_recommendation(*store, rec)
             console.print(f"MLflow run {run_id} in experiment {args.experiment!r}", markup=False, highlight=False)
     return 0
 

@@ -16,19 +16,21 @@ from sweep.run.calibration import calibration_metrics, calibration_payload
 from sweep.run.tracking import ensure_experiment, open_client, resolve_uri
 
 
-def open_store(tracking_uri: str | None):
-    """The client and URI ``--tracking-uri`` (else ``$MLFLOW_TRACKING_URI``, else the default store) names;
-    an unreachable store is a ``UserError`` (``open_client``)."""
+def open_store(tracking_uri: str | None, experiment: str) -> tuple[object, str]:
+    """The client on the store ``--tracking-uri`` (else ``$MLFLOW_TRACKING_URI``, else the default store)
+    names and the id of ``experiment`` there (created if missing); an unreachable store or a deleted
+    experiment is a ``UserError`` (``open_client``, ``ensure_experiment``), before anything is printed."""
     uri = resolve_uri(tracking_uri)
-    return open_client(uri), uri
+    client = open_client(uri)
+    return client, ensure_experiment(client, experiment, uri)
 
 
-def log_recommendation(client, uri: str, experiment: str, rec: Recommendation) -> str:
-    """One finished run holding ``rec``; its id."""
+def log_recommendation(client, experiment_id: str, rec: Recommendation) -> str:
+    """One finished run in ``experiment_id`` holding ``rec``; its id."""
     from mlflow.entities import Metric, Param
 
     s, o, first = rec.series, rec.options, rec.clip.summaries[0]
-    exp = ensure_experiment(client, experiment, uri)
+    exp = experiment_id
     run = client.create_run(
         exp,
         run_name=f"recommend-{s.name.replace('/', '_')}",

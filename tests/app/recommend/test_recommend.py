@@ -190,6 +190,8 @@ def test_mlflow_run_and_track(store, tmp_path, capsys):
     assert bare.tau == logged.data.metrics["recommended_max_norm"]
     names = {a.path for a in client.list_artifacts(logged.info.run_id)}
     assert names == {"report.md", "quantiles.json"} and f"MLflow run {logged.info.run_id}" in out
+    client.delete_experiment(client.get_experiment_by_name("rec").experiment_id)
+    assert "tracking.experiment='rec' was deleted" in _error(capsys, argv)  # before any report is printed
 
 
 def test_our_csv_skipped_steps_are_counted_not_mixed_in(tmp_path):
@@ -235,6 +237,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "grad_l2_post_clip is the norm after clipping" in _error(capsys, [str(ours), "--norm", "grad_l2_post_clip"])
     short = write_csv(tmp_path / "short.csv", {"step": steps[:60], "grad_norm": norms[:60]})
     assert "60 finite norms over steps 1–60, fewer than one 100-step window holds (100)" in _error(capsys, [str(short)])
+    assert "--max-grad-norm 0: pass the τ > 0" in _error(capsys, [str(short), "--max-grad-norm", "0"])
     assert "--quantile x" in _error(capsys, [str(short), "--quantile", "x"])
     assert "window=1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
 
