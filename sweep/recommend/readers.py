@@ -119,7 +119,7 @@ def read_trainer_state(path: Path, *, norm: str | None = None, lr: str | None = 
     name = _need(pick(keys, norm, NORM_NAMES, "key", str(path), "--norm"), keys, "key", str(path), "--norm")
     rows = [h for h in history if name in h and "step" in h]
     lr_name = pick(keys, lr, LR_NAMES, "key", str(path), "--lr")
-    lrs = [h.get(lr_name, np.nan) if lr_name else np.nan for h in rows] if lr_name else None
+    lrs = [h.get(lr_name, np.nan) for h in rows] if lr_name else None
     series = make_series(
         f"{path} (Trainer state)",
         name,

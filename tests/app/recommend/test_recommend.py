@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 from clipamp_engine.band import clopper_pearson
 from clipamp_engine.calibration import CalibrationWindows
 from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.diagnosis import diagnose
 from clipamp_engine.norms import CLIP_EPS
 from clipamp_engine.placement import auto_window_start
 from clipamp_engine.records import CANONICAL_COLUMNS
@@ -139,14 +140,17 @@ def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32", clip=policy, scheduler=warmup)
     writer = StepCSVWriter(tmp_path / "steps.csv")
     g = torch.Generator().manual_seed(1)
+    logs = []
     for _ in range(240):
         x = torch.randn(32, 8, generator=g)
-        writer.write(state.step(x, x.sum(1, keepdim=True).sin()))
+        logs.append(state.step(x, x.sum(1, keepdim=True).sin()))
+        writer.write(logs[-1])
     writer.close()
     rec = parse([str(tmp_path / "steps.csv"), "--window", "40"])
     assert policy.placement.rule == "auto" and rec.clip.placement == policy.placement
     assert [s.as_state() for s in rec.clip.summaries] == [s.as_state() for s in policy.summaries]
     assert rec.clip.checks() == policy.checks() and rec.tau == policy.tau
+    assert rec.findings and rec.findings == diagnose(logs)  # the diagnosis a run's report prints
 
 
 def test_tensorboard_event_file(tmp_path, capsys):
