@@ -315,3 +315,18 @@ def test_console_script_runs_the_same_cli(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         script()
     assert e.value.code == 2 and "no such file or folder" in capsys.readouterr().err
+
+
+def test_tensor_style_scalars_are_read_too(tmp_path):
+    """TF2-style summaries (``new_style``) keep scalars as tensors: EventAccumulator lists them under tensors."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace(300)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s, x in zip(steps.tolist(), norms.tolist()):
+        writer.add_scalar("grad_norm", x, s, new_style=True)
+    writer.close()
+    rec = parse([str(tmp_path / "tb"), "--start", "50"])
+    stored = norms.astype(np.float32).astype(np.float64)
+    assert rec.tau == pytest.approx(numpy_tau(steps, stored, 51, 150), rel=1e-12)
+    assert any("no learning rate in the log" in n for n in parse([str(tmp_path / "tb")]).notes)
