@@ -1,0 +1,5 @@
+import sys
+
+from sweep.recommend.cli import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""``python -m sweep.recommend PATH… [--norm NAME] [--lr NAME] [--window W] [--quantile Q] [--start auto|N] …``.
+
+A ``max_grad_norm`` from the logs a run already wrote, without training again: each PATH (a
+``trainer_state.json`` or checkpoint folder, a TensorBoard event file or folder, a CSV, an MLflow run)
+gives a norm series, which the engine's ``CalibratedClip`` replays exactly as a ``clip=calibrated``
+run would have seen it (``sweep.recommend.replay``); the report is the runner's, after the notes on
+what the series can and cannot tell (``sweep.recommend.series``). ``--track`` also records each
+recommendation as an MLflow run. Bad input (a missing file, no norm, a post-clip series, fewer
+norms than a window) is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from rich.console import Console
+
+from clipamp_engine.diagnosis import diagnose
+from sweep.errors import UserError, fail
+from sweep.recommend.readers import read_series
+from sweep.recommend.replay import Options, diagnosis_rows, on_grid, replay
+from sweep.recommend.report import Recommendation, caveats, outcome_notes, print_report
+from sweep.recommend.series import post_clip_reason, with_gaps_skipped
+
+DESCRIPTION = (
+    "A max_grad_norm from logged gradient norms (Trainer state, TensorBoard, CSV, MLflow run): the calibrate "
+    "run's window placement, quantiles with intervals, candidates, band check, drift and diagnosis."
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sweep.recommend", description=DESCRIPTION)
+    ap.add_argument("paths", nargs="+", metavar="PATH", help="trainer_state.json or its folder, events, CSV, runs:/ID")
+    ap.add_argument("--norm", default=None, help="tag / column / metric of the pre-clip norm (default: grad_norm …)")
+    ap.add_argument("--lr", default=None, help="tag / column / metric of the learning rate (default: lr …)")
+    ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
+    ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")
+    ap.add_argument("--window", type=int, default=100, help="steps per calibration window (calibrate.window)")
+    ap.add_argument("--quantile", default="0.95", help="q of τ = Quantile_q, or 'band' (aim at --target-clip)")
+    ap.add_argument("--start", default="auto", help="'auto' (after warm-up) or N steps before the window")
+    ap.add_argument("--every", type=int, default=0, help="steps between window starts (0: one window)")
+    ap.add_argument("--validate", type=int, default=0, help="held-out steps after a window (0: all)")
+    ap.add_argument("--target-clip", type=float, nargs=2, default=[0.01, 0.05], metavar=("LOW", "HIGH"))
+    ap.add_argument("--candidates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 5.0], metavar="TAU")
+    ap.add_argument("--confidence", type=float, default=0.95, help="level of the quantile intervals")
+    ap.add_argument("--track", action="store_true", help="also log each recommendation as an MLflow run")
+    ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
+    ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment for --track")
+    return ap
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    """``Options`` from the command line; a malformed ``--quantile`` or ``--start`` is a ``UserError``."""
+    try:
+        quantile = None if args.quantile == "band" else float(args.quantile)
+    except ValueError:
+        raise UserError(f"--quantile {args.quantile}: pass a number in (0, 1), e.g. 0.95, or 'band'") from None
+    start = args.start
+    if start != "auto":
+        try:
+            start = int(start)
+        except ValueError:
+            raise UserError(f"--start {args.start}: pass 'auto' or a number of steps >= 0, e.g. --start 200") from None
+    return Options(
+        args.window, args.every, quantile, tuple(args.candidates), start, args.validate, tuple(args.target_clip)
+    )
+
+
+def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommendation:
+    """Read ``path``, refuse what cannot calibrate, replay it through ``CalibratedClip``, diagnose it."""
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise UserError(f"--max-grad-norm {args.max_grad_norm:g}: pass the τ > 0 the run clipped at, e.g. 1.0")
+    series = read_series(path, norm=args.norm, lr=args.lr, step=args.step_column, tracking_uri=args.tracking_uri)
+    if args.max_grad_norm is not None:
+        tau = np.full(len(series.steps), float(args.max_grad_norm))
+        series.max_norm = (
+            tau if series.max_norm is None else np.where(np.isfinite(series.max_norm), series.max_norm, tau)
+        )
+    reason = post_clip_reason(series)
+    if reason:
+        raise UserError(f"{series.source}: {reason}")
+    grid, moved = on_grid(options, series)
+    n, taken = series.interval, int(series.taken.sum())
+    if taken < max(2, grid.window // n):
+        every = f" (one every {n} steps)" if n > 1 else ""
+        raise UserError(
+            f"{series.source}: {taken} finite norms over steps {series.steps[0]}–{series.steps[-1]}{every}, fewer "
+            f"than one {grid.window}-step window holds ({grid.window // n}): lower --window or read a longer log"
+        )
+    replayed, gaps = with_gaps_skipped(series)
+    clip = replay(replayed, grid)
+    if not clip.summaries:
+        start = clip.placement.start if clip.placement else "?"
+        raise UserError(
+            f"{series.source}: no calibration window closed by step {series.steps[-1]} (the {grid.window}-step window "
+            f"starts at step {start}; its last step is past the log or not logged): lower --window or pass --start N"
+        )
+    if gaps:
+        moved.append(
+            f"{gaps} step(s) of the logging grid hold no value: counted as skipped, as a run counts a refused step"
+        )
+    notes = caveats(series, grid) + moved + outcome_notes(clip, grid)
+    return Recommendation(series, grid, clip, diagnose(diagnosis_rows(series)), notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        options = options_from(args)
+        found = [recommend(p, options, args) for p in args.paths]
+        store = None
+        if args.track:
+            from sweep.recommend.track import open_store
+
+            store = open_store(args.tracking_uri, args.experiment)
+    except UserError as e:
+        fail(str(e))
+    console = Console(soft_wrap=True)
+    for i, rec in enumerate(found):
+        if i:
+            console.print()
+        print_report(rec, console)
+    if store is not None:
+        from sweep.recommend.track import log_recommendation
+
+        for rec in found:
+            run_id = log_recommendation(*store, rec)
+            console.print(f"MLflow run {run_id} in experiment {args.experiment!r}", markup=False, highlight=False)
+    return 0
+
+
+def cli() -> None:
+    """The ``clipamp-recommend`` console script."""
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Read a gradient-norm series from the logs a run already wrote.
+
+- a Hugging Face ``Trainer`` ``trainer_state.json`` (or a checkpoint folder holding one, or an
+  ``output_dir`` of ``checkpoint-N`` folders: the newest), whose ``log_history`` carries ``grad_norm``
+  and ``learning_rate`` at every logging step;
+- a TensorBoard event file or folder (``tensorboard``'s own ``EventAccumulator``, every value kept:
+  its default keeps a reservoir sample of 10 000 scalars per tag);
+- a CSV with a step and a norm column (clipamp's ``steps.csv`` among them);
+- an MLflow run, ``runs:/ID`` or a run id (``MlflowClient.get_metric_history``).
+
+A norm name, when not given, is the first of ``NORM_NAMES`` the log holds; the learning rate likewise
+from ``LR_NAMES``. Every failure is a ``UserError`` naming what was found and the option that fixes it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from clipamp_engine.records import CANONICAL_COLUMNS
+from sweep.errors import UserError
+from sweep.recommend.series import NormSeries, make_series
+
+#: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback.
+NORM_NAMES = ("grad_l2_pre_clip", "grad_norm", "train/grad_norm")
+LR_NAMES = ("lr", "learning_rate", "train/learning_rate")
+STEP_NAMES = ("step", "global_step", "Step", "iteration")
+HF_PRE_CLIP = (
+    "Trainer logs grad_norm before clipping (the total norm clip_grad_norm_ returns), that step's own value "
+    "(not a mean over the logging interval, unlike loss)"
+)
+RUN_ID = re.compile(r"(?:runs:/)?([0-9a-f]{32})(?:/.*)?")
+
+
+def read_series(
+    path: str,
+    *,
+    norm: str | None = None,
+    lr: str | None = None,
+    step: str | None = None,
+    tracking_uri: str | None = None,
+) -> NormSeries:
+    """The norm series at ``path`` (module docstring for the sources it recognises)."""
+    p = Path(path)
+    run = RUN_ID.fullmatch(path)
+    if run and (path.startswith("runs:/") or not p.exists()):
+        return read_mlflow(run.group(1), norm=norm, lr=lr, tracking_uri=tracking_uri)
+    if not p.exists():
+        raise UserError(f"{path}: no such file or folder (pass a trainer_state.json, an event file, a CSV or runs:/ID)")
+    if p.is_dir():
+        if (p / "trainer_state.json").is_file():
+            return read_trainer_state(p / "trainer_state.json", norm=norm, lr=lr)
+        checkpoints = sorted(p.glob("checkpoint-*/trainer_state.json"), key=lambda f: _number(f.parent.name))
+        if checkpoints:
+            return read_trainer_state(checkpoints[-1], norm=norm, lr=lr)
+        if next(p.rglob("*tfevents*"), None) is not None:
+            return read_tensorboard(p, norm=norm, lr=lr)
+        raise UserError(f"{path}: a folder with no trainer_state.json, checkpoint-N/ or TensorBoard event file")
+    if "tfevents" in p.name:
+        return read_tensorboard(p, norm=norm, lr=lr)
+    if p.suffix == ".json":
+        return read_trainer_state(p, norm=norm, lr=lr)
+    if p.suffix in (".csv", ".tsv"):
+        return read_csv(p, norm=norm, lr=lr, step=step)
+    raise UserError(
+        f"{path}: not a log this reads (trainer_state.json, *.tfevents.*, *.csv, runs:/ID): "
+        "rename it or pass its folder"
+    )
+
+
+def _number(name: str) -> int:
+    digits = re.sub(r"\D", "", name)
+    return int(digits) if digits else -1
+
+
+def pick(available, wanted: str | None, names: tuple[str, ...], what: str, where: str, flag: str) -> str | None:
+    """``wanted`` if ``available`` holds it (else a ``UserError`` listing them), else the first of ``names``
+    held, else the one name ending in ``/<names[1]>`` (``grad_norm``, ``learning_rate``), else ``None``."""
+    available = list(available)
+    if wanted is not None:
+        if wanted not in available:
+            raise UserError(f"{where}: no {what} {wanted!r} (it holds {_listing(available)}): pass {flag} NAME")
+        return wanted
+    found = next((n for n in names if n in available), None)
+    if found is None:
+        ends = [a for a in available if a.endswith("/" + names[1])]
+        found = ends[0] if len(ends) == 1 else None
+    return found
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "nothing"
+    return ", ".join(names[:limit]) + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _need(found: str | None, available, what: str, where: str, flag: str) -> str:
+    if found is None:
+        raise UserError(
+            f"{where}: no gradient-norm {what} ({' / '.join(NORM_NAMES)}; it holds {_listing(list(available))}): "
+            f"pass {flag} NAME"
+        )
+    return found
+
+
+def read_trainer_state(path: Path, *, norm: str | None = None, lr: str | None = None) -> NormSeries:
+    """``log_history`` of a ``Trainer`` state: its entries with the norm key (evaluation entries have none)."""
+    try:
+        state = json.loads(Path(path).read_text())
+        history = state["log_history"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a Trainer state with a log_history ({type(e).__name__}: {e})") from None
+    keys = sorted({k for h in history for k in h if k not in ("step", "epoch")})
+    name = _need(pick(keys, norm, NORM_NAMES, "key", str(path), "--norm"), keys, "key", str(path), "--norm")
+    rows = [h for h in history if name in h and "step" in h]
+    lr_name = pick(keys, lr, LR_NAMES, "key", str(path), "--lr")
+    lrs = [h.get(lr_name, np.nan) for h in rows] if lr_name else None
+    series = make_series(
+        f"{path} (Trainer state)",
+        name,
+        [h["step"] for h in rows],
+        [np.nan if h[name] is None else h[name] for h in rows],
+        lrs,
+        pre_clip=HF_PRE_CLIP if name == "grad_norm" else None,
+        lr_name=lr_name,
+    )
+    if state.get("logging_steps"):
+        series.notes.append(f"Trainer logging_steps={state['logging_steps']} (from the state)")
+    return series
+
+
+def _event_runs(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted({f.parent for f in path.rglob("*tfevents*") if f.is_file()})
+
+
+def _load_events(run: Path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(run), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    try:
+        acc.Reload()
+    except Exception as e:  # a torn or foreign file: the reader's own error names it
+        raise UserError(f"{run}: unreadable TensorBoard events ({type(e).__name__}: {e})") from None
+    return acc
+
+
+def _event_values(acc, tag: str) -> tuple[list[int], list[float]]:
+    from tensorboard.util.tensor_util import make_ndarray
+
+    if tag in acc.Tags()["scalars"]:
+        events = acc.Scalars(tag)
+        return [e.step for e in events], [e.value for e in events]
+    events = acc.Tensors(tag)  # TF2-style summaries keep scalars as tensors
+    return [e.step for e in events], [float(make_ndarray(e.tensor_proto)) for e in events]
+
+
+def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = None) -> NormSeries:
+    """The norm tag of the one run (folder of event files) under ``path`` that logs it."""
+    found = []
+    for run in _event_runs(Path(path)):
+        acc = _load_events(run)
+        tags = acc.Tags()
+        names = sorted({*tags["scalars"], *tags.get("tensors", [])})
+        name = pick(names, norm, NORM_NAMES, "tag", str(run), "--norm") if norm is None or norm in names else None
+        found.append((run, acc, names, name))
+    hits = [f for f in found if f[3] is not None]
+    if not hits:
+        names = sorted({n for *_, ns, _ in found for n in ns})
+        if norm is not None:
+            raise UserError(f"{path}: no tag {norm!r} (it holds {_listing(names)}): pass --norm TAG")
+        _need(None, names, "tag", str(path), "--norm")
+    if len(hits) > 1:
+        runs = ", ".join(str(r) for r, *_ in hits)
+        raise UserError(f"{path}: {len(hits)} runs log {hits[0][3]}: pass one of them ({runs})")
+    run, acc, names, name = hits[0]
+    steps, norms = _event_values(acc, name)
+    lr_name = pick(names, lr, LR_NAMES, "tag", str(run), "--lr")
+    lrs = None
+    if lr_name:
+        lr_steps, lr_values = _event_values(acc, lr_name)
+        lrs = pd.Series(lr_values, index=lr_steps).groupby(level=0).last().reindex(steps).to_numpy()
+    pre = HF_PRE_CLIP if name == "train/grad_norm" else None
+    return make_series(f"{run} (TensorBoard)", name, steps, norms, lrs, pre_clip=pre, lr_name=lr_name)
+
+
+def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step: str | None = None) -> NormSeries:
+    """A step and a norm column; clipamp's own CSV (its canonical eight columns first) also gives the
+    skipped steps, the τ in force and the rows the diagnosis reads."""
+    try:
+        df = pd.read_csv(path, sep="\t" if path.suffix == ".tsv" else ",")
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not a readable CSV ({type(e).__name__}: {e})") from None
+    cols = [str(c) for c in df.columns]
+    name = _need(pick(cols, norm, NORM_NAMES, "column", str(path), "--norm"), cols, "column", str(path), "--norm")
+    step_name = pick(cols, step, STEP_NAMES, "column", str(path), "--step-column")
+    lr_name = pick(cols, lr, LR_NAMES, "column", str(path), "--lr")
+    values = pd.to_numeric(df[name], errors="coerce")
+    if values.isna().all() and len(df):
+        raise UserError(f"{path}: column {name!r} holds no number: pass --norm COLUMN")
+    steps = np.arange(1, len(df) + 1) if step_name is None else pd.to_numeric(df[step_name], errors="coerce")
+    if step_name is not None and steps.isna().any():
+        raise UserError(f"{path}: column {step_name!r} has a value that is not a step number: pass --step-column NAME")
+    ours = tuple(cols[:8]) == CANONICAL_COLUMNS
+    extra = {}
+    if ours:
+        extra["skipped"] = df["skipped"].astype(str).str.strip().str.lower().isin(["true", "1", "yes"]).to_numpy()
+        with open(path, newline="", encoding="utf-8") as f:
+            extra["rows"] = list(csv.DictReader(f))
+    if "max_norm" in cols:
+        extra["max_norm"] = pd.to_numeric(df["max_norm"], errors="coerce").to_numpy()
+    lrs = pd.to_numeric(df[lr_name], errors="coerce").to_numpy() if lr_name else None
+    pre = "clipamp records grad_l2_pre_clip before clipping" if ours and name == "grad_l2_pre_clip" else None
+    series = make_series(
+        f"{path} (CSV)", name, np.asarray(steps), values.to_numpy(), lrs, pre_clip=pre, lr_name=lr_name, **extra
+    )
+    if step_name is None:
+        series.notes.append(f"no step column ({' / '.join(STEP_NAMES)}): row n is step n")
+    return series
+
+
+def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, tracking_uri: str | None = None):
+    """The norm metric's history of an MLflow run (``$MLFLOW_TRACKING_URI`` or the default store)."""
+    from mlflow.exceptions import MlflowException
+
+    from sweep.run.tracking import open_client, resolve_uri
+
+    uri = resolve_uri(tracking_uri)
+    client = open_client(uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise UserError(f"runs:/{run_id}: no such run in {uri}: pass --tracking-uri URI") from None
+    keys = sorted(run.data.metrics)
+    where = f"runs:/{run_id}"
+    name = _need(pick(keys, norm, NORM_NAMES, "metric", where, "--norm"), keys, "metric", where, "--norm")
+    history = client.get_metric_history(run_id, name)
+    steps, norms = [m.step for m in history], [m.value for m in history]
+    lr_name = pick(keys, lr, LR_NAMES, "metric", where, "--lr")
+    lrs = None
+    if lr_name:
+        lr_hist = client.get_metric_history(run_id, lr_name)
+        lrs = pd.Series([m.value for m in lr_hist], index=[m.step for m in lr_hist])
+        lrs = lrs.groupby(level=0).last().reindex(steps).to_numpy()
+    extra = {}
+    tau = _float(run.data.params.get("max_grad_norm"))  # Trainer's MLflowCallback logs its arguments
+    if tau and tau > 0:
+        extra["max_norm"] = np.full(len(steps), tau)
+    pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
+    return make_series(
+        f"{where} in {uri} (MLflow)", name, steps, norms, lrs, pre_clip=pre.get(name), lr_name=lr_name, **extra
+    )
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,146 @@
+"""Feed a logged norm series through the engine's ``CalibratedClip``: the runner's procedure, step by step.
+
+The policy a ``clip=calibrated`` run trains with (``clipamp_engine.clip.calibrated``) decides where
+the window starts (``clipamp_engine.placement``), summarises it (``NormCalibrator``: quantiles with
+order-statistic intervals, the clipping ratio of each candidate τ), adopts τ = Quantile_q, counts how
+often τ clips the later steps for the band check (``clipamp_engine.band``) and compares windows for
+drift. It only ever sees records, so the same object fed one ``StepLog`` per logged step gives the
+runner's τ for that series by construction: a step counts as clipped when the coefficient
+τ / (‖g‖ + 1e-6) that ``GlobalNormClip`` would apply is below 1, as in a run.
+
+A series logged every N steps is replayed on its own step numbers, with the window, the spacing of
+windows and the validation span rounded to multiples of N (and a fixed start shifted by < N) so that
+every window ends on a logged step, where the policy closes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from clipamp_engine.band import PRETRAINING_BAND
+from clipamp_engine.calibration import CONFIDENCE, CalibrationError
+from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.norms import CLIP_EPS
+from clipamp_engine.records import SkipLog, StepLog
+from sweep.errors import UserError
+from sweep.recommend.series import NormSeries
+
+
+@dataclass(frozen=True)
+class Options:
+    """``CalibratedClip``'s arguments (the runner's ``calibrate.*``), all in training steps."""
+
+    window: int = 100
+    every: int = 0
+    quantile: float | None = 0.95  # None: aim at the middle of target_clip
+    candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0)
+    start: int | str = "auto"
+    validate: int = 0
+    target_clip: Sequence[float] = PRETRAINING_BAND
+    confidence: float = CONFIDENCE
+
+
+def on_grid(options: Options, series: NormSeries) -> tuple[Options, list[str]]:
+    """``options`` with every window ending on a logged step of a series logged every N steps, and a note
+    per value that moved."""
+    n = series.interval
+    if n <= 1:
+        return options, []
+    window = max(2, round(options.window / n)) * n
+    every = max(window, round(options.every / n) * n) if options.every else 0
+    validate = max(n, round(options.validate / n) * n) if options.validate else 0
+    start = options.start
+    if start != "auto":
+        start = start + (int(series.steps[-1]) - start - window) % n  # the window's last step is logged
+    grid = dataclasses.replace(options, window=window, every=every, validate=validate, start=start)
+    notes = [
+        f"--{name} {getattr(options, name)} → {getattr(grid, name)} (a multiple of the logging interval {n}, so that "
+        f"each window ends on a logged step)"
+        for name in ("window", "every", "validate")
+        if getattr(grid, name) != getattr(options, name)
+    ]
+    if grid.start != options.start:
+        notes.append(f"--start {options.start} → {grid.start}: the window then ends on a logged step")
+    return grid, notes
+
+
+def _lrs(series: NormSeries) -> np.ndarray | None:
+    """The LR per logged step, gaps filled from the previous value; ``None`` without any LR."""
+    if series.lrs is None or not np.isfinite(series.lrs).any():
+        return None
+    return pd.Series(series.lrs).ffill().bfill().to_numpy()
+
+
+def record(step: int, lr: float, norm: float, taken: bool, tau: float | None) -> StepLog:
+    """The record a run would have written for this step while clipping at ``tau`` (``None``: no clipping)."""
+    if not taken:
+        return SkipLog(step, lr, norm, math.nan, math.nan, 1.0, clipped=False, max_norm=tau)
+    coef = 1.0 if tau is None else min(1.0, tau / (norm + CLIP_EPS))
+    return StepLog(step, lr, norm, norm * coef, math.nan, 1.0, clipped=coef < 1.0, max_norm=tau)
+
+
+def replay(series: NormSeries, options: Options) -> CalibratedClip:
+    """The ``CalibratedClip`` of a run of ``series.steps[-1]`` steps that saw ``series``'s norms.
+
+    Without an LR in the logs every step gets the same LR: the placement then sees no warm-up.
+
+    Raises:
+        UserError: an option ``CalibratedClip`` refuses, or a window it cannot summarise.
+    """
+    try:
+        clip = CalibratedClip(
+            options.window,
+            options.every,
+            options.quantile,
+            tuple(options.candidates),
+            None,
+            options.start,
+            options.validate,
+            tuple(options.target_clip),
+            options.confidence,
+            total_steps=int(series.steps[-1]),
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    lrs = _lrs(series)
+    lrs = np.ones(len(series.steps)) if lrs is None else lrs
+    try:
+        for step, lr, norm, taken in zip(series.steps.tolist(), lrs.tolist(), series.norms.tolist(), series.taken):
+            clip.observe(record(step, lr, norm, bool(taken), clip.threshold))
+    except CalibrationError as e:
+        raise UserError(f"{series.source}: {e}") from None
+    return clip
+
+
+def window_norms(series: NormSeries, start: int, end: int) -> np.ndarray:
+    """The finite, taken norms logged in steps ``start``..``end`` (what the window's quantiles are of)."""
+    inside = (series.steps >= start) & (series.steps <= end) & series.taken
+    return series.norms[inside]
+
+
+def diagnosis_rows(series: NormSeries) -> list[dict[str, Any]]:
+    """The rows ``clipamp_engine.diagnosis.diagnose`` reads: the log's own (clipamp's CSV), else built from
+    the series with the run's τ where the logs carry it."""
+    if series.rows is not None:
+        return series.rows
+    lrs = series.lrs if series.lrs is not None else np.full(len(series.steps), np.nan)
+    tau = series.max_norm if series.max_norm is not None else np.full(len(series.steps), np.nan)
+    skipped = ~series.taken
+    return [
+        {
+            "step": int(s),
+            "lr": float(lr),
+            "grad_l2_pre_clip": float(x),
+            "skipped": bool(k),
+            "skip_reason": "nonfinite_grad" if k else "",
+            "max_norm": float(t) if math.isfinite(t) else None,
+        }
+        for s, lr, x, k, t in zip(series.steps, lrs, series.norms, skipped, tau)
+    ]

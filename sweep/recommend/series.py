@@ -1,0 +1,232 @@
+"""A logged gradient-norm series, and what it can and cannot say about a clipping threshold.
+
+Every reader (``sweep.recommend.readers``) returns a ``NormSeries``: the steps, the norms, the learning
+rate when the logs carry it, and the τ the run clipped at when they carry that. The checks here state
+the limits of such a series before any quantile is taken:
+
+- **sampling**: a norm logged every N steps is a 1-in-N sample of the run's norms. The order-statistic
+  interval of a quantile (``clipamp_engine.calibration.quantile_ci``) still holds for the norms'
+  distribution over a stationary stretch, but from the n = W/N norms a W-step window holds, so it is
+  about √N times as wide as an every-step log of the same window gives (Conover 1999, §3.2), and a
+  one-step spike is in the log with probability 1/N;
+- **post-clip**: a norm measured after clipping at τ never exceeds τ and piles up at it, so its
+  quantiles cannot see the tail a threshold is chosen from (``post_clip_reason``);
+- **smoothing**: a running mean hides the per-step spread the quantile measures; its first
+  differences are nearly uncorrelated, where per-step norms' differences are anti-correlated
+  (lag-1 correlation −(1 − ρ)/2 for an AR(1) series with autocorrelation ρ), so a lag-1 correlation
+  of the differences above −0.1 reads as smoothed (``smoothing_note``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clipamp_engine.calibration import CONFIDENCE, min_window
+from sweep.errors import UserError
+
+#: Names that hold a norm measured after clipping (clipamp's CSV and MLflow runs).
+POST_CLIP_NAMES = ("grad_l2_post_clip",)
+#: A logged post-clip norm lies within this of τ: the clip coefficient τ / (‖g‖ + 1e-6) leaves it
+#: at most 1e-6 below τ, and float32 logs round it by a few 1e-7 relative.
+_AT_TAU_ABS, _AT_TAU_REL = 2e-6, 1e-5
+
+
+@dataclass
+class NormSeries:
+    """One run's logged norms, sorted by step, one value per step (the last one logged wins).
+
+    ``lrs``: the learning rate at each step (``None``: the logs carry none). ``max_norm``: the τ the
+    run clipped at per step (NaN where unknown). ``skipped``: steps whose update the run refused.
+    ``rows``: the log's own per-step rows when it has the columns ``diagnose`` reads (clipamp's CSV).
+    ``pre_clip``: why the series is known to be measured before clipping (``None``: assumed).
+    ``lr_name``: the tag, column or metric the LR came from.
+    """
+
+    source: str
+    name: str
+    steps: np.ndarray
+    norms: np.ndarray
+    lrs: np.ndarray | None = None
+    max_norm: np.ndarray | None = None
+    skipped: np.ndarray | None = None
+    rows: list[dict[str, Any]] | None = None
+    pre_clip: str | None = None
+    lr_name: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def interval(self) -> int:
+        """The logging interval N: the most common gap between logged steps (1 for a single point)."""
+        gaps = np.diff(self.steps)
+        if not len(gaps):
+            return 1
+        values, counts = np.unique(gaps, return_counts=True)
+        return int(values[np.argmax(counts)])
+
+    @property
+    def taken(self) -> np.ndarray:
+        """Steps whose norm is finite and whose update was not refused."""
+        ok = np.isfinite(self.norms)
+        return ok if self.skipped is None else ok & ~self.skipped
+
+
+def make_series(source: str, name: str, steps, norms, lrs=None, **extra: Any) -> NormSeries:
+    """A ``NormSeries`` from parallel sequences: sorted by step, a repeated step (a resumed run logs
+    some again) keeps its last value. ``extra``: the other ``NormSeries`` fields (arrays aligned
+    with ``steps``, or plain values)."""
+    steps = np.asarray(steps, dtype=np.int64)
+    if not len(steps):
+        raise UserError(f"{source}: {name} holds no value: pass a log with at least one logged norm")
+    order = np.argsort(steps, kind="stable")
+    last = np.r_[steps[order][1:] != steps[order][:-1], True]  # the last of each run of equal steps
+    keep = order[last]
+    arrays = {"lrs": lrs, "max_norm": extra.pop("max_norm", None), "skipped": extra.pop("skipped", None)}
+    kept = {k: None if v is None else np.asarray(v)[keep] for k, v in arrays.items()}
+    rows = extra.pop("rows", None)
+    series = NormSeries(
+        source,
+        name,
+        steps[keep],
+        np.asarray(norms, dtype=np.float64)[keep],
+        rows=None if rows is None else [rows[i] for i in keep],
+        **{k: v.astype(bool if k == "skipped" else np.float64) if v is not None else None for k, v in kept.items()},
+        **extra,
+    )
+    if len(keep) < len(steps):
+        series.notes.append(f"{len(steps) - len(keep)} repeated step(s) (a resumed run?): the last value logged kept")
+    return series
+
+
+def post_clip_reason(series: NormSeries) -> str | None:
+    """Why ``series`` was logged after clipping (and so cannot calibrate), or ``None``.
+
+    Post-clip when its name says so, or when every finite norm is ≤ the τ in force and at least one
+    sits at τ (clipping at τ puts the clipped steps there); without a known τ, when ≥ 3 norms (and
+    ≥ 1%) sit at the series' maximum, where a clipped series piles up.
+    """
+    if series.name in POST_CLIP_NAMES:
+        return f"{series.name} is the norm after clipping: read grad_l2_pre_clip instead (--norm grad_l2_pre_clip)"
+    ok = series.taken
+    x = series.norms[ok]
+    if not len(x):
+        return None
+    tau = series.max_norm[ok] if series.max_norm is not None else np.full(len(x), np.nan)
+    known = np.isfinite(tau) & (tau > 0)
+    if known.all():
+        at = np.abs(x - tau) <= _AT_TAU_ABS + _AT_TAU_REL * tau
+        if (x <= tau + _AT_TAU_ABS + _AT_TAU_REL * tau).all() and at.any():
+            return (
+                f"every {series.name} is ≤ the run's max_grad_norm ({_taus(tau)}) and {int(at.sum())} of "
+                f"{len(x)} sit at it: the series was logged after clipping, its tail above τ is gone and a "
+                f"quantile of it cannot exceed τ; log the norm clip_grad_norm_ returns (it is the pre-clip one)"
+            )
+        return None
+    top = x.max()
+    at = np.abs(x - top) <= _AT_TAU_ABS + _AT_TAU_REL * top
+    if at.sum() >= 3 and at.mean() >= 0.01:
+        return (
+            f"{int(at.sum())} of {len(x)} values of {series.name} sit at its maximum {top:.6g}, where a norm "
+            f"logged after clipping at max_grad_norm={top:.6g} piles up: it cannot calibrate; log the norm "
+            f"clip_grad_norm_ returns (it is the pre-clip one)"
+        )
+    return None
+
+
+def _taus(tau: np.ndarray) -> str:
+    lo, hi = float(tau.min()), float(tau.max())
+    return f"{lo:.4g}" if lo == hi else f"{lo:.4g}–{hi:.4g}"
+
+
+def unclipped_note(series: NormSeries) -> str | None:
+    """A note when the run's τ is known and never clipped a logged step (pre- and post-clip agree)."""
+    ok = series.taken
+    if series.max_norm is None or not ok.any():
+        return None
+    tau = series.max_norm[ok]
+    if not (np.isfinite(tau) & (tau > 0)).all() or not (series.norms[ok] < tau).all():
+        return None
+    return (
+        f"every logged norm is below the run's max_grad_norm ({_taus(tau)}): it never clipped a logged step, "
+        f"so pre- and post-clip norms agree there"
+    )
+
+
+def smoothing_note(series: NormSeries, min_points: int = 20) -> str | None:
+    """A warning when the series looks like a running mean (module docstring), else ``None``."""
+    x = series.norms[series.taken]
+    if len(x) < min_points:
+        return None
+    d = np.diff(x)
+    if d.std() == 0:
+        return None
+    r = float(np.corrcoef(d[:-1], d[1:])[0, 1])
+    if not math.isfinite(r) or r <= -0.1:
+        return None
+    return (
+        f"{series.name} changes smoothly (lag-1 correlation of its step-to-step changes {r:+.2f}; per-step "
+        f"norms give about −0.5): if it is a running mean (an EMA or a mean over the logging interval), "
+        f"its quantiles understate the spread and τ comes out too low; log the per-step norm"
+    )
+
+
+def sampling_note(series: NormSeries, window: int, q: float = 0.95, auto: bool = False) -> str | None:
+    """What a 1-in-N log does to the window's statistics (module docstring), or ``None`` for N = 1.
+    ``q``: the quantile τ is read from; ``auto``: the window placement is ``start=auto``, whose rolling
+    median counts logged norms."""
+    n = series.interval
+    if n <= 1:
+        return None
+    gaps = np.unique(np.diff(series.steps))
+    uneven = f" (gaps vary: {', '.join(map(str, gaps[:6]))}{' …' if len(gaps) > 6 else ''})" if len(gaps) > 1 else ""
+    per_window = window // n
+    return (
+        f"{series.name} is logged every {n} steps{uneven}: a 1-in-{n} sample of the run's norms. A {window}-step "
+        f"window holds {per_window} norms, so its quantile intervals are those of {per_window} norms (about "
+        f"{math.sqrt(n):.1f}× as wide as a log of every step), clipping ratios are estimated from them, the "
+        f"validation counts logged steps only and a one-step spike is in the log with probability 1/{n}; "
+        f"a {CONFIDENCE:.0%} interval of p{q * 100:.4g} needs ≥ {min_window(q)} norms, --window ≥ {min_window(q) * n}"
+        + (
+            f"; --start auto's rolling median spans 20 logged norms ({20 * n} steps) and waits 20 of them"
+            if auto
+            else ""
+        )
+    )
+
+
+def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
+    """``series`` with a skipped, non-finite value at every step of its logging grid (every N steps,
+    ending at its last step) that holds none, and how many were added.
+
+    A window closes on its last step, so that step must be in the series; a step with no value is
+    counted as skipped, as a run counts a step it refused (clipamp's MLflow runs store no
+    non-finite norm, so their gaps are exactly those steps).
+    """
+    n, steps = series.interval, series.steps
+    last = int(steps[-1])
+    grid = np.arange(last - (last - int(steps[0])) // n * n, last + 1, n)
+    missing = np.setdiff1d(grid, steps)
+    if not len(missing):
+        return series, 0
+    order = np.argsort(np.r_[steps, missing], kind="stable")
+    gap = np.full(len(missing), np.nan)
+
+    def merged(values, fill):
+        return None if values is None else np.r_[values, fill][order]
+
+    skipped = series.skipped if series.skipped is not None else np.zeros(len(steps), dtype=bool)
+    filled = dataclasses.replace(
+        series,
+        steps=np.r_[steps, missing][order],
+        norms=merged(series.norms, gap),
+        lrs=merged(series.lrs, gap),
+        max_norm=merged(series.max_norm, gap),
+        skipped=merged(skipped, np.ones(len(missing), dtype=bool)),
+        rows=None,
+        notes=list(series.notes),
+    )
+    return filled, len(missing)

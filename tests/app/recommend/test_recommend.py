@@ -1,0 +1,332 @@
+"""``python -m sweep.recommend`` in-process: τ from a CSV, a TensorBoard event file and an MLflow run equals
+the calibrate procedure recomputed with numpy (``np.quantile``'s default linear method, the engine's
+definition) on the same series; a sparse series says what sampling does; bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from clipamp_engine.band import clopper_pearson
+from clipamp_engine.calibration import CalibrationWindows
+from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.diagnosis import diagnose
+from clipamp_engine.norms import CLIP_EPS
+from clipamp_engine.placement import auto_window_start
+from clipamp_engine.records import CANONICAL_COLUMNS
+from sweep.recommend import cli
+
+N = 400
+
+
+def trace(n: int = N, seed: int = 0):
+    """A warm-up (LR ramp over 50 steps, norms decaying from 4× their level), then stationary log-normal norms."""
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, n + 1)
+    lr = np.minimum(steps / 50, 1.0) * 1e-3
+    norms = np.exp(rng.normal(0.0, 0.3, n)) * (1 + 3 * np.exp(-steps / 30))
+    return steps, lr, norms
+
+
+def write_csv(path, columns: dict, keep=None):
+    names = list(columns)
+    rows = zip(*columns.values())
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(names)
+        for row in rows:
+            if keep is None or keep(row):
+                w.writerow([repr(float(v)) if isinstance(v, float | np.floating) else v for v in row])
+    return path
+
+
+def parse(args: list[str]):
+    ns = cli.parser().parse_args(args)
+    return cli.recommend(ns.paths[0], cli.options_from(ns), ns)
+
+
+def numpy_tau(steps, norms, start: int, end: int, q: float = 0.95) -> float:
+    inside = (steps >= start) & (steps <= end)
+    return float(np.quantile(norms[inside], q))
+
+
+def realised(steps, norms, end: int, tau: float) -> tuple[int, int]:
+    after = norms[steps > end]
+    return int((tau / (after + CLIP_EPS) < 1).sum()), len(after)
+
+
+def test_fixed_start_tau_quantiles_and_band_check_equal_numpy(tmp_path, capsys):
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "learning_rate": lr, "grad_norm": norms})
+    assert cli.main([str(path), "--start", "60", "--window", "120"]) == 0
+    out = capsys.readouterr().out
+    rec = parse([str(path), "--start", "60", "--window", "120"])
+    w = rec.clip.summaries[0]
+    assert (w.start_step, w.end_step, w.n_finite) == (61, 180, 120)
+    tau = numpy_tau(steps, norms, 61, 180)
+    assert rec.tau == pytest.approx(tau, rel=1e-12, abs=0)
+    for q in (0.5, 0.9, 0.99):
+        assert w.quantiles[f"p{q * 100:g}"] == pytest.approx(numpy_tau(steps, norms, 61, 180, q), rel=1e-12)
+    window = np.sort(norms[60:180])
+    assert w.candidate_clip_ratios[2.0] == pytest.approx((window > 2.0).mean())
+    clipped, taken = realised(steps, norms, 180, tau)  # every later step at τ (validate 0)
+    check = rec.clip.checks()[0]
+    assert (check.clipped, check.steps) == (clipped, taken) == (check.clipped, N - 180)
+    assert (check.realised_low, check.realised_high) == clopper_pearson(clipped, taken)
+    assert f"max_grad_norm={tau:.4g}" in out and f"realised {clipped / taken:.1%} ({clipped}/{taken} steps" in out
+    assert "Calibration window, steps 61–180 (120 finite, 0 skipped)" in out
+
+
+def test_auto_start_places_the_window_as_the_engine_does_after_the_logged_warmup(tmp_path, capsys):
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms})
+    rec = parse([str(path)])
+    latest = N - 100 - 100 + 1  # the window and its validation fit in the run
+    placement = auto_window_start(zip(steps.tolist(), lr.tolist(), norms.tolist()), latest=latest)
+    assert placement.rule == "auto" and placement.warmup_end == 51  # the LR stopped rising at step 51
+    assert rec.clip.placement == placement
+    start = placement.start
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, start, start + 99), rel=1e-12)
+    assert rec.tau < numpy_tau(steps, norms, 1, 100)  # a window over the warm-up overstates τ
+    assert cli.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"the window starts at step {start}" in out and "LR from lr" in out
+
+
+def test_sparse_series_is_a_sample_and_says_what_that_does(tmp_path, capsys):
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms}, keep=lambda r: r[0] % 5 == 0)
+    assert cli.main([str(path), "--start", "0", "--window", "98"]) == 0
+    out = capsys.readouterr().out
+    assert "grad_norm is logged every 5 steps: a 1-in-5 sample" in out
+    assert "A 100-step window holds 20 norms" in out and "--window 98 → 100" in out
+    rec = parse([str(path), "--start", "0", "--window", "98"])
+    kept = steps % 5 == 0
+    assert rec.clip.summaries[0].n_finite == 20
+    assert rec.tau == pytest.approx(numpy_tau(steps[kept], norms[kept], 1, 100), rel=1e-12)
+    check = rec.clip.checks()[0]
+    assert (check.clipped, check.steps) == realised(steps[kept], norms[kept], 100, rec.tau)
+    assert "p95 from 20 norms has no 95% upper confidence bound" in out  # the interval of 20 norms
+
+
+def test_repeated_windows_equal_numpy_per_window(tmp_path):
+    steps, lr, norms = trace(300, seed=3)
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms})
+    rec = parse([str(path), "--every", "100", "--window", "50", "--start", "20"])
+    windows = CalibrationWindows(50, 100, 300, first=21).ranges()
+    assert [(s.start_step, s.end_step) for s in rec.clip.summaries] == [(w[0], w[-1]) for w in windows]
+    for s, w in zip(rec.clip.summaries, windows):
+        assert s.recommended_max_norm == pytest.approx(numpy_tau(steps, norms, w[0], w[-1]), rel=1e-12)
+    assert len(rec.clip.drift()) == len(rec.clip.checks()) == 3
+
+
+def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
+    """A real AmpTrainState run with clip=calibrated (start=auto, LR warm-up) writes steps.csv; the command on
+    that CSV places the window, summarises it and checks the band exactly as the run's policy did."""
+    import torch
+
+    from clipamp_engine.csvlog import StepCSVWriter
+    from clipamp_engine.step import AmpTrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=30)
+    policy = CalibratedClip(40, start="auto", total_steps=240)
+    state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32", clip=policy, scheduler=warmup)
+    writer = StepCSVWriter(tmp_path / "steps.csv")
+    g = torch.Generator().manual_seed(1)
+    logs = []
+    for _ in range(240):
+        x = torch.randn(32, 8, generator=g)
+        logs.append(state.step(x, x.sum(1, keepdim=True).sin()))
+        writer.write(logs[-1])
+    writer.close()
+    rec = parse([str(tmp_path / "steps.csv"), "--window", "40"])
+    assert policy.placement.rule == "auto" and rec.clip.placement == policy.placement
+    assert [s.as_state() for s in rec.clip.summaries] == [s.as_state() for s in policy.summaries]
+    assert rec.clip.checks() == policy.checks() and rec.tau == policy.tau
+    assert rec.findings and rec.findings == diagnose(logs)  # the diagnosis a run's report prints
+
+
+def test_tensorboard_event_file(tmp_path, capsys):
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace()
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s, l, x in zip(steps.tolist(), lr.tolist(), norms.tolist()):
+        writer.add_scalar("train/grad_norm", x, s)
+        writer.add_scalar("train/learning_rate", l, s)
+        writer.add_scalar("train/loss", 1.0, s)
+    writer.close()
+    assert cli.main([str(tmp_path / "tb"), "--start", "100"]) == 0
+    out = capsys.readouterr().out
+    stored = norms.astype(np.float32).astype(np.float64)  # event files hold float32
+    tau = numpy_tau(steps, stored, 101, 200)
+    assert f"max_grad_norm={tau:.4g}" in out and "(TensorBoard): train/grad_norm, 400 values" in out
+    assert parse([str(tmp_path / "tb"), "--start", "100"]).tau == pytest.approx(tau, rel=1e-12)
+    assert "LR from train/learning_rate" in out
+
+
+def test_mlflow_run_and_track(store, tmp_path, capsys):
+    from mlflow.entities import Metric, Param
+
+    steps, lr, norms = trace()
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("hf"))
+    metrics = [Metric("grad_norm", float(x), 0, int(s)) for s, x in zip(steps, norms)]
+    metrics += [Metric("learning_rate", float(v), 0, int(s)) for s, v in zip(steps, lr)]
+    client.log_batch(run.info.run_id, metrics=metrics, params=[Param("max_grad_norm", "5.0")])
+    argv = [f"runs:/{run.info.run_id}", "--tracking-uri", store, "--start", "100", "--track", "--experiment", "rec"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    tau = numpy_tau(steps, norms, 101, 200)
+    assert "every logged norm is below the run's max_grad_norm (5)" in out
+    (logged,) = client.search_runs([client.get_experiment_by_name("rec").experiment_id])
+    assert logged.data.metrics["recommended_max_norm"] == pytest.approx(tau, rel=1e-12)
+    assert logged.data.metrics["grad_norm_p95"] == logged.data.metrics["recommended_max_norm"]
+    assert logged.data.params["calibrate.start"] == "100" and logged.data.tags["run"] == "recommend"
+    bare = parse([run.info.run_id, "--tracking-uri", store, "--start", "100"])  # a run id without runs:/
+    assert bare.tau == logged.data.metrics["recommended_max_norm"]
+    names = {a.path for a in client.list_artifacts(logged.info.run_id)}
+    assert names == {"report.md", "quantiles.json"} and f"MLflow run {logged.info.run_id}" in out
+    client.delete_experiment(client.get_experiment_by_name("rec").experiment_id)
+    assert "tracking.experiment='rec' was deleted" in _error(capsys, argv)  # before any report is printed
+
+
+def test_our_csv_skipped_steps_are_counted_not_mixed_in(tmp_path):
+    steps, lr, norms = trace(300)
+    norms[150] = math.inf
+    skipped = ["True" if s == 151 else "False" for s in steps]
+    cols = dict(zip(CANONICAL_COLUMNS, [steps, lr, norms, norms, np.ones(300), skipped, [""] * 300, np.ones(300)]))
+    path = write_csv(tmp_path / "steps.csv", {**cols, "max_norm": [""] * 300})
+    rec = parse([str(path), "--start", "100"])
+    w = rec.clip.summaries[0]
+    assert (w.n_finite, w.n_skipped) == (99, 1)
+    assert rec.tau == pytest.approx(numpy_tau(steps[steps != 151], norms[steps != 151], 101, 200), rel=1e-12)
+    assert "clipamp records grad_l2_pre_clip before clipping" in rec.notes[0]
+    assert rec.findings and rec.findings[0].kind == "nonfinite"  # the diagnosis read our rows
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr()
+    assert err.out == "" and len(err.err.splitlines()) == 1 and err.err.startswith("error: ")
+    return err.err
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace()
+    assert "no such file or folder" in _error(capsys, [str(tmp_path / "missing.json")])
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    writer.add_scalar("train/loss", 1.0, 1)
+    writer.close()
+    assert "no gradient-norm tag" in _error(capsys, [str(tmp_path / "tb")])
+    assert "no tag 'gn'" in _error(capsys, [str(tmp_path / "tb"), "--norm", "gn"])
+    clipped = np.minimum(norms, 1.2)  # logged after clipping at 1.2
+    post = write_csv(tmp_path / "post.csv", {"step": steps, "grad_norm": clipped})
+    assert "sit at its maximum 1.2" in _error(capsys, [str(post)])
+    msg = _error(capsys, [str(post), "--max-grad-norm", "1.2"])
+    assert "every grad_norm is ≤ the run's max_grad_norm (1.2)" in msg
+    cols = dict(zip(CANONICAL_COLUMNS, [steps, lr, norms, clipped, norms, ["False"] * N, [""] * N, norms]))
+    ours = write_csv(tmp_path / "steps.csv", cols)
+    assert "grad_l2_post_clip is the norm after clipping" in _error(capsys, [str(ours), "--norm", "grad_l2_post_clip"])
+    short = write_csv(tmp_path / "short.csv", {"step": steps[:60], "grad_norm": norms[:60]})
+    assert "60 finite norms over steps 1–60, fewer than one 100-step window holds (100)" in _error(capsys, [str(short)])
+    assert "--max-grad-norm 0: pass the τ > 0" in _error(capsys, [str(short), "--max-grad-norm", "0"])
+    assert "--quantile x" in _error(capsys, [str(short), "--quantile", "x"])
+    assert "window=1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
+
+
+def test_every_event_is_read_past_tensorboards_10000_value_reservoir(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    rng = np.random.default_rng(5)
+    norms = np.exp(rng.normal(0.0, 0.3, 10_500)).astype(np.float32).astype(np.float64)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s, x in enumerate(norms.tolist(), start=1):
+        writer.add_scalar("grad_norm", x, s)
+    writer.close()
+    rec = parse([str(tmp_path / "tb"), "--start", "0", "--window", "10000"])
+    assert len(rec.series.steps) == 10_500 and rec.clip.summaries[0].n_finite == 10_000
+    assert rec.tau == pytest.approx(float(np.quantile(norms[:10_000], 0.95)), rel=1e-12)
+
+
+def test_a_running_mean_is_flagged_and_per_step_norms_are_not(tmp_path):
+    steps, lr, norms = trace()
+    ema = np.empty_like(norms)
+    ema[0] = norms[0]
+    for i in range(1, len(norms)):
+        ema[i] = 0.9 * ema[i - 1] + 0.1 * norms[i]
+    raw = parse([str(write_csv(tmp_path / "raw.csv", {"step": steps, "lr": lr, "grad_norm": norms}))])
+    smooth = parse([str(write_csv(tmp_path / "ema.csv", {"step": steps, "lr": lr, "grad_norm": ema}))])
+    assert not any("changes smoothly" in n for n in raw.notes)
+    assert any("changes smoothly" in n and "running mean" in n for n in smooth.notes)
+
+
+def test_repeated_steps_keep_the_last_value_and_several_runs_are_refused(tmp_path, capsys):
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace()
+    resumed = np.r_[steps, steps[200:]]  # a run resumed from step 200 logs steps 201.. again
+    values = np.r_[norms * 10, norms[200:]]
+    rec = parse([str(write_csv(tmp_path / "log.csv", {"step": resumed, "grad_norm": values})), "--start", "200"])
+    assert "200 repeated step(s)" in rec.notes[-2]
+    assert rec.tau == pytest.approx(numpy_tau(steps, np.r_[norms[:200] * 10, norms[200:]], 201, 300), rel=1e-12)
+    for run in ("a", "b"):
+        writer = SummaryWriter(str(tmp_path / "tb" / run))
+        writer.add_scalar("grad_norm", 1.0, 1)
+        writer.close()
+    assert "2 runs log grad_norm: pass one of them" in _error(capsys, [str(tmp_path / "tb")])
+
+
+def test_a_gap_at_the_windows_end_is_a_skipped_step_and_a_cut_window_says_so(tmp_path):
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms}, keep=lambda r: r[0] != 200)
+    rec = parse([str(path), "--start", "100"])
+    w = rec.clip.summaries[0]
+    assert (w.start_step, w.end_step, w.n_finite, w.n_skipped) == (101, 200, 99, 1)
+    assert rec.tau == pytest.approx(numpy_tau(steps[steps != 200], norms[steps != 200], 101, 200), rel=1e-12)
+    assert any("1 step(s) of the logging grid hold no value" in n for n in rec.notes)
+    cut = parse([str(path), "--start", "350"])
+    assert (cut.clip.summaries[0].start_step, cut.clip.summaries[0].end_step) == (351, 400)
+    assert any("the window was cut at the log's end: steps 351–400 instead of 100" in n for n in cut.notes)
+    assert any("no logged step after the window" in n for n in cut.notes)
+
+
+def test_console_script_runs_the_same_cli(tmp_path, monkeypatch, capsys):
+    import importlib
+    import tomllib
+
+    from tests.app.helpers import REPO
+
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["clipamp-recommend"]
+    module, _, name = target.partition(":")
+    script = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr("sys.argv", ["clipamp-recommend", str(tmp_path / "none.csv")])
+    with pytest.raises(SystemExit) as e:
+        script()
+    assert e.value.code == 2 and "no such file or folder" in capsys.readouterr().err
+
+
+def test_tensor_style_scalars_are_read_too(tmp_path):
+    """TF2-style summaries (``new_style``) keep scalars as tensors: EventAccumulator lists them under tensors."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace(300)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for s, x in zip(steps.tolist(), norms.tolist()):
+        writer.add_scalar("grad_norm", x, s, new_style=True)
+    writer.close()
+    rec = parse([str(tmp_path / "tb"), "--start", "50"])
+    stored = norms.astype(np.float32).astype(np.float64)
+    assert rec.tau == pytest.approx(numpy_tau(steps, stored, 51, 150), rel=1e-12)
+    assert any("no learning rate in the log" in n for n in parse([str(tmp_path / "tb")]).notes)
