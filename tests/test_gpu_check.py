@@ -98,5 +98,10 @@ def test_smoke_profile_runs_every_phase_and_its_figures_agree_with_the_logs(tmp_
     pipeline = phases["pipeline_50M"]["figures"]["variants"]
     assert set(pipeline) == {"fp32", "bf16"} and all(v["ratios"]["a/d"] > 0 for v in pipeline.values())
     assert phases["step_bf16"]["figures"]["dtype"] == "bf16"
+    head = data["headline"]
+    assert head["failed"] == {} and head["tests"] == tests["counts"]
+    assert head["calibrate_fp16"]["recommended_max_norm"] == run["recommended_max_norm"]
+    assert head["pipeline_50M"]["fp32"]["canonical_over_fused"] == pipeline["fp32"]["ratios"]["b/d"]
+    assert head["step_bf16_engine_over_canonical"] == phases["step_bf16"]["figures"]["ratio_paired"]
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.splitlines()[0].startswith("gpu_check (smoke)") and p.stdout.startswith(summary)
