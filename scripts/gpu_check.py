@@ -184,11 +184,11 @@ def _probe(python: str, *modules: str) -> list | None:
     return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else None
 
 
-def _sh(argv: list[str], log: Path, timeout: float) -> int:
+def _sh(argv: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> int:
     with log.open("a") as f:
         f.write("$ " + " ".join(argv) + "\n")
         f.flush()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
@@ -210,11 +210,45 @@ def _uv(log: Path, timeout: float) -> list[str] | None:
     return [str(exe)] if exe.exists() else None
 
 
+#: pip settings (``pip config list``) → the uv variables that mean the same, so uv reads the same registry.
+PIP_TO_UV = {
+    "index-url": "UV_INDEX_URL",
+    "extra-index-url": "UV_EXTRA_INDEX_URL",
+    "find-links": "UV_FIND_LINKS",
+    "constraint": "UV_CONSTRAINT",
+    "cert": "SSL_CERT_FILE",
+}
+
+
+def uv_env(pip_config: str) -> dict[str, str]:
+    """The environment for uv: pip's configured indexes, links, constraints and CA bundle carried
+    over (``PIP_*`` variables win over config files, as for pip)."""
+    env = {}
+    for line in pip_config.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in PIP_TO_UV and value:
+            env[PIP_TO_UV[name]] = value.strip().strip("'\"")
+    for name, uv_name in PIP_TO_UV.items():
+        value = os.environ.get("PIP_" + name.upper().replace("-", "_"))
+        if value:
+            env[uv_name] = value
+    return {**os.environ, **env, "UV_HTTP_TIMEOUT": "60"}
+
+
+def _pip_config() -> str:
+    try:
+        p = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return p.stdout
+
+
 def _make_venv(system_site: bool, uv: list[str] | None, log: Path) -> None:
     flags = ["--system-site-packages"] if system_site else []
     if _sh([sys.executable, "-m", "venv", *flags, str(VENV)], log, 60) != 0 and uv is not None:
         _sh(["rm", "-rf", str(VENV)], log, 30)  # venv without ensurepip (python3-venv missing) leaves a husk
-        _sh([*uv, "venv", *flags, "--python", sys.executable, str(VENV)], log, 60)
+        _sh([*uv, "venv", *flags, "--python", sys.executable, str(VENV)], log, 60, uv_env(_pip_config()))
 
 
 def install(check: Check) -> tuple[dict, str | None]:
@@ -240,12 +274,13 @@ def install(check: Check) -> tuple[dict, str | None]:
         if not Path(py).exists():
             _make_venv(reuse, uv, log)
         want = ["-e", str(REPO), "pytest>=8"] if reuse else [TORCH, "-e", str(REPO), "pytest>=8"]
-        tools = [("pip", [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"])]
+        tools = [("pip", [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"], None)]
         if uv is not None:  # pip first when reusing the system's torch: pip sees system site-packages
-            tools.insert(len(tools) if reuse else 0, ("uv", [*uv, "pip", "install", "--python", py]))
-        for how, cmd in tools:
+            uv_install = ("uv", [*uv, "pip", "install", "--python", py], uv_env(_pip_config()))
+            tools.insert(len(tools) if reuse else 0, uv_install)
+        for how, cmd, env in tools:
             result["how"] = how + (" (system torch reused)" if reuse else "")
-            if _sh([*cmd, *want], log, deadline - time.monotonic()) == 0:
+            if _sh([*cmd, *want], log, deadline - time.monotonic(), env) == 0:
                 break
         ready = _probe(py, *mods)
         result["status"] = "ok" if ready and ready[2] else "failed"
