@@ -68,6 +68,64 @@ def test_a_phase_past_the_budget_is_not_run(tmp_path):
     assert results == {"tests": {"status": "not run", "error": "no time left in the check's budget"}}
 
 
+def test_uv_gets_pips_registry_settings(monkeypatch):
+    g = _driver()
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    config = "global.index-url='https://ignored.example/simple'\n:env:.find-links='/opt/wheels'\nglobal.timeout='60'\n"
+    env = g.uv_env(config)
+    assert env["UV_INDEX_URL"] == "https://mirror.example/simple"  # the variable wins over the file, as for pip
+    assert env["UV_FIND_LINKS"] == "/opt/wheels"
+    assert "UV_TIMEOUT" not in env and env["UV_HTTP_TIMEOUT"] == "60"
+
+
+def test_scale_trace_counts_backoffs_and_growths_from_the_store(store):
+    """The fp16 figures come from the run's MLflow store: latest metrics and the scaler_scale history."""
+    from mlflow import MlflowClient
+
+    g = _driver()
+    client = MlflowClient(store)
+    exp = client.create_experiment("x")
+    run = client.create_run(exp, run_name="calibrate-gpt-fp16", tags={"dtype": "fp16"}).info.run_id
+    for step, scale in enumerate([65536.0, 65536.0, 32768.0, 32768.0, 65536.0, 16384.0, 16384.0], start=1):
+        client.log_metric(run, "scaler_scale", scale, step=step)
+    client.log_metric(run, "recommended_max_norm", 1.25)
+    client.log_metric(run, "skip_ratio", 2 / 7)
+    client.set_terminated(run)
+    (figures,) = g.mlflow_figures(Path(store.removeprefix("sqlite:///")))
+    assert figures["dtype"] == "fp16" and figures["status"] == "FINISHED" and not figures["child"]
+    assert figures["recommended_max_norm"] == 1.25 and figures["skip_ratio"] == pytest.approx(2 / 7)
+    scale = figures["scale"]
+    assert (scale["first"], scale["last"], scale["min"], scale["backoffs"], scale["growths"]) == (
+        65536,
+        16384,
+        16384,
+        2,
+        1,
+    )
+    assert scale["changes"] == [(1, 65536.0), (3, 32768.0), (5, 65536.0), (6, 16384.0)]
+    assert g._run_note(figures) == "fp16 τ=1.25 clip - skip 28.6% loss - scale 65536→16384 (2 back-offs)"
+
+
+@pytest.mark.slow
+def test_junit_figures_read_outcomes_messages_and_properties(tmp_path):
+    g = _driver()
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_ok(record_property):\n    record_property('syncs', 3)\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='needs a CUDA device')\ndef test_gpu():\n    pass\n"
+    )
+    xml = tmp_path / "out.xml"
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), "--junitxml", str(xml)]
+    subprocess.run(argv, cwd=tmp_path, capture_output=True, timeout=120)
+    f = g.junit_figures(xml)
+    assert f["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert f["outcomes"] == {"test_x::test_ok": "passed", "test_x::test_bad": "failed", "test_x::test_gpu": "skipped"}
+    assert "one is not two" in f["failures"]["test_x::test_bad"]
+    assert f["skips"] == {"test_x::test_gpu": "needs a CUDA device"} and f["properties"] == {"syncs": "3"}
+
+
 @pytest.mark.slow
 def test_smoke_profile_runs_every_phase_and_its_figures_agree_with_the_logs(tmp_path):
     """The driver at toy sizes on this CPU: the cuda tests all skip (none counted as passing), the
