@@ -3,9 +3,10 @@
     python scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--profile gpu|smoke] [--python PY] [--only a,b]
 
 Phases (docs/cuda.md): ``install`` (a ``.venv-gpu`` with torch's CUDA build and the project),
-``tests`` (``pytest -m cuda``, figures from ``record_property`` in the JUnit XML), the app runs
-``calibrate_bf16``, ``calibrate_fp16`` and ``sweep`` (concurrent with the tests: their figures are
-thresholds and ratios, not times), then the timed benches, alone on the device: ``pipeline_50M``,
+``tests`` (``pytest -m cuda`` over ``tests/cuda`` and the engine's fused-path tests; figures from
+``record_property`` in the JUnit XML), the app runs ``calibrate_bf16``, ``calibrate_fp16`` and
+``sweep`` (concurrent with the tests: their figures are thresholds and ratios, not times), then
+the timed benches, alone on the device: ``pipeline_50M``,
 ``pipeline_1B``, ``step_fp16``, ``step_bf16``. A phase that fails, or runs out of its time, is recorded
 with its error in the JSON and the next one runs; one overall deadline (``--budget``) bounds them all.
 Writes ``gpu_check.json``, ``summary.txt`` and one log per phase under ``--out``.
@@ -369,7 +370,8 @@ def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict
     app = check.out / "app"
     concurrent, timed = {}, {}
     junit = check.out / "tests.xml"
-    concurrent["tests"] = [py, "-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-rA", "-p", "no:cacheprovider"]
+    tests = ["tests/cuda", "tests/engine/test_fused.py"]  # -m cuda: every test marked cuda in them
+    concurrent["tests"] = [py, "-m", "pytest", "-m", "cuda", *tests, "-q", "-rA", "-p", "no:cacheprovider"]
     concurrent["tests"] += ["--junitxml", str(junit)]
     for dtype in ("bf16", "fp16"):
         over = ["+experiment=calibrate", f"device={dev}", *task, f"amp.dtype={dtype}", *profile["calibrate"]]

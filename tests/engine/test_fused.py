@@ -209,6 +209,7 @@ def test_no_host_sync_between_flushes(monkeypatch):
     assert sched.last_epoch == sum(not r.skipped for r in records)  # the schedule saw taken steps only
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_cuda_sync_between_flushes():
     torch.manual_seed(0)
