@@ -9,7 +9,8 @@ Phases (docs/cuda.md): ``install`` (a ``.venv-gpu`` with torch's CUDA build and 
 the timed benches, alone on the device: ``pipeline_50M``,
 ``pipeline_1B``, ``step_fp16``, ``step_bf16``. A phase that fails, or runs out of its time, is recorded
 with its error in the JSON and the next one runs; one overall deadline (``--budget``) bounds them all.
-Writes ``gpu_check.json``, ``summary.txt`` and one log per phase under ``--out``.
+Writes ``gpu_check.json``, ``summary.txt`` and one log per phase under ``--out``; exits 0 when
+every phase run succeeded, 1 otherwise.
 
 ``--profile smoke`` runs every phase at toy sizes on whatever device the interpreter has, without
 installing anything: it checks this driver, not the device.
@@ -449,7 +450,7 @@ def main() -> int:
     (check.out / "summary.txt").write_text(summary + "\n")
     print(summary)
     print(f"figures: {check.out / 'gpu_check.json'}; logs: {check.out}")
-    return 0
+    return 0 if all(r.get("status") == "ok" for r in check.data["phases"].values()) else 1
 
 
 def _nvidia_smi() -> str | None:

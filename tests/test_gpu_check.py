@@ -68,6 +68,15 @@ def test_a_phase_past_the_budget_is_not_run(tmp_path):
     assert results == {"tests": {"status": "not run", "error": "no time left in the check's budget"}}
 
 
+def test_a_phase_that_did_not_run_makes_the_exit_status_1(tmp_path):
+    argv = [sys.executable, "scripts/gpu_check.py", "--profile", "smoke", "--out", str(tmp_path), "--only", "tests"]
+    p = subprocess.run([*argv, "--budget", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr == ""
+    assert "tests           not run" in p.stdout
+    head = json.loads((tmp_path / "gpu_check.json").read_text())["headline"]
+    assert head["failed"] == {"tests": "no time left in the check's budget"}
+
+
 def test_uv_gets_pips_registry_settings(monkeypatch):
     g = _driver()
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
