@@ -304,6 +304,7 @@ def test_hysteresis_scaler_has_no_host_sync_between_flushes(monkeypatch):
     assert state.scaler.overflows == sum(r.skipped for r in records)  # the counters were kept on the device
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("scaler_cls", [LossScaler, HysteresisScaler])
 def test_no_cuda_sync_between_flushes(scaler_cls):

@@ -1,0 +1,567 @@
+"""The CUDA check behind ``scripts/gpu_check``: install, then each phase under its own timeout.
+
+    python scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--profile gpu|smoke] [--python PY] [--only a,b]
+
+Phases (docs/cuda.md): ``install`` (a ``.venv-gpu`` with torch's CUDA build and the project),
+``tests`` (``pytest -m cuda`` over ``tests/cuda`` and the engine's fused-path tests; figures from
+``record_property`` in the JUnit XML), the app runs ``calibrate_bf16``, ``calibrate_fp16`` and
+``sweep`` (concurrent with the tests: their figures are thresholds and ratios, not times), then
+the timed benches, alone on the device: ``pipeline_50M``,
+``pipeline_1B``, ``step_fp16``, ``step_bf16``. A phase that fails, or runs out of its time, is recorded
+with its error in the JSON and the next one runs; one overall deadline (``--budget``) bounds them all.
+Writes ``gpu_check.json``, ``summary.txt`` and one log per phase under ``--out``; exits 0 when
+every phase run succeeded, 1 otherwise.
+
+``--profile smoke`` runs every phase at toy sizes on whatever device the interpreter has, without
+installing anything: it checks this driver, not the device.
+
+Standard library only: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv-gpu"
+TORCH = "torch==2.13.0"  # on the default registry, Linux x86_64: the CUDA build
+UV_TOOL = Path(tempfile.gettempdir()) / "clipamp-gpu-check-uv"
+
+#: The app's model and data at a GPU size: the GPT-2-small shape with a byte vocabulary (85M params).
+GPU_TASK = (
+    "model.d_model=768",
+    "model.n_layer=12",
+    "model.n_head=12",
+    "model.block_size=512",
+    "data.seq_len=512",
+    "data.batch_size=16",
+)
+SMOKE_TASK = ("model.d_model=32", "model.n_layer=1", "model.block_size=32", "data.seq_len=32", "data.batch_size=4")
+
+#: Per profile: the app runs' overrides and the benches' arguments.
+PROFILES = {
+    "gpu": {
+        "device": "cuda",
+        "calibrate": ("steps=500",),
+        "sweep": ("steps=250", "calibrate.window=60", "study.n_trials=4", "optim.warmup_steps=25"),
+        "pipeline_50M": ("--numel", "50e6", "--rounds", "7", "--iters", "3"),
+        "pipeline_1B": ("--numel", "1e9", "--rounds", "5", "--iters", "2"),
+        "step": ("--d-model", "768", "--layers", "12", "--heads", "12", "--vocab", "50257", "--tie")
+        + ("--batch", "16", "--seq", "512", "--steps", "15", "--rounds", "4"),
+    },
+    "smoke": {
+        "device": "cpu",
+        "calibrate": ("steps=40", "calibrate.window=15", "calibrate.start=0"),
+        "sweep": ("steps=20", "calibrate.window=8", "study.n_trials=2"),
+        "pipeline_50M": ("--numel", "2e6", "--rounds", "1", "--iters", "1"),
+        "pipeline_1B": ("--numel", "3e6", "--rounds", "1", "--iters", "1"),
+        "step": ("--d-model", "32", "--layers", "1", "--heads", "2", "--batch", "2", "--seq", "16")
+        + ("--steps", "2", "--rounds", "1"),
+    },
+}
+
+#: Each phase's own time limit (seconds); the overall deadline can shorten it.
+LIMITS = {
+    "install": 300,
+    "tests": 150,
+    "calibrate_bf16": 150,
+    "calibrate_fp16": 150,
+    "sweep": 170,
+    "pipeline_50M": 60,
+    "pipeline_1B": 110,
+    "step_fp16": 60,
+    "step_bf16": 60,
+}
+CONCURRENT = ("tests", "calibrate_bf16", "calibrate_fp16", "sweep")
+TIMED = ("pipeline_50M", "pipeline_1B", "step_fp16", "step_bf16")
+PHASES = ("install", *CONCURRENT, *TIMED)
+
+METRICS = (
+    "recommended_max_norm",
+    "grad_norm_p95",
+    "clip_ratio",
+    "skip_ratio",
+    "final_loss",
+    "eval_loss",
+    "validation_clip_ratio",
+    "steps_skipped",
+)
+
+
+class Check:
+    """The JSON being built: written after every phase, so a killed check still leaves its figures."""
+
+    def __init__(self, out: Path, budget: float, profile: str) -> None:
+        self.out, self.t0, self.budget = out, time.monotonic(), budget
+        self.data: dict = {
+            "profile": profile,
+            "budget_s": budget,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        self.data["phases"] = {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def record(self, name: str, result: dict) -> None:
+        self.data["phases"][name] = result
+        self.save()
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the phase's whole process group (spawned ranks, pip's children)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_phases(check: Check, jobs: dict[str, tuple[list[str], Path, dict]]) -> dict[str, dict]:
+    """Run ``jobs`` (name → argv, cwd, env) at once, each until its own limit or the deadline."""
+    procs, results = {}, {}
+    for name, (argv, cwd, env) in jobs.items():
+        limit = min(LIMITS[name], check.left())
+        if check.left() < 5:
+            results[name] = {"status": "not run", "error": "no time left in the check's budget"}
+            continue
+        cwd.mkdir(parents=True, exist_ok=True)
+        log = check.out / f"{name}.log"
+        with log.open("w") as f:
+            f.write("$ " + " ".join(argv) + "\n")
+            f.flush()
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        procs[name] = (proc, time.monotonic(), limit, log)
+    while procs:
+        time.sleep(0.2)
+        for name, (proc, t0, limit, log) in list(procs.items()):
+            took = time.monotonic() - t0
+            if proc.poll() is None and took < limit:
+                continue
+            timed_out = proc.poll() is None
+            if timed_out:
+                _kill(proc)
+            status = "timeout" if timed_out else ("ok" if proc.returncode == 0 else "failed")
+            result = {"status": status, "seconds": round(took, 1), "rc": proc.returncode, "log": log.name}
+            if status != "ok":
+                result["error"] = (f"no result within {limit:.0f} s\n" if timed_out else "") + _tail(log)
+            results[name] = result
+            del procs[name]
+    return {name: results[name] for name in jobs}  # in the jobs' order, whatever order they ended in
+
+
+# -- install ------------------------------------------------------------------------------------
+PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))"
+
+
+def _probe(python: str, *modules: str) -> list | None:
+    code = "".join(f"import {m}; " for m in modules) + PROBE
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else None
+
+
+def _sh(argv: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> int:
+    with log.open("a") as f:
+        f.write("$ " + " ".join(argv) + "\n")
+        f.flush()
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            f.write(f"timed out after {timeout:.0f} s\n")
+            return 124
+
+
+def _uv(log: Path, timeout: float) -> list[str] | None:
+    """A uv command: on PATH, else pip-installed into a scratch folder (``--target``: no venv, no
+    ensurepip and no externally-managed refusal involved); None when neither works."""
+    found = shutil.which("uv")
+    if found:
+        return [found]
+    exe = UV_TOOL / "bin" / "uv"
+    if not exe.exists():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(UV_TOOL)]
+        _sh([*pip, "uv"], log, min(90.0, timeout))
+    return [str(exe)] if exe.exists() else None
+
+
+#: pip settings (``pip config list``) → the uv variables that mean the same, so uv reads the same registry.
+PIP_TO_UV = {
+    "index-url": "UV_INDEX_URL",
+    "extra-index-url": "UV_EXTRA_INDEX_URL",
+    "find-links": "UV_FIND_LINKS",
+    "constraint": "UV_CONSTRAINT",
+    "cert": "SSL_CERT_FILE",
+}
+
+
+def uv_env(pip_config: str) -> dict[str, str]:
+    """The environment for uv: pip's configured indexes, links, constraints and CA bundle carried
+    over (``PIP_*`` variables win over config files, as for pip)."""
+    env = {}
+    for line in pip_config.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in PIP_TO_UV and value:
+            env[PIP_TO_UV[name]] = value.strip().strip("'\"")
+    for name, uv_name in PIP_TO_UV.items():
+        value = os.environ.get("PIP_" + name.upper().replace("-", "_"))
+        if value:
+            env[uv_name] = value
+    return {**os.environ, **env, "UV_HTTP_TIMEOUT": "60"}
+
+
+def _pip_config() -> str:
+    try:
+        p = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return p.stdout
+
+
+def _make_venv(system_site: bool, uv: list[str] | None, log: Path) -> None:
+    flags = ["--system-site-packages"] if system_site else []
+    if _sh([sys.executable, "-m", "venv", *flags, str(VENV)], log, 60) != 0 and uv is not None:
+        _sh(["rm", "-rf", str(VENV)], log, 30)  # venv without ensurepip (python3-venv missing) leaves a husk
+        _sh([*uv, "venv", *flags, "--python", sys.executable, str(VENV)], log, 60, uv_env(_pip_config()))
+
+
+def install(check: Check) -> tuple[dict, str | None]:
+    """A ``.venv-gpu`` whose torch sees the GPU and which imports the project; its python, or None.
+
+    Reuses a ready ``.venv-gpu``; reuses the system's torch (``--system-site-packages``) when it is a
+    CUDA 2.13 build; otherwise installs ``torch==2.13.0`` from the default registry, with uv
+    (parallel downloads of the CUDA wheels) and pip as the fallback.
+    """
+    t0, log = time.monotonic(), check.out / "install.log"
+    log.write_text("")
+    deadline = t0 + min(LIMITS["install"], check.left() - 60)
+    py = str(VENV / "bin" / "python")
+    mods = ("clipamp_engine", "sweep", "mlflow", "optuna", "hydra", "pytest")
+    result: dict = {"system_python": sys.version.split()[0], "system_torch": _probe(sys.executable)}
+    ready = Path(py).exists() and _probe(py, *mods)
+    if ready and ready[2]:
+        result |= {"status": "ok", "how": "reused .venv-gpu"}
+    else:
+        system = result["system_torch"]
+        reuse = bool(system and system[2] and system[0].startswith("2.13."))
+        uv = _uv(log, deadline - time.monotonic())
+        if not Path(py).exists():
+            _make_venv(reuse, uv, log)
+        want = ["-e", str(REPO), "pytest>=8"] if reuse else [TORCH, "-e", str(REPO), "pytest>=8"]
+        tools = [("pip", [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"], None)]
+        if uv is not None:  # pip first when reusing the system's torch: pip sees system site-packages
+            uv_install = ("uv", [*uv, "pip", "install", "--python", py], uv_env(_pip_config()))
+            tools.insert(len(tools) if reuse else 0, uv_install)
+        for how, cmd, env in tools:
+            result["how"] = how + (" (system torch reused)" if reuse else "")
+            if _sh([*cmd, *want], log, deadline - time.monotonic(), env) == 0:
+                break
+        ready = _probe(py, *mods)
+        result["status"] = "ok" if ready and ready[2] else "failed"
+    result |= {"seconds": round(time.monotonic() - t0, 1), "log": log.name, "torch": ready}
+    if result["status"] != "ok":
+        result["error"] = ("torch installed but sees no CUDA device\n" if ready else "") + _tail(log)
+    return result, py if result["status"] == "ok" else None
+
+
+# -- figures ------------------------------------------------------------------------------------
+def junit_figures(path: Path) -> dict:
+    """Counts, each failure's message and every ``record_property`` figure from pytest's JUnit XML."""
+    if not path.exists():
+        return {}
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failures, skips, props, outcomes = {}, {}, {}, {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skip = case.find("skipped")
+        outcome = "failed" if bad is not None else "skipped" if skip is not None else "passed"
+        counts[outcome] += 1
+        outcomes[name] = outcome
+        if bad is not None:
+            failures[name] = (bad.get("message") or "")[:500]
+        elif skip is not None:
+            skips[name] = skip.get("message", "")
+        for prop in case.iter("property"):
+            props[prop.get("name")] = prop.get("value")
+    return {"counts": counts, "outcomes": outcomes, "failures": failures, "skips": skips, "properties": props}
+
+
+def _scale_trace(db: sqlite3.Connection, run: str) -> dict | None:
+    rows = db.execute(
+        "SELECT step, value FROM metrics WHERE run_uuid = ? AND key = 'scaler_scale' ORDER BY step, timestamp", (run,)
+    ).fetchall()
+    if not rows:
+        return None
+    changes = [rows[0]] + [b for a, b in zip(rows, rows[1:]) if b[1] != a[1]]
+    backoffs = sum(b[1] < a[1] for a, b in zip(changes, changes[1:]))
+    return {
+        "first": rows[0][1],
+        "last": rows[-1][1],
+        "min": min(v for _, v in rows),
+        "backoffs": backoffs,
+        "growths": len(changes) - 1 - backoffs,
+        "changes": changes[:60],
+    }
+
+
+def mlflow_figures(db_path: Path) -> list[dict]:
+    """Every run in an MLflow sqlite store: name, dtype, τ used, the summary metrics, fp16's scale trace."""
+    if not db_path.exists():
+        return []
+    db = sqlite3.connect(db_path)
+    try:
+        runs = []
+        for run, name, status, start, end in db.execute(
+            "SELECT run_uuid, name, status, start_time, end_time FROM runs ORDER BY start_time"
+        ).fetchall():
+            tags = dict(db.execute("SELECT key, value FROM tags WHERE run_uuid = ?", (run,)).fetchall())
+            params = dict(db.execute("SELECT key, value FROM params WHERE run_uuid = ?", (run,)).fetchall())
+            metrics = dict(db.execute("SELECT key, value FROM latest_metrics WHERE run_uuid = ?", (run,)).fetchall())
+            entry = {"name": name, "status": status, "dtype": tags.get("dtype") or params.get("amp.dtype")}
+            entry |= {"child": "mlflow.parentRunId" in tags, "max_norm": params.get("clip.max_norm")}
+            entry |= {"tau_used": tags.get("tau_used"), "seconds": (end - start) / 1e3 if start and end else None}
+            entry |= {k: metrics[k] for k in METRICS if k in metrics}
+            if entry["dtype"] == "fp16":
+                entry["scale"] = _scale_trace(db, run)
+            runs.append(entry)
+        return runs
+    finally:
+        db.close()
+
+
+def console_lines(log: Path, *prefixes: str) -> list[str]:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [s.strip() for s in lines if s.strip().startswith(prefixes)]
+
+
+# -- the check ----------------------------------------------------------------------------------
+def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env |= {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    dev, task = profile["device"], GPU_TASK if profile["device"] == "cuda" else SMOKE_TASK
+    app = check.out / "app"
+    concurrent, timed = {}, {}
+    junit = check.out / "tests.xml"
+    tests = ["tests/cuda", "tests/engine/test_fused.py"]  # -m cuda: every test marked cuda in them
+    concurrent["tests"] = [py, "-m", "pytest", "-m", "cuda", *tests, "-q", "-rA", "-p", "no:cacheprovider"]
+    concurrent["tests"] += ["--junitxml", str(junit)]
+    for dtype in ("bf16", "fp16"):
+        over = ["+experiment=calibrate", f"device={dev}", *task, f"amp.dtype={dtype}", *profile["calibrate"]]
+        concurrent[f"calibrate_{dtype}"] = [py, "-m", "sweep", *over]
+    concurrent["sweep"] = [py, "-m", "sweep", "+experiment=sweep", f"device={dev}", *task, *profile["sweep"]]
+    for name in ("calibrate_bf16", "calibrate_fp16", "sweep"):
+        store = f"tracking.uri=sqlite:///{app / name / 'mlflow.db'}"
+        concurrent[name] += [store, "progress_every=100"]
+    for size in ("50M", "1B"):
+        bench = [py, "bench/bench_pipeline.py", "--device", dev, *profile[f"pipeline_{size}"]]
+        timed[f"pipeline_{size}"] = [*bench, "--json", str(check.out / f"pipeline_{size}.json")]
+    for dtype in ("fp16", "bf16"):
+        bench = [
+            py,
+            "bench/bench_step.py",
+            "--device",
+            dev,
+            "--dtype",
+            dtype,
+            "--fused",
+            "--deferred",
+            *profile["step"],
+        ]
+        timed[f"step_{dtype}"] = [*bench, "--json", str(check.out / f"step_{dtype}.json")]
+
+    def where(name: str) -> Path:
+        return app / name if name in ("calibrate_bf16", "calibrate_fp16", "sweep") else REPO
+
+    pick = lambda d: {n: (argv, where(n), env) for n, argv in d.items() if not only or n in only}  # noqa: E731
+    return pick(concurrent), pick(timed)
+
+
+def figures_of(check: Check, name: str) -> dict:
+    out = check.out
+    if name == "tests":
+        return junit_figures(out / "tests.xml")
+    if name.startswith(("pipeline_", "step_")):
+        path = out / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+    figures = {"runs": mlflow_figures(out / "app" / name / "mlflow.db")}
+    figures["console"] = console_lines(out / f"{name}.log", "Recommended", "validation:", "Pick:", "final loss")
+    return figures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "gpu_check_out"))
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 470)))
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
+    ap.add_argument("--python", default=None, help="use this interpreter as is (no install phase)")
+    ap.add_argument("--only", default="", help="comma-separated phases to run (default: all)")
+    args = ap.parse_args()
+    only = {p for p in args.only.split(",") if p}
+    unknown = only - set(PHASES)
+    if unknown:
+        ap.error(f"--only: unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
+    check = Check(args.out.resolve(), args.budget, args.profile)
+    check.data["nvidia_smi"] = _nvidia_smi()
+    py = args.python or (sys.executable if args.profile == "smoke" else None)
+    if py is None:
+        result, py = install(check)
+        check.record("install", result)
+    if py is None:
+        for name in PHASES[1:]:
+            check.record(name, {"status": "not run", "error": "install failed"})
+    else:
+        concurrent, timed = jobs_for(check, py, PROFILES[args.profile], only)
+        for group in (concurrent, *({n: j} for n, j in timed.items())):  # the benches one at a time
+            for name, result in run_phases(check, group).items():
+                result["figures"] = figures_of(check, name)
+                check.record(name, result)
+    check.data["headline"] = headline(check.data["phases"])
+    check.save()
+    summary = format_summary(check.data)
+    (check.out / "summary.txt").write_text(summary + "\n")
+    print(summary)
+    print(f"figures: {check.out / 'gpu_check.json'}; logs: {check.out}")
+    return 0 if all(r.get("status") == "ok" for r in check.data["phases"].values()) else 1
+
+
+def _nvidia_smi() -> str | None:
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    try:
+        return subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+# -- the headline: the figures the check exists for -------------------------------------------
+def headline(phases: dict) -> dict:
+    """Fused vs canonical at both sizes, the sync checks, the step ratio, fp16 vs bf16 in the app."""
+    out: dict = {"failed": {n: r.get("error", "")[-300:] for n, r in phases.items() if r.get("status") != "ok"}}
+    for size in ("50M", "1B"):
+        variants = (phases.get(f"pipeline_{size}", {}).get("figures") or {}).get("variants", {})
+        out[f"pipeline_{size}"] = {
+            v: {
+                "canonical_over_fused": f["ratios"]["b/d"],
+                "canonical_foreach_over_fused": f["ratios"]["a/d"],
+                "fused_over_floor": f["ratios"]["d/c"],
+                "fused_gbs": (f.get("achieved_gbs") or {}).get("d"),
+                "peak_gbs": f.get("peak_gbs"),
+            }
+            for v, f in variants.items()
+        }
+    tests = phases.get("tests", {}).get("figures") or {}
+    out["no_sync_between_flushes"] = {k: v for k, v in tests.get("outcomes", {}).items() if "never_syncs" in k}
+    out["sync_counts"] = {k: v for k, v in tests.get("properties", {}).items() if "syncs" in k}
+    out["tests"] = tests.get("counts")
+    for dtype in ("fp16", "bf16"):
+        step = phases.get(f"step_{dtype}", {}).get("figures") or {}
+        out[f"step_{dtype}_engine_over_canonical"] = step.get("ratio_paired")
+        runs = (phases.get(f"calibrate_{dtype}", {}).get("figures") or {}).get("runs") or [{}]
+        keep = ("recommended_max_norm", "clip_ratio", "validation_clip_ratio", "skip_ratio", "final_loss", "scale")
+        out[f"calibrate_{dtype}"] = {k: runs[-1].get(k) for k in keep}
+    sweep = phases.get("sweep", {}).get("figures") or {}
+    out["sweep_trials"] = [
+        {k: r.get(k) for k in ("name", "dtype", "max_norm", "eval_loss", "clip_ratio", "skip_ratio")}
+        for r in sweep.get("runs", [])
+        if r.get("child") and r["name"].startswith("trial")
+    ]
+    out["sweep_pick"] = next((ln for ln in sweep.get("console", []) if ln.startswith("Pick:")), None)
+    return out
+
+
+# -- the summary table --------------------------------------------------------------------------
+def _pct(x) -> str:
+    return f"{float(x):.1%}" if x is not None else "-"
+
+
+def _num(x, fmt: str = ".3g") -> str:
+    return format(float(x), fmt) if x is not None else "-"
+
+
+def _phase_line(name: str, r: dict) -> str:
+    f = r.get("figures") or {}
+    note = ""
+    if name == "install" and r.get("torch"):
+        note = f"torch {r['torch'][0]} (CUDA {r['torch'][1]}), {r.get('how', '')}"
+    elif name == "tests" and f.get("counts"):
+        c, props = f["counts"], f.get("properties", {})
+        note = f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+        syncs = {k.removeprefix("default_path_syncs_per_step_"): v for k, v in props.items() if "syncs_per_step" in k}
+        no_sync = {k.split("[")[-1].rstrip("]"): v for k, v in f.get("outcomes", {}).items() if "never_syncs" in k}
+        note += "; fused path, no sync between flushes: " + ", ".join(f"{k} {v}" for k, v in no_sync.items())
+        note += "; default-path syncs/step " + ", ".join(f"{k} {v}" for k, v in syncs.items()) if syncs else ""
+    elif name.startswith("pipeline_") and f.get("variants"):
+        parts = []
+        for v, fig in f["variants"].items():
+            gbs = (fig.get("achieved_gbs") or {}).get("d")
+            peak = fig.get("peak_gbs")
+            bw = f", (d) {gbs:.0f} GB/s" + (f" = {gbs / peak:.0%} of peak" if peak else "") if gbs else ""
+            ratios = fig["ratios"]
+            parts.append(
+                f"{v}: canonical/fused {ratios['b/d']:.2f}x (with foreach AdamW {ratios['a/d']:.2f}x), "
+                f"fused/floor {ratios['d/c']:.2f}{bw}"
+            )
+        note = "; ".join(parts)
+    elif name.startswith("step_") and f.get("ratio_paired") is not None:
+        note = (
+            f"{f['params'] / 1e6:.1f}M params: engine/canonical {f['ratio_paired']:.3f} "
+            f"({f['engine_ms']:.1f} vs {f['canonical_ms']:.1f} ms/step)"
+        )
+    elif f.get("runs"):
+        trials = [run for run in f["runs"] if run["child"] and run["name"].startswith("trial")]
+        note = "; ".join(_run_note(run, trial=True) for run in trials) if name == "sweep" else _run_note(f["runs"][-1])
+        note += "".join(f"; {line}" for line in f.get("console", []) if line.startswith("Pick:"))
+    status = r.get("status", "?")
+    if status != "ok" and r.get("error"):
+        note = (note + "; " if note else "") + r["error"].strip().splitlines()[-1][:160]
+    return f"{name:15s} {status:8s} {_num(r.get('seconds'), '.0f'):>5s}s  {note}"
+
+
+def _run_note(run: dict, trial: bool = False) -> str:
+    """A calibrate run: its recommended τ; a sweep trial: the τ it trained with."""
+    tau = run.get("max_norm") if trial else run.get("recommended_max_norm")
+    note = f"{run['dtype']} τ={_num(tau)} clip {_pct(run.get('clip_ratio'))} skip {_pct(run.get('skip_ratio'))}"
+    note += f" loss {_num(run.get('final_loss'))}" + (f" eval {_num(run.get('eval_loss'))}" if trial else "")
+    scale = run.get("scale")
+    if scale:
+        note += f" scale {scale['first']:.0f}→{scale['last']:.0f} ({scale['backoffs']} back-offs)"
+    return note
+
+
+def format_summary(data: dict) -> str:
+    head = f"gpu_check ({data['profile']}): {data.get('nvidia_smi') or 'no nvidia-smi'}; {data.get('elapsed_s', 0)} s"
+    lines = [head, f"{'phase':15s} {'status':8s} {'time':>6s}  figures"]
+    lines += [_phase_line(name, r) for name, r in data["phases"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
