@@ -38,6 +38,7 @@ from .micro_batches import batch_size as _batch_size
 from .micro_batches import split as _split
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
+from .param_order import optimizer_params_in_model_order
 from .records import SkipLog, StepLog
 from .scaling import LossScaler
 
@@ -168,7 +169,7 @@ class AmpTrainState:
         self.skip_monitor = skip_monitor if skip_monitor is not None else SkipRateMonitor()
         self.clip_monitor = ClipRatioMonitor(clip_window)
         self.forensics = forensics if forensics is not None else NoForensics()
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = optimizer_params_in_model_order(model, optimizer)  # the sum order of clip_grad_norm_
         self.step_count = 0  # optimizer steps attempted (taken + skipped)
         self._init_pipeline(fused, log_every, forensics is not None)
 
@@ -303,7 +304,7 @@ class AmpTrainState:
                 loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
                 tokens = count if tokens is None else tokens + count
             else:  # mean loss: weight each micro-batch by its share of the samples
-                loss = result.float() * (_batch_size(y) / total) if k > 1 else result.float()
+                loss = result.float() / (total / _batch_size(y)) if k > 1 else result.float()  # loss / k
                 loss_acc = loss if loss_acc is None else loss_acc + loss
             self._backward(loss, x, y)
         return loss_acc, tokens, ref
