@@ -3,8 +3,8 @@
 A process killed at any moment (Ctrl-C, SIGTERM, SIGKILL) keeps every completed row: each row
 is handed to the OS before ``write`` returns. By default an earlier steps CSV at the path is
 replaced (a re-run works); ``mode="resume"`` continues it instead: the file's own header is kept,
-a torn last line dropped, and a step already written is refused before anything in the file changes. A row with columns the
-header lacks (a clip mode's or forensics' extras, e.g. ``update_l2_pre_clip``) widens the header:
+a torn last line dropped, and a step already written is refused before anything in the file changes.
+A row with columns the header lacks (a clip mode's or forensics' extras, e.g. ``update_l2_pre_clip``) widens the header:
 the file is rewritten once, atomically, with the earlier rows' new fields empty.
 """
 
