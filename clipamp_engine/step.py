@@ -36,6 +36,7 @@ from .fused import (
 )
 from .micro_batches import batch_size as _batch_size
 from .micro_batches import split as _split
+from .model_loss import loss_function
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
 from .param_order import optimizer_params_in_model_order
@@ -73,6 +74,9 @@ class AmpTrainState:
         optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
         loss_fn: ``loss_fn(model(inputs), targets)`` → a mean loss, or ``(loss_sum, token_count)``
             in which case the step's loss is the token mean over the whole accumulated batch.
+            ``None``: the model computes its own loss from the targets — ``model(inputs, targets)``
+            (or ``model(**inputs, labels=targets)``) returns ``(logits, loss)``, a dict with
+            ``"loss"`` or an object with ``.loss`` (see ``clipamp_engine.model_loss``).
         dtype: ``"bf16"`` (default), ``"fp16"`` (with dynamic loss scaling) or ``"fp32"``.
         max_norm: τ for the default global-norm policy (ignored when ``clip`` is given).
         clip: a ``ClipPolicy`` (see ``make_clip_policy``); default ``GlobalNormClip(max_norm)``.
@@ -97,7 +101,7 @@ class AmpTrainState:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         dtype: str = "bf16",
         max_norm: float = 1.0,
@@ -134,7 +138,10 @@ class AmpTrainState:
                 "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
             )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
+        if self.clip.per_sample and loss_fn is None:
+            raise ValueError(f"clip mode {self.clip.mode!r} computes per-example losses: it needs a loss_fn")
         if self.clip.per_sample and (accumulation_steps != 1 or dtype == "fp16"):
             raise ValueError(
                 f"clip mode {self.clip.mode!r} computes per-example gradients: it needs "
@@ -280,7 +287,7 @@ class AmpTrainState:
 
     def _forward(self, x: Any, y: Any) -> Any:
         with self.autocast(), torch.set_grad_enabled(not self.clip.per_sample):
-            return self.loss_fn(self.model(x), y)
+            return self._loss_of(x, y)
 
     def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
         if self.clip.per_sample:  # DP-SGD: gradients from clipped per-example gradients
