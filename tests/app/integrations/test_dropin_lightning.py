@@ -1,4 +1,5 @@
-"""The Lightning ``ClipampCallback``: ``apply=False`` leaves a fit bit-identical; ``apply=True`` clips as Lightning would."""
+"""The Lightning ``ClipampCallback``: ``apply=False`` leaves a fit bit-identical; ``apply=True`` clips as
+Lightning would."""
 
 from __future__ import annotations
 
