@@ -242,8 +242,8 @@ class StepRecorder:
             self.say(
                 f"calibration window steps {s.start_step}–{s.end_step} ({s.n_finite} finite, {s.n_skipped} skipped): "
                 f"‖g‖ p50 {q['p50']:.4g}  p95 {q['p95']:.4g}  p99 {q['p99']:.4g} → recommended τ="
-                f"{s.recommended_max_norm:.4g} (Quantile_{self.policy.quantile:.3g}, interval [{ci.low:.4g}, "
-                f"{ci.high:.4g}]) predicting {s.predicted_clip_ratio:.1%} clipped; "
+                f"{s.recommended_max_norm:.4g} (Quantile_{self.policy.quantile:.3g}, {_interval(ci)}) "
+                f"predicting {s.predicted_clip_ratio:.1%} clipped; "
                 + (f"applied from step {s.end_step + 1}" if self.apply else "not applied (apply=True clips at it)")
             )
             if self.tracker is not None:
@@ -254,6 +254,15 @@ class StepRecorder:
     def say(self, message: str) -> None:
         if self.verbose and self.writer is not None:
             print(f"clipamp: {message}", flush=True)
+
+
+def _interval(ci) -> str:
+    """A quantile's interval; a side the window is too short to bound says so."""
+    if ci.bounded:
+        return f"interval [{ci.low:.4g}, {ci.high:.4g}]"
+    low = f"{ci.low:.4g}" if math.isfinite(ci.low) else "unbounded"
+    high = f"{ci.high:.4g}" if math.isfinite(ci.high) else "unbounded"
+    return f"interval [{low}, {high}]: the window is too short to bound it"
 
 
 def _open_run(tracking: str, experiment: str, run_name: str | None, tags: dict[str, str], params: dict[str, Any]):
