@@ -92,7 +92,8 @@ class GlobalBatchLoss:
     contribution (``mean · samples`` or ``loss_sum``), its token count and the local batch
     size are summed over ranks in one reduction, which is also the finite-loss check. The
     backward loss is weighted so that gradients averaged over ``W`` ranks are the mean over
-    the global batch: ``mean · b·W/B`` (samples) or ``loss_sum · W/ref`` with ``ref`` the first
+    the global batch: ``mean / (B/(b·W))`` (samples; ``loss / k`` for ``k`` equal micro-batches, as the
+    canonical accumulation loop divides it) or ``loss_sum · W/ref`` with ``ref`` the first
     micro-batch's global token count times ``k`` (corrected to the exact token total after
     accumulation).
     """
@@ -124,7 +125,7 @@ class GlobalBatchLoss:
             return loss / (self.ref / self.world.size)
         if not math.isfinite(part_f):
             return None
-        return loss * (micro_batch * self.world.size / self.samples)
+        return loss / (self.samples / (micro_batch * self.world.size))  # k equal micro-batches: loss / k
 
     @property
     def loss(self) -> float:

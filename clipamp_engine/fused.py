@@ -66,6 +66,10 @@ def fused_path_refusal(optimizer: torch.optim.Optimizer, clip: ClipPolicy, foren
     """Why the fused path cannot run for this setup, or ``None`` when it can."""
     if not takes_grad_scale(optimizer):
         return f"{type(optimizer).__name__} does not take grad_scale/found_inf (build it with fused=True)"
+    groups = optimizer.param_groups
+    unfused = [i for i, g in enumerate(groups) if "fused" in g and not g["fused"]]  # torch steps those unfused
+    if unfused:
+        return f"param groups {unfused} of {type(optimizer).__name__} say fused={groups[unfused[0]]['fused']}"
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return f"{type(optimizer).__name__}.step takes the deprecated grad_scaler argument"
     if not is_fusable(clip):
@@ -147,6 +151,7 @@ class RecordBuffer:
     def __init__(self) -> None:
         self.rows: list[torch.Tensor] = []
         self.meta: list[tuple[int, float | None]] = []  # (step, max_norm) known on the host
+        self.host_lr: list[float | None] = []  # a float LR, kept exact (the row holds it in fp32)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -165,13 +170,17 @@ class RecordBuffer:
             )
         )
         self.meta.append((step, max_norm))
+        self.host_lr.append(None if isinstance(values[0], torch.Tensor) else float(values[0]))
 
     def drain(self) -> list[StepLog]:
         if not self.rows:
             return []
         table = torch.stack(self.rows).tolist()  # sync: one transfer for every pending record
-        out = [_record(step, max_norm, dict(zip(ROW, values))) for (step, max_norm), values in zip(self.meta, table)]
-        self.rows, self.meta = [], []
+        out = [
+            _record(step, max_norm, {**dict(zip(ROW, values)), **({"lr": lr} if lr is not None else {})})
+            for (step, max_norm), values, lr in zip(self.meta, table, self.host_lr)
+        ]
+        self.rows, self.meta, self.host_lr = [], [], []
         return out
 
 

@@ -26,8 +26,11 @@ class GradientSource:
 
     builds_graph = True
 
-    def refusal(self, *, accumulation_steps: int, dtype: str, world_size: int, world_kind: str) -> str | None:
-        """Why this source cannot run under these settings (one line), or ``None`` when it can."""
+    def refusal(
+        self, *, has_loss_fn: bool, accumulation_steps: int, dtype: str, world_size: int, world_kind: str
+    ) -> str | None:
+        """Why this source cannot run under these settings (one line), or ``None`` when it can;
+        ``has_loss_fn`` is false when the model computes its own loss."""
         return None
 
     def backward(

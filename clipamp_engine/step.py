@@ -38,8 +38,10 @@ from .fused import (
 from .gradients import GradientSource, ScaledBackward
 from .micro_batches import batch_size as _batch_size
 from .micro_batches import split as _split
+from .model_loss import loss_function
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
+from .param_order import optimizer_params_in_model_order
 from .records import SkipLog, StepLog
 from .scaling import LossScaler
 
@@ -94,6 +96,9 @@ class AmpTrainState:
         optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
         loss_fn: ``loss_fn(model(inputs), targets)`` → a mean loss, or ``(loss_sum, token_count)``
             in which case the step's loss is the token mean over the whole accumulated batch.
+            ``None``: the model computes its own loss from the targets — ``model(inputs, targets)``
+            (or ``model(**inputs, labels=targets)``) returns ``(logits, loss)``, a dict with
+            ``"loss"`` or an object with ``.loss`` (see ``clipamp_engine.model_loss``).
         dtype: ``"bf16"`` (default), ``"fp16"`` (with dynamic loss scaling) or ``"fp32"``.
         max_norm: τ for the default global-norm policy (ignored when ``clip`` is given).
         clip: a ``ClipPolicy`` (see ``make_clip_policy``); default ``GlobalNormClip(max_norm)``.
@@ -119,7 +124,7 @@ class AmpTrainState:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         dtype: str = "bf16",
         max_norm: float = 1.0,
@@ -155,9 +160,11 @@ class AmpTrainState:
                 "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
             )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
         self.replicas = replicas_of(model)
         refusal = self.gradients.refusal(
+            has_loss_fn=loss_fn is not None,
             accumulation_steps=accumulation_steps,
             dtype=dtype,
             world_size=self.replicas.size,
@@ -177,7 +184,7 @@ class AmpTrainState:
         self.skip_monitor = skip_monitor if skip_monitor is not None else SkipRateMonitor()
         self.clip_monitor = ClipRatioMonitor(clip_window)
         self.forensics = forensics if forensics is not None else NoForensics()
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = optimizer_params_in_model_order(model, optimizer)  # the sum order of clip_grad_norm_
         self.step_count = 0  # optimizer steps attempted (taken + skipped)
         self._init_pipeline(fused, log_every, forensics is not None)
 
@@ -294,7 +301,7 @@ class AmpTrainState:
 
     def _forward(self, x: Any, y: Any) -> Any:
         with self.autocast(), torch.set_grad_enabled(self.gradients.builds_graph):
-            return self.loss_fn(self.model(x), y)
+            return self._loss_of(x, y)
 
     def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
         self.gradients.backward(loss, self.scaler, self.model, self.loss_fn, x, y)
@@ -315,7 +322,7 @@ class AmpTrainState:
                 loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
                 tokens = count if tokens is None else tokens + count
             else:  # mean loss: weight each micro-batch by its share of the samples
-                loss = result.float() * (_batch_size(y) / total) if k > 1 else result.float()
+                loss = result.float() / (total / _batch_size(y)) if k > 1 else result.float()  # loss / k
                 loss_acc = loss if loss_acc is None else loss_acc + loss
             self._backward(loss, x, y)
         return loss_acc, tokens, ref

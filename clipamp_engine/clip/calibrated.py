@@ -25,7 +25,7 @@ from ..records import StepLog
 from .base import ClipPolicy, positive
 from .fixed import GlobalNormClip, NoClip
 
-__all__ = ["CalibratedClip"]
+__all__ = ["RECOMMENDED", "CalibratedClip", "recommended_calibration"]
 
 PHASES = ("settle", "calibrate", "validate", "train")
 
@@ -248,3 +248,34 @@ class CalibratedClip(ClipPolicy):
         self.summaries = [CalibrationSummary.from_state(s) for s in state["summaries"]]
         self.validation = [list(v) for v in state.get("validation", [[0, 0]] * len(self.summaries))]
         self._active = GlobalNormClip(self.tau) if self.summaries else self._before_first_window()
+
+
+#: The calibration ``+experiment=calibrate`` runs (``conf/experiment/calibrate.yaml``), and every
+#: integration by default: one 200-step window placed after the LR warm-up and the norms' initial
+#: transient, τ aimed at the middle of the pretraining band (Quantile_0.97 for [1%, 5%]) with its
+#: interval, checked on every later step (verdict and next action), drift flagged across windows.
+RECOMMENDED: dict[str, Any] = {
+    "window": 200,
+    "every": 0,
+    "quantile": None,
+    "candidates": (0.5, 1.0, 2.0, 5.0),
+    "cap": None,
+    "start": "auto",
+    "validate": 0,
+    "target_clip": PRETRAINING_BAND,
+    "confidence": CONFIDENCE,
+}
+
+
+def recommended_calibration(*, total_steps: int | None = None, **overrides: Any) -> CalibratedClip:
+    """``CalibratedClip`` with ``RECOMMENDED``'s options, any of them overridden by name.
+
+    ``AmpTrainState(..., clip=recommended_calibration(total_steps=N))`` in a user's own loop
+    calibrates exactly as the runner and the integrations do.
+    """
+    unknown = sorted(set(overrides) - set(RECOMMENDED))
+    if unknown:
+        raise ValueError(
+            f"calibration options {', '.join(unknown)} are not among {', '.join(RECOMMENDED)} (CalibratedClip's)"
+        )
+    return CalibratedClip(**{**RECOMMENDED, **overrides}, total_steps=total_steps)

@@ -148,8 +148,10 @@ class PerExampleGradients(GradientSource):
     def __init__(self, policy: DPSGDClip) -> None:
         self.policy = policy
 
-    def refusal(self, *, accumulation_steps, dtype, world_size, world_kind):
+    def refusal(self, *, has_loss_fn, accumulation_steps, dtype, world_size, world_kind):
         mode = self.policy.mode
+        if not has_loss_fn:
+            return f"clip mode {mode!r} computes per-example losses: it needs a loss_fn"
         if accumulation_steps != 1 or dtype == "fp16":
             return (
                 f"clip mode {mode!r} computes per-example gradients: it needs "

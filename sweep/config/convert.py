@@ -66,8 +66,22 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: ``model.*`` keys that size the built-in models, by the model that reads them (synthetic data reads
+#: ``in_features``/``out_features`` for any model); a run logs only the ones its model reads.
+SIZE_KEYS = {
+    "gpt": ("d_model", "n_layer", "n_head", "block_size", "dropout"),
+    "lstm": ("d_model", "hidden", "n_layer", "dropout"),
+    "linear": ("in_features", "out_features"),
+}
+
+
 def flat_params(cfg: Config) -> dict[str, Any]:
-    return flatten(as_dict(cfg))
+    """The MLflow params of ``cfg``, without the size keys of built-in models that its model does not read."""
+    used = set(SIZE_KEYS.get(cfg.model.name, ()))
+    if cfg.data.name == "synthetic":
+        used |= {"in_features", "out_features"}
+    unread = {f"model.{k}" for keys in SIZE_KEYS.values() for k in keys} - {f"model.{k}" for k in used}
+    return {k: v for k, v in flatten(as_dict(cfg)).items() if k not in unread}
 
 
 def child_config(cfg: Config, **changes: Any) -> Config:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from clipamp_engine.band import PRETRAINING_BAND, band_quantile
 from clipamp_engine.calibration import REPORTED_QUANTILES, CalibrationSummary, quantiles
 from sweep.config.schema import Config
 from sweep.run.loop import RunRecords
@@ -35,7 +36,9 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
         clip_ratio = sum(bool(r["clipped"]) for r in after) / len(after) if after else math.nan
     else:
         norms = [r["grad_l2_pre_clip"] for r in records.taken() if math.isfinite(r["grad_l2_pre_clip"])]
-        values = quantiles(norms, list(REPORTED_QUANTILES) + [cfg.calibrate.quantile])
+        q_tau = cfg.calibrate.quantile  # null: the quantile aimed at the middle of the band
+        q_tau = q_tau if q_tau is not None else band_quantile(getattr(cfg.calibrate, "target_clip", PRETRAINING_BAND))
+        values = quantiles(norms, list(REPORTED_QUANTILES) + [q_tau])
         q = {f"p{x * 100:g}": v for x, v in zip(REPORTED_QUANTILES, values)}
         q["max"] = max(norms) if norms else math.nan
         tau = values[-1]

@@ -104,6 +104,10 @@ def build_custom(m: Any) -> tuple[nn.Module, Callable | None]:
             f"model._target_={target!r} returned {type(model).__name__}, not an nn.Module: "
             "point model._target_ at an nn.Module class or factory"
         )
+    if m.loss_target == "model":  # forward(inputs, targets) returns the loss itself (nanoGPT, transformers)
+        from .own_loss import OwnLossModel, own_loss
+
+        return OwnLossModel(model), own_loss
     _logits_of_transformers(model)
     loss_fn = locate(m.loss_target, "model.loss_target") if m.loss_target else None
     return model, loss_fn
@@ -123,7 +127,10 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
     a model without trainable parameters or an output its loss cannot use."""
     target = m._target_
     fix = f"make model._target_={target!r} return {expected}" + (
-        "" if m.loss_target else " or pass model.loss_target=FN(output, targets)"
+        ""
+        if m.loss_target
+        else " or pass model.loss_target=FN(output, targets), or model.loss_target=model when its "
+        "forward(inputs, targets) computes the loss itself (nanoGPT's (logits, loss), a dict or .loss)"
     )
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError(f"model._target_={target!r} has no trainable parameters: a custom model needs some to train")

@@ -82,11 +82,23 @@ SNIPPETS = [(page, line, code) for page in pages() for line, code in runnable_sn
 
 @pytest.mark.parametrize("page,line,code", SNIPPETS, ids=[f"{p.name}:{n}" for p, n, _ in SNIPPETS])
 def test_runnable_snippets_run(page, line, code, tmp_path, monkeypatch):
+    """Each snippet runs as written, twice in one folder (a user re-running their script)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     script = tmp_path / f"{page.stem}_{line}.py"
     script.write_text(code)
-    runpy.run_path(str(script), run_name="__main__")
+    for _ in range(2):
+        _fresh_accelerate_state()
+        runpy.run_path(str(script), run_name="__main__")
+
+
+def _fresh_accelerate_state() -> None:
+    """accelerate keeps one process-wide state; a new interpreter starts without it."""
+    import sys
+
+    if "accelerate.state" in sys.modules:
+        sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_a_snippet_that_fails_fails(tmp_path):

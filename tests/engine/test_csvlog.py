@@ -59,7 +59,7 @@ def test_reopen_appends_without_repeating_steps(tmp_path):
     with StepCSVWriter(path) as w:
         for s in (1, 2, 3):
             w.write(_log(s))
-    with StepCSVWriter(path) as w:
+    with StepCSVWriter(path, mode="resume") as w:
         assert w.last_step == 3
         with pytest.raises(ValueError, match="step 3 is already in"):
             w.write(_log(3))
@@ -114,7 +114,7 @@ def test_sigkill_keeps_every_completed_row(tmp_path):
     assert len(steps) >= 50 and steps == list(range(1, len(steps) + 1))
     for l in complete:
         assert float(l.split(",")[2]) == float(l.split(",")[0])  # every complete row is whole
-    with StepCSVWriter(path) as w:  # and the run can go on where it stopped
+    with StepCSVWriter(path, mode="resume") as w:  # and the run can go on where it stopped
         w.write(_log(len(steps) + 1))
 
 
@@ -152,7 +152,7 @@ def test_a_row_with_new_columns_widens_the_header_and_keeps_earlier_rows(tmp_pat
     assert df["step"].tolist() == [1, 2, 3] and df["data_source"].tolist() == ["file\nwith newline", "b", "c"]
     assert df["update_l2_pre_clip"].isna().tolist() == [True, False, False]
     assert df["update_l2_post_clip"].tolist()[1:] == [0.125, 0.25]
-    with StepCSVWriter(path) as w:
+    with StepCSVWriter(path, mode="resume") as w:
         assert w.columns == list(df.columns)
         w.write(_log(4).with_extra(update_l2_pre_clip=1.0, update_l2_post_clip=0.5))
     assert pd.read_csv(path)["update_l2_pre_clip"].tolist()[1:] == [0.25, 0.5, 1.0]
@@ -202,10 +202,10 @@ def test_a_tail_torn_inside_a_quoted_field_is_dropped_and_a_bad_middle_row_is_re
             w.write(_log(step).with_extra(data_source=f"a\nb{step}"))
     whole = path.read_bytes()
     path.write_bytes(whole + b'3,0.001,2.0,1.0,0.5,False,,1.0,"torn\n')  # killed inside step 3's quoted field
-    with StepCSVWriter(path) as w:
+    with StepCSVWriter(path, mode="resume") as w:
         assert w.last_step == 2
     assert path.read_bytes() == whole
     lines = whole.decode().split("\n")
     path.write_text("\n".join([lines[0], "1,0.001", *lines[3:]]))  # a hand-cut row before step 2
     with pytest.raises(ValueError, match="data row 1 has 2 fields, the header 12; fix or remove that row"):
-        StepCSVWriter(path)
+        StepCSVWriter(path, mode="resume")

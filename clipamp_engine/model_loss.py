@@ -1,0 +1,78 @@
+"""The loss of one micro-batch: ``loss_fn(model(inputs), targets)``, or the model's own loss.
+
+Many models compute their loss themselves from the targets: nanoGPT's ``model(idx, targets)``
+returns ``(logits, loss)``, a Hugging Face model called with ``labels=`` returns an output whose
+``.loss`` is set. With ``loss_fn=None`` the step calls the model with the targets and takes that
+loss: ``model(inputs, targets)``, or ``model(**inputs, labels=targets)`` when ``inputs`` is a
+mapping (a tokenizer's batch). Any other output, and a ``loss_fn`` result that is neither a loss
+tensor nor ``(loss_sum, token_count)``, is one ``ValueError`` naming the forms expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EXPECTED_MODEL_OUTPUT", "loss_function", "model_loss"]
+
+EXPECTED_MODEL_OUTPUT = (
+    "a tuple holding one scalar loss tensor (nanoGPT's (logits, loss)), a dict with a 'loss' tensor, "
+    "or an object whose .loss is a scalar tensor (Hugging Face's ModelOutput)"
+)
+EXPECTED_LOSS_FN = "a loss tensor or (loss_sum, token_count)"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {', '.join(_describe(v) for v in value) or 'nothing'}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _is_loss(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output (a tuple, a mapping, or an object with ``.loss``).
+
+    Raises:
+        ValueError: no single scalar loss in ``output``; the message names the expected forms.
+    """
+    if isinstance(output, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        losses = [v for v in output if _is_loss(v)]
+        loss = losses[0] if len(losses) == 1 else None
+    else:
+        loss = getattr(output, "loss", None)
+    if not _is_loss(loss):
+        raise ValueError(
+            f"the model computes its own loss (loss_fn=None) but returned {_describe(output)}: "
+            f"expected {EXPECTED_MODEL_OUTPUT}"
+        )
+    return loss
+
+
+def _checked(result: Any) -> Any:
+    if isinstance(result, torch.Tensor) or (isinstance(result, tuple) and len(result) == 2 and _is_loss(result[0])):
+        return result
+    raise ValueError(
+        f"loss_fn returned {_describe(result)}: expected {EXPECTED_LOSS_FN}; for a model that computes "
+        "its own loss from the targets pass loss_fn=None (the step then calls model(inputs, targets))"
+    )
+
+
+def loss_function(model: nn.Module, loss_fn: Callable[[Any, Any], Any] | None) -> Callable[[Any, Any], Any]:
+    """``(inputs, targets) -> loss`` for one micro-batch, run inside the step's autocast."""
+    if loss_fn is not None:
+        return lambda x, y: _checked(loss_fn(model(x), y))
+
+    def own(x: Any, y: Any) -> torch.Tensor:
+        return model_loss(model(**x, labels=y) if isinstance(x, Mapping) else model(x, y))
+
+    return own

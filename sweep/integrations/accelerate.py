@@ -1,0 +1,139 @@
+"""``ClipampAccelerate``: clipamp's per-step record and norm calibration in a Hugging Face ``accelerate`` loop.
+
+accelerate has no callbacks: the loop is yours, and its clip is one call. Replace that call::
+
+    clipamp = ClipampAccelerate(accelerator, total_steps=N)     # the runner's calibration
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                clipamp.clip_grad_norm_(model.parameters(), max_norm)   # was accelerator.clip_grad_norm_
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                clipamp.step_end(loss)
+    clipamp.end()
+
+``clip_grad_norm_`` unscales the gradients (``accelerator.unscale_gradients()``, a no-op without
+fp16) and, with ``apply=False`` (default), calls ``torch.nn.utils.clip_grad_norm_`` on the same
+parameters, which is what ``accelerator.clip_grad_norm_`` does in one process: the run is
+bit-identical (``docs/accelerate.md``). With ``apply=True`` it clips at the policy's τ
+(``max_norm`` until the window closes, the calibrated τ after). It returns the pre-clip norm, as
+accelerate's does. DeepSpeed, FSDP and XLA clip inside their engines and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .recorder import Measured, StepRecorder
+
+REFUSED = ("DEEPSPEED", "FSDP", "XLA")
+
+
+class ClipampAccelerate:
+    """The clip call of an accelerate loop, recorded and calibrated as the runner does.
+
+    Args:
+        accelerator: the loop's ``accelerate.Accelerator``.
+        total_steps: optimizer steps in the run (the window's placement needs it; ``None``: unknown).
+        apply: clip at the calibrated τ once the window closes (else at your ``max_norm``, unchanged).
+        csv_path: ``steps.csv`` without MLflow (default ``<cwd>/clipamp/steps.csv``).
+        tracking, experiment, run_name, skip_nonfinite, verbose, **calibrate: as ``StepRecorder``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        *,
+        total_steps: int | None = None,
+        apply: bool = False,
+        csv_path: str | Path | None = None,
+        tracking: str | None = "auto",
+        experiment: str = "clipamp",
+        run_name: str | None = None,
+        skip_nonfinite: bool | None = None,
+        verbose: bool = True,
+        **calibrate: Any,
+    ) -> None:
+        kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+        if kind in REFUSED:
+            raise ValueError(
+                f"ClipampAccelerate does not support {kind} (it clips inside its engine); "
+                "use accelerator.clip_grad_norm_ there"
+            )
+        self.accelerator, self.total_steps = accelerator, total_steps
+        self.recorder = StepRecorder(
+            apply=apply,
+            calibrate=calibrate,
+            csv_path=csv_path,
+            tracking=tracking,
+            experiment=experiment,
+            run_name=run_name or "accelerate",
+            skip_nonfinite=skip_nonfinite,
+            verbose=verbose,
+        )
+        self.step = 0
+        self._begun = False
+        self._measured: Measured | None = None
+
+    @property
+    def policy(self):
+        return self.recorder.policy
+
+    @property
+    def summary(self):
+        return self.recorder.summary
+
+    def _begin(self, max_norm: float | None) -> None:
+        self.recorder.begin(
+            total_steps=self.total_steps,
+            user_tau=max_norm,
+            default_csv=Path("clipamp") / "steps.csv",
+            main_process=self.accelerator.is_main_process,
+            tags={"run": "accelerate", "precision": str(self.accelerator.mixed_precision)},
+            params={
+                **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
+                "apply": self.recorder.apply,
+                "max_grad_norm": max_norm,
+                "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
+            },
+        )
+        self._begun = True
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+        """Unscale, norm and clip as ``accelerator.clip_grad_norm_`` (or at the calibrated τ); the pre-clip norm."""
+        if not self._begun:
+            self._begin(max_norm)
+        params = list(parameters)
+        self.accelerator.unscale_gradients()
+        self._lr = float(self._optimizer_lr())
+        scaler = getattr(self.accelerator, "scaler", None)
+        self._scale = float(scaler.get_scale()) if scaler is not None else 1.0  # sync (fp16): this step's scale
+        self._measured = self.recorder.measure(params, self.step + 1, host_clips=False)
+        return torch.tensor(self._measured.pre)
+
+    def _optimizer_lr(self) -> float:
+        optimizers = getattr(self.accelerator, "_optimizers", [])
+        return optimizers[0].param_groups[0]["lr"] if optimizers else float("nan")
+
+    def step_end(self, loss: torch.Tensor | float | None = None) -> None:
+        """After ``optimizer.step()`` of a synchronising step: the step's record (``loss``: its loss)."""
+        if self._measured is None:
+            raise RuntimeError("step_end() without clip_grad_norm_() in this optimizer step")
+        m, self._measured = self._measured, None
+        if loss is not None:
+            m.loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)  # sync: once per step
+        self.step += 1
+        skipped = bool(self.accelerator.optimizer_step_was_skipped)
+        self.recorder.record(self.step, self._lr, m, scale=self._scale, skipped=skipped)
+
+    def end(self) -> dict[str, float]:
+        """Close the CSV and the MLflow run; the summary metrics (the verdict is printed)."""
+        return self.recorder.end(self.step) if self._begun else {}

@@ -1,0 +1,141 @@
+"""``ClipampCallback`` for Lightning: clipamp's per-step record and norm calibration in ``Trainer.fit()``.
+
+    import lightning as L
+    from sweep.integrations.lightning import ClipampCallback
+
+    trainer = L.Trainer(gradient_clip_val=1.0, callbacks=[ClipampCallback()])
+    trainer.fit(module, loader)  # steps.csv + an MLflow run; the recommended gradient_clip_val and its check
+
+The calibration is the runner's (``sweep.integrations.recorder``); with ``apply=False`` (default)
+the run is bit-identical to the same run without the callback (``docs/lightning.md``).
+
+One optimizer step of Lightning (2.x, automatic optimization) and where the callback acts::
+
+    training_step + backward × accumulate_grad_batches → precision plugin: unscale (fp16)
+    → on_before_optimizer_step (callback) → configure_gradient_clipping (Lightning clips
+    main_params(optimizer) at gradient_clip_val) → optimizer.step → LR scheduler → on_train_batch_end
+
+- The callback norms the gradients in ``on_before_optimizer_step``, where they are unscaled,
+  accumulated and not yet clipped, over the parameters Lightning clips and in its order
+  (``trainer.precision_plugin.main_params(optimizer)``: the optimizer's param groups).
+  ``apply=False``: Lightning then clips as it always does; ``grad_l2_pre_clip`` is the norm its
+  ``clip_grad_norm_`` computes. ``apply=True``: the callback clips at the policy's τ (your
+  ``gradient_clip_val`` until the window closes, the calibrated τ after) and sets
+  ``trainer.gradient_clip_val = None`` for the fit (restored at its end) so that Lightning does
+  not clip again.
+- Manual optimization: ``on_before_optimizer_step`` runs inside ``opt.step()``, after your
+  ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` (the τ you clip at,
+  with ``apply=True``) and do not call ``self.clip_gradients`` yourself.
+- Loss: the ``loss`` of ``training_step``'s output, summed over the accumulated micro-batches
+  (Lightning divides each by ``accumulate_grad_batches``): their mean. Norm-based clipping only
+  (``gradient_clip_algorithm="norm"``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from .recorder import StepRecorder
+
+
+class ClipampCallback(pl.Callback):
+    """Record every optimizer step of a Lightning fit; calibrate τ as the runner does; clip at it if asked.
+
+    Args:
+        apply: clip at the calibrated τ once the window closes (else Lightning's clip is left alone).
+        max_norm: the τ you clip at, when ``Trainer(gradient_clip_val=)`` does not say it (manual
+            optimization); ``None``: ``trainer.gradient_clip_val``.
+        csv_path: ``steps.csv`` without MLflow (default ``<default_root_dir>/clipamp/steps.csv``).
+        tracking, experiment, run_name, skip_nonfinite, verbose, **calibrate: as ``StepRecorder``.
+    """
+
+    def __init__(
+        self,
+        *,
+        apply: bool = False,
+        max_norm: float | None = None,
+        csv_path: str | Path | None = None,
+        tracking: str | None = "auto",
+        experiment: str = "clipamp",
+        run_name: str | None = None,
+        skip_nonfinite: bool | None = None,
+        verbose: bool = True,
+        **calibrate: Any,
+    ) -> None:
+        self.recorder = StepRecorder(
+            apply=apply,
+            calibrate=calibrate,
+            csv_path=csv_path,
+            tracking=tracking,
+            experiment=experiment,
+            run_name=run_name,
+            skip_nonfinite=skip_nonfinite,
+            verbose=verbose,
+        )
+        self.apply, self.max_norm = apply, max_norm
+        self._user_clip: Any = None
+        self._measured = None
+
+    @property
+    def policy(self):
+        return self.recorder.policy
+
+    @property
+    def summary(self):
+        return self.recorder.summary
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: ClipampCallback calibrates a "
+                "norm threshold; use gradient_clip_algorithm='norm' or drop the callback"
+            )
+        self._user_clip = trainer.gradient_clip_val
+        tau = self.max_norm if self.max_norm is not None else trainer.gradient_clip_val
+        if self.apply:
+            trainer.gradient_clip_val = None  # the callback clips in on_before_optimizer_step
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self.recorder.begin(
+            total_steps=int(total) if total and math.isfinite(total) else None,
+            user_tau=tau,
+            default_csv=Path(trainer.default_root_dir) / "clipamp" / "steps.csv",
+            main_process=trainer.is_global_zero,
+            tags={"run": "lightning", "model": type(pl_module).__name__, "precision": str(trainer.precision)},
+            params={
+                **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
+                "apply": self.apply,
+                "gradient_clip_val": tau,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            },
+        )
+        self._loss = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.gradient_clip_val = self._user_clip
+        self.recorder.end(trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Unscaled, accumulated, not yet clipped gradients: norm them in Lightning's clip order."""
+        params = list(trainer.precision_plugin.main_params(optimizer))
+        host_clips = not self.apply and pl_module.automatic_optimization
+        self._lr = float(optimizer.param_groups[0]["lr"])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scale = float(scaler.get_scale()) if scaler is not None else 1.0  # sync (fp16): this step's scale
+        self._measured = self.recorder.measure(params, trainer.global_step + 1, host_clips=host_clips)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._loss = loss.detach().float() + (0 if self._loss is None else self._loss)
+        if self._measured is None:
+            return  # a micro-batch before the optimizer step
+        m, self._measured = self._measured, None
+        if self._loss is not None:
+            m.loss = float(self._loss)  # sync: once per optimizer step
+        self._loss = None
+        self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale)

@@ -1,0 +1,281 @@
+"""The core every framework integration drives, one optimizer step at a time: measure, clip, record, calibrate.
+
+A host framework (``transformers.Trainer``, Lightning, accelerate, a hand loop) calls, per optimizer step,
+``measure(params, step)`` on the unscaled, accumulated, not yet clipped gradients — ``params`` in the
+order the host itself norms them — and, once the step is done, ``record(...)``. In between the host's
+optimizer runs. The calibration is the engine's ``CalibratedClip`` with the runner's options
+(``clipamp_engine.clip.calibrated.RECOMMENDED``: window after the warm-up and the norms' transient,
+τ aimed at the band's middle with its interval, held-out validation with a verdict and next action,
+drift), so the numbers equal a ``+experiment=calibrate`` run's on the same norms.
+
+- ``apply=False`` (default) changes nothing in the host's run: the norm is
+  ``torch.nn.utils.get_total_norm`` over the host's parameters in the host's order, and a clip at the
+  host's own τ, where this object does it for the host, is ``torch.nn.utils.clip_grad_norm_`` itself.
+  The calibrated τ is only recommended; its checks count the steps it *would* have clipped.
+- ``apply=True`` clips at the policy's τ: the host's τ as the cap until the first window closes (or
+  nothing, without one), the calibrated τ after it; non-finite gradients are dropped (``skip_nonfinite``).
+
+Records, ``steps.csv`` and MLflow use the names of ``python -m sweep`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from clipamp_engine.calibration import CalibrationError, NormCalibrator
+from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
+from clipamp_engine.csvlog import StepCSVWriter
+from clipamp_engine.norms import clip_coefficient, grads_of, total_norm
+from clipamp_engine.records import SkipLog, StepLog
+
+from ..run.calibration import calibration_payload
+from ..run.loop import RunRecords
+from ..run.summary import summary_metrics
+
+COLUMNS = ("clipped", "token_count", "max_norm", "phase", "grad_l2_token_normalised")
+
+
+@dataclass
+class Measured:
+    """One step's norms as host floats (read back once): pre-clip, post-clip, would-be post-clip at the policy's τ."""
+
+    pre: float
+    post: float
+    policy_post: float
+    loss: float
+    tokens: int | None
+    dropped: bool  # a non-finite gradient was dropped (apply / skip_nonfinite): the update changed nothing
+
+
+class StepRecorder:
+    """Record → calibrate → (optionally) apply, for one run of a host framework.
+
+    Args:
+        apply: clip at the calibrated τ (else only recommend it; the host's run is unchanged).
+        calibrate: overrides of ``RECOMMENDED`` (``window``, ``quantile``, ``start``, ``every``,
+            ``validate``, ``candidates``, ``target_clip``, ``confidence``).
+        csv_path: ``steps.csv`` when there is no MLflow run.
+        tracking: ``"auto"`` (``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlruns/mlflow.db``, a child of the
+            active run if any), a tracking URI, or ``None`` (CSV only).
+        experiment, run_name: the MLflow experiment and run name.
+        skip_nonfinite: drop a non-finite gradient so that the optimizer step changes nothing
+            (default: ``apply``; off, the host's run is left as it is).
+        verbose: print the CSV path, each window's recommendation and the verdicts.
+    """
+
+    def __init__(
+        self,
+        *,
+        apply: bool = False,
+        calibrate: dict[str, Any] | None = None,
+        csv_path: str | Path | None = None,
+        tracking: str | None = "auto",
+        experiment: str = "clipamp",
+        run_name: str | None = None,
+        skip_nonfinite: bool | None = None,
+        verbose: bool = True,
+    ) -> None:
+        self.options = {**RECOMMENDED, **(calibrate or {})}
+        unknown = sorted(set(self.options) - set(RECOMMENDED) - {"cap"})
+        if unknown:
+            raise ValueError(f"calibration options {', '.join(unknown)} are not among {', '.join(RECOMMENDED)}")
+        self.policy = CalibratedClip(**self.options)  # validates the options now
+        self.apply, self.csv_path, self.tracking = bool(apply), csv_path, tracking
+        self.experiment, self.run_name, self.verbose = experiment, run_name, verbose
+        self.skip_nonfinite = self.apply if skip_nonfinite is None else bool(skip_nonfinite)
+        self.records = RunRecords()
+        self.tracker = self.writer = None
+        self.user_tau: float | None = None
+        self._announced = 0
+
+    # -- run begin / end -------------------------------------------------------------------------
+    def begin(
+        self,
+        *,
+        total_steps: int | None,
+        user_tau: float | None,
+        default_csv: Path,
+        main_process: bool = True,
+        tags: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        """Build the policy for a run of ``total_steps`` and open its CSV (and MLflow run) on the main process."""
+        self.user_tau = user_tau if user_tau and user_tau > 0 else None
+        cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
+        self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
+        self.records, self._announced = RunRecords(), 0
+        if not main_process:
+            return
+        path = Path(self.csv_path) if self.csv_path else default_csv
+        if self.tracking is not None:
+            self.tracker = _open_run(self.tracking, self.experiment, self.run_name, tags or {}, params or {})
+            path = self.tracker.artifact_path("steps.csv")
+        self.writer = StepCSVWriter(path, COLUMNS)
+        self.say(f"steps.csv: {path}")
+
+    def end(self, step: int) -> dict[str, float]:
+        """Close the CSV and the MLflow run; a window cut short by an early stop is summarised as it stands."""
+        open_window = self.policy.state_dict()["calibrator"]
+        if not self.policy.summaries and open_window is not None:
+            seen = NormCalibrator(self.policy.quantile, self.policy.candidates, self.policy.confidence)
+            seen.load_state_dict(open_window)
+            if len(seen.norms) >= 2:
+                self._adopt_partial(seen)
+        if self.writer is None:
+            return {}
+        self.writer.close()
+        windows = list(self.policy.summaries)
+        cfg = SimpleNamespace(calibrate=SimpleNamespace(quantile=self.policy.quantile))
+        metrics = summary_metrics(cfg, self.records, windows)
+        for i, check in enumerate(self.policy.checks(), 1):
+            if check is not None:
+                self.say(f"window {i} τ={check.tau:.4g}: {check.verdict}; next: {check.action}")
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step=step)
+            payload = {"metrics": metrics, **calibration_payload(self.policy)}
+            self.tracker.artifact_path("quantiles.json").write_text(json.dumps(payload, indent=2, default=float))
+            self.tracker.end("FINISHED")
+        return metrics
+
+    def _adopt_partial(self, seen: NormCalibrator) -> None:
+        try:
+            self.policy._adopt(seen.summary())
+        except ValueError as e:  # every step of the window was skipped
+            self.say(f"{e}: no recommendation")
+            return
+        self._announce()
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    @property
+    def tau(self) -> float | None:
+        """The calibrated τ, once a window closed (recommended; applied with ``apply=True``)."""
+        return self.policy.tau
+
+    @property
+    def summary(self):
+        """The first window's ``CalibrationSummary`` (``None`` until it closes)."""
+        return self.policy.summaries[0] if self.policy.summaries else None
+
+    def clip_in_force(self) -> float | None:
+        """The τ the gradients of the next step are clipped at (``None``: not clipped)."""
+        return self.policy.threshold if self.apply else self.user_tau
+
+    def measure(
+        self, params: list[torch.Tensor], step: int, *, host_clips: bool, loss: Any = None, tokens: Any = None
+    ) -> Measured:
+        """Norm (and clip, unless ``host_clips``) the unscaled, accumulated gradients of ``params`` for ``step``.
+
+        ``host_clips``: the host clips after this call at its own τ (measure only, ``apply=False``).
+        ``loss``/``tokens``: the step's loss and token count as device tensors, read back with the norms.
+        """
+        grads = grads_of(params)
+        tau = self.clip_in_force()
+        if self.apply:
+            pre = total_norm(grads)
+            finite = torch.isfinite(pre)
+            post = torch.where(finite, self.policy.clip_(params, grads, torch.where(finite, pre, 0.0), step), pre)
+        elif tau is None or host_clips:
+            pre = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            post = pre if tau is None else pre * clip_coefficient(pre, tau)
+        else:  # the host's own clip, done for it: torch's, exactly
+            pre = torch.nn.utils.clip_grad_norm_(params, tau)
+            post = pre * clip_coefficient(pre, tau)
+        policy_tau = self.policy.threshold  # the calibrated τ once adopted: what the checks count
+        policy_post = post if self.apply or policy_tau is None else pre * clip_coefficient(pre, policy_tau)
+        nan = torch.full((), math.nan, device=pre.device)
+        extra = [nan if v is None else torch.as_tensor(v).detach().float().to(pre.device) for v in (loss, tokens)]
+        values = torch.stack([pre.float(), post.float(), policy_post.float(), *extra]).tolist()  # sync: the record
+        dropped = False
+        if not math.isfinite(values[0]) and self.skip_nonfinite:
+            for p in params:  # optimizer.step() skips parameters without a gradient
+                p.grad = None
+            dropped = True
+        tok = None if math.isnan(values[4]) else int(values[4])
+        return Measured(values[0], values[1], values[2], values[3], tok, dropped)
+
+    def record(self, step: int, lr: float, m: Measured, *, scale: float = 1.0, skipped: bool = False) -> StepLog:
+        """The step's record: fed to the calibration, written to ``steps.csv`` and MLflow."""
+        tok = m.tokens
+        common = dict(
+            step=step,
+            lr=lr,
+            grad_l2_pre_clip=m.pre,
+            loss=m.loss,
+            scaler_scale=scale,
+            token_count=tok,
+            max_norm=self.clip_in_force(),
+            extra={
+                "phase": self.policy.phase(step),
+                "grad_l2_token_normalised": m.pre * math.sqrt(tok) if tok else None,
+            },
+        )
+        if skipped or m.dropped:
+            log = SkipLog(grad_l2_post_clip=math.nan, clipped=False, skip_reason="nonfinite_grad", **common)
+            seen = log
+        else:
+            log = StepLog(grad_l2_post_clip=m.post, clipped=m.post < m.pre, **common)
+            seen = StepLog(**{**common, "grad_l2_post_clip": m.policy_post, "clipped": m.policy_post < m.pre})
+        try:
+            self.policy.observe(seen)  # at a window's last step: its summary; τ adopted for the next step
+        except CalibrationError as e:  # every step of the window was skipped
+            self.say(f"{e}: no recommendation")
+        self._announce()
+        if self.writer is not None:
+            row = log.row()
+            self.writer.write(row)
+            self.records.rows.append(row)
+            if self.tracker is not None:
+                self.tracker.add_step(step, self.records.step_metrics())
+        return log
+
+    def _announce(self) -> None:
+        """One line per newly closed window: where it was, its quantiles and the recommended τ."""
+        for s in self.policy.summaries[self._announced :]:
+            q, ci = s.quantiles, s.tau_ci
+            self.say(
+                f"calibration window steps {s.start_step}–{s.end_step} ({s.n_finite} finite, {s.n_skipped} skipped): "
+                f"‖g‖ p50 {q['p50']:.4g}  p95 {q['p95']:.4g}  p99 {q['p99']:.4g} → recommended τ="
+                f"{s.recommended_max_norm:.4g} (Quantile_{self.policy.quantile:.3g}, {_interval(ci)}) "
+                f"predicting {s.predicted_clip_ratio:.1%} clipped; "
+                + (f"applied from step {s.end_step + 1}" if self.apply else "not applied (apply=True clips at it)")
+            )
+            if self.tracker is not None:
+                window = {f"window_{k}": v for k, v in q.items()}
+                self.tracker.log_metrics({**window, "window_recommended_max_norm": s.recommended_max_norm}, s.end_step)
+        self._announced = len(self.policy.summaries)
+
+    def say(self, message: str) -> None:
+        if self.verbose and self.writer is not None:
+            print(f"clipamp: {message}", flush=True)
+
+
+def _interval(ci) -> str:
+    """A quantile's interval; a side the window is too short to bound says so."""
+    if ci.bounded:
+        return f"interval [{ci.low:.4g}, {ci.high:.4g}]"
+    low = f"{ci.low:.4g}" if math.isfinite(ci.low) else "unbounded"
+    high = f"{ci.high:.4g}" if math.isfinite(ci.high) else "unbounded"
+    return f"interval [{low}, {high}]: the window is too short to bound it"
+
+
+def _open_run(tracking: str, experiment: str, run_name: str | None, tags: dict[str, str], params: dict[str, Any]):
+    """A RunTracker for the integration's MLflow run (a child of the process's active run, if any)."""
+    import mlflow
+
+    from ..run.tracking import RunTracker, Store
+
+    active = mlflow.active_run() if tracking == "auto" else None
+    store = Store.open(mlflow.get_tracking_uri() if active else None if tracking == "auto" else tracking, experiment)
+    name = run_name or f"{tags.get('run', 'host')}-{tags.get('model', 'model')}"
+    tracker = RunTracker(
+        store.client, store.experiment_id, name, tags=tags, parent_run_id=active.info.run_id if active else None
+    )
+    tracker.log_params(params)
+    return tracker

@@ -1,0 +1,62 @@
+"""``ClipampAccelerate``: its ``clip_grad_norm_`` in an accelerate loop changes nothing (``apply=False``)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+accelerate = pytest.importorskip("accelerate")
+
+from sweep.integrations.accelerate import ClipampAccelerate  # noqa: E402
+from tests.engine.nanogpt_shaped import NanoGPTShaped, batches, configure_optimizers  # noqa: E402
+
+SIZE = dict(vocab=32, block=8, d=16, n_layer=1, n_head=2)
+
+
+def run(tmp_path, steps, tau, clipamp: bool):
+    """An accelerate loop (bf16, accumulation 2); returns (model, pre-clip norms)."""
+    from accelerate import Accelerator
+
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2, cpu=True)
+    torch.manual_seed(0)
+    model = NanoGPTShaped(**SIZE)
+    optimizer = configure_optimizers(model)
+    data = batches(2 * steps, batch=4, block=SIZE["block"], vocab=SIZE["vocab"])
+    model, optimizer = accelerator.prepare(model, optimizer)
+    cb = (
+        ClipampAccelerate(accelerator, total_steps=steps, tracking=None, csv_path=tmp_path / "steps.csv")
+        if clipamp
+        else None
+    )
+    norms = []
+    for x, y in data:
+        with accelerator.accumulate(model):
+            logits, _ = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                clip = cb.clip_grad_norm_ if cb else accelerator.clip_grad_norm_
+                norms.append(float(clip(model.parameters(), tau)))
+            optimizer.step()
+            optimizer.zero_grad()
+            if cb and accelerator.sync_gradients:
+                cb.step_end(loss)
+    if cb:
+        cb.end()
+    return model, norms
+
+
+def test_apply_false_changes_nothing_in_a_bf16_accumulated_loop(tmp_path):
+    steps, tau = 20, 0.25
+    ours, ours_norms = run(tmp_path, steps, tau, clipamp=True)
+    ref, ref_norms = run(tmp_path, steps, tau, clipamp=False)
+    assert len(ref_norms) == steps and ours_norms == ref_norms
+    assert sum(n > tau for n in ref_norms) > steps / 2
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p, q), name
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["grad_l2_pre_clip"].tolist() == ref_norms and df["step"].tolist() == list(range(1, steps + 1))
+    assert df["loss"].notna().all()

@@ -1,0 +1,112 @@
+"""The Lightning ``ClipampCallback``: ``apply=False`` leaves a fit bit-identical; ``apply=True`` clips as
+Lightning would."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning")
+
+from sweep.integrations.lightning import ClipampCallback  # noqa: E402
+from tests.engine.nanogpt_shaped import NanoGPTShaped, batches, configure_optimizers  # noqa: E402
+
+SIZE = dict(vocab=32, block=8, d=16, n_layer=1, n_head=2)
+
+
+class LitGPT(L.LightningModule):
+    """nanoGPT-shaped, two AdamW groups (decay first): Lightning clips in that group order."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = NanoGPTShaped(**SIZE)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits, _ = self.model(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return configure_optimizers(self.model)
+
+
+def _loader(steps, accumulate):
+    data = batches(steps * accumulate, batch=4, block=SIZE["block"], vocab=SIZE["vocab"])
+    x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+def fit(tmp_path, callbacks, steps, tau, accumulate=2):
+    """One fit; returns (module, the norms Lightning's clip_grad_norm_ computed)."""
+    torch.manual_seed(0)
+    module = LitGPT()
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=tau,
+        callbacks=callbacks,
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    norms, clip = [], torch.nn.utils.clip_grad_norm_
+
+    def spy(*args, **kw):
+        norms.append(clip(*args, **kw))
+        return norms[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+        trainer.fit(module, _loader(steps, accumulate))
+    return module, [float(n) for n in norms]
+
+
+def _compare(tmp_path, steps, tau):
+    cb = ClipampCallback(tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)
+    ours, ours_norms = fit(tmp_path / "a", [cb], steps, tau)
+    ref, ref_norms = fit(tmp_path / "b", [], steps, tau)
+    assert len(ref_norms) == steps and ours_norms == ref_norms  # Lightning's own norm, every step
+    assert sum(n > tau for n in ref_norms) > steps / 2  # most steps clip
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p, q), name
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["step"].tolist() == list(range(1, steps + 1))
+    assert df["grad_l2_pre_clip"].tolist() == ref_norms  # the callback's pre-clip norm is Lightning's
+    return cb, df
+
+
+def test_apply_false_changes_nothing_in_a_short_bf16_fit(tmp_path):
+    _compare(tmp_path, steps=6, tau=0.25)
+
+
+@pytest.mark.slow  # two 60-step fits
+def test_apply_false_changes_nothing_in_a_60_step_bf16_accumulated_fit(tmp_path):
+    cb, df = _compare(tmp_path, steps=60, tau=0.25)
+    assert df["loss"].notna().all()
+
+
+def test_apply_true_clips_at_the_users_tau_then_at_the_calibrated_one(tmp_path):
+    """In the window the callback's clip is Lightning's (bit for bit); after it, τ = the window's quantile."""
+    steps, window, tau0 = 8, 4, 0.25
+    cb = ClipampCallback(
+        apply=True, window=window, start=0, quantile=0.95, tracking=None, csv_path=tmp_path / "s.csv", verbose=False
+    )
+    ours, _ = fit(tmp_path / "a", [cb], window, tau0)
+    ref, _ = fit(tmp_path / "b", [], window, tau0)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), ours.parameters()))
+    cb = ClipampCallback(
+        apply=True, window=window, start=0, quantile=0.95, tracking=None, csv_path=tmp_path / "s.csv", verbose=False
+    )
+    fit(tmp_path / "c", [cb], steps, tau0)
+    df = pd.read_csv(tmp_path / "s.csv")
+    tau = cb.summary.recommended_max_norm
+    assert tau == pytest.approx(df["grad_l2_pre_clip"][:window].quantile(0.95), rel=1e-9)
+    assert df["max_norm"].tolist() == [tau0] * window + [tau] * (steps - window)
+    assert df["phase"].tolist() == ["calibrate"] * window + ["validate"] * (steps - window)

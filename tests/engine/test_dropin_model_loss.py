@@ -1,0 +1,121 @@
+"""Models that compute their own loss train through ``AmpTrainState(model, optimizer)`` without an adapter."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clipamp_engine.model_loss import EXPECTED_MODEL_OUTPUT
+from clipamp_engine.step import AmpTrainState
+
+from .nanogpt_shaped import NanoGPTShaped, batches, configure_optimizers
+
+TINY = dict(vocab=32, block=8, d=16, n_layer=1, n_head=2)
+
+
+def _pair():
+    torch.manual_seed(0)
+    model = NanoGPTShaped(**TINY)
+    return model, configure_optimizers(model)
+
+
+def test_a_model_returning_logits_and_loss_is_the_canonical_recipe_bit_for_bit():
+    """nanoGPT's loop: ``_, loss = model(x, y)`` under autocast, ``loss / k``, clip, step."""
+    data, tau, k = batches(20, batch=8, block=8, vocab=32), 0.25, 2
+    ref, opt = _pair()
+    ref_norms = []
+    for x, y in data:
+        for xm, ym in zip(x.tensor_split(k), y.tensor_split(k)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = ref(xm, ym)
+            (loss / k).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), tau)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model, opt = _pair()
+    state = AmpTrainState(model, opt, dtype="bf16", max_norm=tau, accumulation_steps=k)
+    logs = [state.step(x, y) for x, y in data]
+    assert [r.grad_l2_pre_clip for r in logs] == ref_norms
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    assert all(math_finite(r.loss) for r in logs)
+
+
+def math_finite(v):
+    return v == v and abs(v) != float("inf")
+
+
+class OwnLoss(torch.nn.Module):
+    """``forward(x, y)`` returns ``wrap(prediction, loss)``; ``forward(input_ids=, labels=)`` for mappings."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.lin, self.wrap = torch.nn.Linear(4, 1), wrap
+
+    def forward(self, x=None, y=None, *, input_ids=None, labels=None):
+        x, y = (input_ids, labels) if input_ids is not None else (x, y)
+        pred = self.lin(x)
+        return self.wrap(pred, F.mse_loss(pred.float(), y))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda p, loss: (p, loss),  # nanoGPT
+        lambda p, loss: (loss, p),  # transformers with return_dict=False
+        lambda p, loss: {"logits": p, "loss": loss},
+        lambda p, loss: SimpleNamespace(logits=p, loss=loss),  # a ModelOutput's attribute
+    ],
+    ids=["logits-loss", "loss-logits", "dict", "attribute"],
+)
+@pytest.mark.parametrize("mapping_inputs", [False, True])
+def test_each_output_form_trains_and_equals_the_same_loss_through_loss_fn(wrap, mapping_inputs):
+    torch.manual_seed(0)
+    own, plain = OwnLoss(wrap), torch.nn.Linear(4, 1)
+    plain.load_state_dict(own.lin.state_dict())
+    s_own = AmpTrainState(own, torch.optim.SGD(own.parameters(), lr=0.1), dtype="fp32", max_norm=0.5)
+    s_plain = AmpTrainState(plain, torch.optim.SGD(plain.parameters(), lr=0.1), F.mse_loss, dtype="fp32", max_norm=0.5)
+    for _ in range(3):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        a = s_own.step({"input_ids": x} if mapping_inputs else x, y)
+        b = s_plain.step(x, y)
+        assert (a.loss, a.grad_l2_pre_clip) == (b.loss, b.grad_l2_pre_clip)
+    assert torch.equal(own.lin.weight, plain.weight)
+
+
+@pytest.mark.parametrize(
+    "wrap, got",
+    [
+        (lambda p, loss: p, "a tensor of shape (8, 1)"),
+        (lambda p, loss: (p, None), "a tuple of a tensor of shape (8, 1), None"),
+        (lambda p, loss: (loss, loss), "a tuple of a tensor of shape (), a tensor of shape ()"),
+        (lambda p, loss: {"logits": p}, "a dict"),
+        (lambda p, loss: SimpleNamespace(loss=None), "a SimpleNamespace"),
+    ],
+)
+def test_a_wrong_model_output_is_one_line_naming_the_expected_forms(wrap, got):
+    model = OwnLoss(wrap)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype="fp32")
+    msg = f"the model computes its own loss (loss_fn=None) but returned {got}: expected {EXPECTED_MODEL_OUTPUT}"
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+        state.step(torch.randn(8, 4), torch.randn(8, 1))
+
+
+def test_a_loss_fn_returning_none_names_the_forms_and_loss_fn_none():
+    """The obvious adapter for a ``(logits, loss)`` model called without targets gets ``None``."""
+    model, opt = _pair()
+    state = AmpTrainState(model, opt, lambda out, y: out[1], dtype="bf16")
+    x, y = batches(1, batch=4, block=8, vocab=32)[0]
+    with pytest.raises(
+        ValueError, match=r"^loss_fn returned None: expected a loss tensor or \(loss_sum, token_count\); "
+    ):
+        state.step(x, y)
+
+
+def test_per_example_clipping_needs_a_loss_fn():
+    model, opt = _pair()
+    from clipamp_engine.clip.dpsgd import DPSGDClip
+
+    with pytest.raises(ValueError, match="needs a loss_fn"):
+        AmpTrainState(model, opt, dtype="fp32", clip=DPSGDClip(1.0, 0.0))
