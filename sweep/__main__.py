@@ -65,8 +65,8 @@ def precheck(argv: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")  # a path: no pkg:// lookup
 def main(cfg: DictConfig) -> None:
     from sweep.app import run
-    from sweep.run.launch import rank_from_env, torchrun_world
-    from sweep.run.rank_failure import RankFailed, one_line
+    from sweep.distributed.launch import rank_from_env, torchrun_world
+    from sweep.distributed.rank_failure import RankFailed, one_line
 
     try:
         hydra_cfg = HydraConfig.get()

@@ -7,10 +7,10 @@ from pathlib import Path
 from rich.console import Console
 
 from sweep.config import Config, validate
+from sweep.distributed import launch as ranks
 from sweep.experiments.training import run_single
-from sweep.run import launch as ranks
-from sweep.run.store import anchored
-from sweep.run.tracking import Store, resolve_uri
+from sweep.tracking.store import anchored
+from sweep.tracking.tracker import Store, resolve_uri
 
 
 def experiment(name: str):

@@ -290,7 +290,7 @@ class FaultsConfig:
 
 @dataclass
 class DistConfig:
-    """Several processes under ``torchrun`` (``sweep.run.launch``); ``auto``: ddp there, else none."""
+    """Several processes under ``torchrun`` (``sweep.distributed.launch``); ``auto``: ddp there, else none."""
 
     strategy: str = choice("auto", STRATEGIES)
     timeout_s: float = 600.0  # a collective waiting longer than this (a rank died or hangs) ends the run

@@ -22,7 +22,7 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
-from sweep.run.tracking import open_client, resolve_uri
+from sweep.tracking.tracker import open_client, resolve_uri
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
 _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}

@@ -18,7 +18,7 @@ from sweep.report.plots import plt, save
 from sweep.tasks.build import count_text
 
 if TYPE_CHECKING:
-    from sweep.run.tracking import RunTracker
+    from sweep.tracking.tracker import RunTracker
 
 #: Columns of the terminal table (the markdown/CSV artifacts have all of them).
 TERMINAL_COLUMNS = ("arm", "τ", "‖g‖", "×peak", "applied", "recovery")

@@ -14,7 +14,7 @@ from sweep.report.plots import plot_sweep
 
 if TYPE_CHECKING:
     from sweep.experiments.study.result import SweepResult
-    from sweep.run.tracking import RunTracker
+    from sweep.tracking.tracker import RunTracker
 
 SWEEP_COLUMNS = (
     "trial",

@@ -22,7 +22,15 @@ ENTRY_POINTS = {
     "sweep.experiments.spike.experiment",
 }
 #: Layers that never import presentation or experiments.
-LOWER = ("sweep.errors", "sweep.config", "sweep.tasks", "sweep.run", "sweep.pick")
+LOWER = (
+    "sweep.errors",
+    "sweep.config",
+    "sweep.tasks",
+    "sweep.run",
+    "sweep.tracking",
+    "sweep.distributed",
+    "sweep.pick",
+)
 
 
 def module_name(path: Path) -> str:

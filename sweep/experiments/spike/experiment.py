@@ -11,6 +11,7 @@ from rich.console import Console
 from sweep.config.convert import flat_params, with_overrides
 from sweep.config.schema import Config
 from sweep.config.validate import check_spike
+from sweep.distributed.launch import Launch
 from sweep.experiments.spike.arms import play_pair
 from sweep.experiments.spike.measure import Arm, SpikeResult, arm_metrics, fp16_outcome
 from sweep.report.format import print_wide
@@ -24,8 +25,7 @@ from sweep.report.spike import (
     table_title,
     write_spike_table,
 )
-from sweep.run.launch import Launch
-from sweep.run.tracking import RunTracker, SilentTracker, Store, log_metrics, redact
+from sweep.tracking.tracker import RunTracker, SilentTracker, Store, log_metrics, redact
 
 #: The clipping policies compared (each as an unspiked twin + a spiked run); fp16 runs the last only.
 POLICIES = ("none", "fixed", "calibrated")

@@ -13,7 +13,7 @@ import optuna
 
 from sweep.config.schema import Config
 from sweep.errors import UserError
-from sweep.run.tracking import redact, redact_text, sqlite_path
+from sweep.tracking.tracker import redact, redact_text, sqlite_path
 
 STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
 

@@ -32,7 +32,7 @@ from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
 from sweep.run.checkpoint import release_run
 from sweep.run.loop import StopRequest
-from sweep.run.tracking import RunTracker, Store, redact, redact_text
+from sweep.tracking.tracker import RunTracker, Store, redact, redact_text
 
 
 @contextmanager

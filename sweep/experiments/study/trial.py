@@ -23,7 +23,7 @@ from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.trial_launch import run_job
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
-from sweep.run.tracking import RunTracker, Store, log_metrics, redact_text
+from sweep.tracking.tracker import RunTracker, Store, log_metrics, redact_text
 
 
 class Pruned(optuna.TrialPruned, StopRun):

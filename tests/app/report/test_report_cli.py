@@ -135,7 +135,7 @@ def test_reading_runs_leaves_the_tracking_uri_of_later_runs_alone(runs, monkeypa
     import mlflow
 
     from sweep.report.runs import frame
-    from sweep.run.tracking import resolve_uri
+    from sweep.tracking.tracker import resolve_uri
 
     if before is None:
         monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -20,7 +20,7 @@ from sweep.experiments.study import trial as trial_module
 from sweep.experiments.study.result import SweepResult
 from sweep.pick import pick_trial
 from sweep.report.cli import main as report_main
-from sweep.run.tracking import Store
+from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 STEPS = 8
