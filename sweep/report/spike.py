@@ -12,9 +12,9 @@ from rich import box
 from rich.table import Table
 
 from sweep.config.schema import Config, window_ranges
-from sweep.experiments.spike.measure import Arm, loss_excess
 from sweep.report.format import markdown_table, pct
 from sweep.report.plots import plt, save
+from sweep.results.spike import Arm, loss_excess
 from sweep.tasks.build import count_text
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from sweep.report.format import fmt, frame_markdown, pct, ui_command
 from sweep.report.plots import plot_sweep
 
 if TYPE_CHECKING:
-    from sweep.experiments.study.result import SweepResult
+    from sweep.results.study import SweepResult
     from sweep.tracking.tracker import RunTracker
 
 SWEEP_COLUMNS = (

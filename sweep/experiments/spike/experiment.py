@@ -13,7 +13,6 @@ from sweep.config.schema import Config
 from sweep.config.validate import check_spike
 from sweep.distributed.launch import Launch
 from sweep.experiments.spike.arms import play_pair
-from sweep.experiments.spike.measure import Arm, SpikeResult, arm_metrics, fp16_outcome
 from sweep.report.format import print_wide
 from sweep.report.run import write_run_report
 from sweep.report.spike import (
@@ -25,6 +24,7 @@ from sweep.report.spike import (
     table_title,
     write_spike_table,
 )
+from sweep.results.spike import Arm, SpikeResult, arm_metrics, fp16_outcome
 from sweep.tracking.tracker import RunTracker, SilentTracker, Store, log_metrics, redact
 
 #: The clipping policies compared (each as an unspiked twin + a spiked run); fp16 runs the last only.

@@ -15,7 +15,6 @@ from rich.console import Console
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.experiments.study.progress import TrialProgress
-from sweep.experiments.study.result import SweepResult, trials_table
 from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, resolve_anchor
 from sweep.experiments.study.storage import (
     default_storage,
@@ -30,6 +29,7 @@ from sweep.experiments.study.workers import hold_worker, recover_dead_workers, s
 from sweep.pick import PICK_RULES, pick_trial
 from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
+from sweep.results.study import SweepResult, trials_table
 from sweep.run.checkpoint import release_run
 from sweep.run.loop import StopRequest
 from sweep.tracking.tracker import RunTracker, Store, redact, redact_text

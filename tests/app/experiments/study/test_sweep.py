@@ -17,9 +17,9 @@ from sweep.config import validate
 from sweep.errors import UserError
 from sweep.experiments.study import space, storage
 from sweep.experiments.study import trial as trial_module
-from sweep.experiments.study.result import SweepResult
 from sweep.pick import pick_trial
 from sweep.report.cli import main as report_main
+from sweep.results.study import SweepResult
 from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
