@@ -29,6 +29,7 @@ LOWER = (
     "sweep.run",
     "sweep.tracking",
     "sweep.distributed",
+    "sweep.results",
     "sweep.pick",
 )
 
