@@ -41,7 +41,8 @@ def module_name(path: Path) -> str:
 
 def import_graph(root: Path = SWEEP) -> dict[str, set[str]]:
     """Module → the ``sweep`` modules it imports anywhere in its body (function-level and
-    ``TYPE_CHECKING`` imports included; ``from pkg import name`` counts ``pkg.name`` when that is a module)."""
+    ``TYPE_CHECKING`` imports included; ``from pkg import name`` counts ``pkg``, and ``pkg.name`` when that
+    is a module)."""
     modules = {module_name(p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -55,7 +56,8 @@ def import_graph(root: Path = SWEEP) -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+                # ``from pkg import mod`` runs pkg/__init__ first: it imports the package and the module
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
             edges |= {t for t in targets if t in modules and t != name}
@@ -100,6 +102,7 @@ def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("from . import b\n")
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import x\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sweep.sub.b\n")
+    (pkg / "sub" / "d.py").write_text("from . import b\n")
     import tests.app.test_architecture as me
 
     old = me.REPO
@@ -109,6 +112,7 @@ def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
     finally:
         me.REPO = old
     assert graph["sweep.sub"] == {"sweep.sub.b"} and graph["sweep.sub.b"] == {"sweep.c"}
+    assert graph["sweep.sub.d"] == {"sweep.sub", "sweep.sub.b"}  # ``from pkg import mod`` runs pkg first
     assert find_cycle(graph) == ["sweep.c", "sweep.sub.b", "sweep.c"]
 
 
