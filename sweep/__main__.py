@@ -13,7 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sweep.config.convert import to_config
+from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.schema import register
 from sweep.errors import UserError, fail, one_line
 from sweep.run.loop import RunInterrupted
@@ -56,6 +56,7 @@ def precheck(argv: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     try:
+        refuse_renamed(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             to_config(compose(config_name="config", overrides=overrides))
     except Exception as e:  # Hydra/OmegaConf composition and schema errors

@@ -177,10 +177,11 @@ def check_study(cfg: Config) -> None:
             f"study.anchor={s.anchor!r} is not 'window' or an MLflow run id (32 hex digits): pass "
             f"study.anchor=window, the id of a calibrate run, or null for the max_norm_low/high range"
         )
-    if not 0.0 <= s.target_clip_low <= s.target_clip_high <= 1.0:
+    band = list(s.target_clip)
+    if len(band) != 2 or not 0.0 <= band[0] <= band[1] <= 1.0:
         raise UserError(
-            f"study.target_clip_low={s.target_clip_low}, study.target_clip_high={s.target_clip_high} "
-            f"must satisfy 0 <= low <= high <= 1"
+            f"study.target_clip={band} must be [low, high] with 0 <= low <= high <= 1: "
+            "pass e.g. study.target_clip=[0.01,0.2]"
         )
     if not 0.0 <= s.prune_warmup < 1.0:
         raise UserError(f"study.prune_warmup={s.prune_warmup} must be in [0, 1)")

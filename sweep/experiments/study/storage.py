@@ -93,7 +93,7 @@ def task_key(cfg: Config) -> dict[str, Any]:
         "anchor_high": s.anchor_high,
     }
     if s.mode == "constrained":
-        space["band"] = [s.target_clip_low, s.target_clip_high]
+        space["band"] = list(s.target_clip)
     if s.anchor == "window":
         space["window"] = [cfg.calibrate.window, cfg.calibrate.cap, cfg.amp.dtype]
     key = {

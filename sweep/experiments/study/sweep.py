@@ -125,7 +125,7 @@ def _sweep_as_worker(
         except KeyboardInterrupt:
             status = "KILLED"
             raise
-        band = (s.target_clip_low, s.target_clip_high)
+        band = tuple(s.target_clip)
         table = trials_table(study, band)
         c = ctx.counters
         result = SweepResult(
@@ -176,7 +176,7 @@ def _run_trials(
 ) -> TrialContext:
     """``study.n_trials`` trials; SIGINT/SIGTERM between trials stops before the next one."""
     s = cfg.study
-    band = (s.target_clip_low, s.target_clip_high)
+    band = tuple(s.target_clip)
 
     def best() -> str:
         p = pick_trial(trials_table(study, band), band)

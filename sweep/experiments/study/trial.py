@@ -99,8 +99,8 @@ class _Watch:
     def constrain(self, clip_ratio: float) -> None:
         """Constrained mode: the clipping ratio must lie in the target band (``trial.set_constraint``)."""
         if self.s.mode == "constrained" and math.isfinite(clip_ratio):
-            self.trial.set_constraint("clip_ratio_low", self.s.target_clip_low - clip_ratio)
-            self.trial.set_constraint("clip_ratio_high", clip_ratio - self.s.target_clip_high)
+            self.trial.set_constraint("clip_ratio_low", self.s.target_clip[0] - clip_ratio)
+            self.trial.set_constraint("clip_ratio_high", clip_ratio - self.s.target_clip[1])
 
     def partial_metrics(self) -> dict[str, float]:
         """clip/skip ratios and final loss over the steps a stopped trial did run."""

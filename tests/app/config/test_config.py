@@ -120,6 +120,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
         "Error locating target 'no_such.Layer'",
     ),
     (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available on this machine"),
+    (["+experiment=sweep", "study.target_clip_high=0.3"], "study.target_clip_high is now study.target_clip=[low,high]"),
     (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
     (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
     (["+experiment=calibrate", "tracking.uri=sqlite:///BLOCKED/mlruns/mlflow.db"], "cannot write in"),
@@ -147,3 +148,22 @@ def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(tmp_pat
         client = MlflowClient(f"sqlite:///{db}")
         exps = [e.experiment_id for e in client.search_experiments()]
         assert not client.search_runs(exps, filter_string="attributes.status = 'RUNNING'")
+
+
+@pytest.mark.parametrize("key", ["study.target_clip_low", "+study.target_clip_high"])
+def test_the_old_band_spelling_is_refused_naming_the_new_key(key, capsys):
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=sweep", f"{key}=0.1"])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"error: {key.lstrip('+')} is now study.target_clip=[low,high], one band as in calibrate.target_clip: "
+        "pass e.g. study.target_clip=[0.01,0.2]"
+    )
+
+
+def test_the_band_is_one_key():
+    cfg = compose_cfg("+experiment=sweep", "study.target_clip=[0.02,0.1]")
+    assert cfg.study.target_clip == [0.02, 0.1] and compose_cfg().study.target_clip == [0.01, 0.2]
