@@ -58,13 +58,29 @@ def test_common_overrides_compose():
         (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
         (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
         (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
-        (["calibrate.start=later"], "calibrate.start='later' must be auto"),
-        (["calibrate.start=-3"], "calibrate.start=-3 must be auto"),
+        (["calibrate.start=later"], "calibrate.start='later' must be 'auto' or a number of steps >= 0"),
+        (["calibrate.start=-3"], "calibrate.start=-3 must be 'auto' or a number of steps >= 0"),
         (
             ["calibrate.start=400", "calibrate.window=200"],
             "calibrate.start=400 + calibrate.window=200 is larger than steps=500",
         ),
-        (["calibrate.validate=-1"], "calibrate.validate=-1 must be >= 0"),
+        (["calibrate.validate=-1"], "calibrate.validate=-1 must be a number of steps >= 0"),
+        (["calibrate.window=1"], "calibrate.window=1 must be an integer >= 2 steps: pass e.g. calibrate.window=100"),
+        (
+            ["calibrate.every=50"],
+            "calibrate.every=50 must be 0 (one window) or an integer >= calibrate.window=200: "
+            "pass e.g. calibrate.every=0",
+        ),
+        (
+            ["calibrate.cap=-1"],
+            "calibrate.cap=-1.0 must be a finite number > 0: "
+            "pass e.g. calibrate.cap=null (no clipping during the window)",
+        ),
+        (
+            ["calibrate.quantile=2"],
+            "calibrate.quantile=2.0 must be in (0, 1), e.g. 0.95: pass e.g. calibrate.quantile=0.95, "
+            "or null (aim τ at calibrate.target_clip)",
+        ),
         (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
         (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
         (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
