@@ -154,16 +154,15 @@ def engine_check(build: Callable[[], object], group: str, node: Any, options: di
         line = " ".join(str(e).split())
         line = re.sub(rf"(?<![\w.])({names})(?= ?(?:=|<=|>=|<|>))", rf"{group}.\1", line)
         line = re.sub(rf"(?<=<= )({names})\b", rf"{group}.\1", line)
-        named = [k for k in re.findall(rf"{group}\.({names})\b", line)]
+        named = re.findall(rf"{group}\.({names})\b", line)
         defaults = type(node)()
         changed = [k for k in named if getattr(node, k) != getattr(defaults, k)] or named
         if changed:
-            key = f"{group}.{changed[0]}"
-            default = getattr(defaults, changed[0])
-            null = f" ({_NULL_MEANS[key]})" if key in _NULL_MEANS else ""
-            line += f": pass e.g. {key}={_shown(default)}" + (
-                null if default is None else f", or null{null}" * bool(null)
-            )
+            key, default = f"{group}.{changed[0]}", getattr(defaults, changed[0])
+            fix, meaning = f"{key}={_shown(default)}", _NULL_MEANS.get(key)
+            if meaning:
+                fix += f" ({meaning})" if default is None else f", or null ({meaning})"
+            line += f": pass e.g. {fix}"
         raise UserError(line) from None
 
 
