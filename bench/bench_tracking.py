@@ -23,8 +23,8 @@ from clipamp_engine import StepCSVWriter
 from sweep.config.schema import Config
 from sweep.run.build import build_state
 from sweep.run.loop import APP_COLUMNS, RunRecords, run_steps
-from sweep.run.tracking import RunTracker, ensure_experiment
 from sweep.tasks.build import build_task
+from sweep.tracking.tracker import RunTracker, ensure_experiment
 
 
 def main() -> None:

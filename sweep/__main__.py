@@ -13,9 +13,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sweep.config.convert import to_config
+from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.schema import register
-from sweep.errors import UserError, fail
+from sweep.errors import UserError, fail, one_line
 from sweep.run.loop import RunInterrupted
 from sweep.secrets import hide_argv, redact_text
 
@@ -40,7 +40,7 @@ def hydra_subdir(output_dir: str, cwd: str) -> str | None:
 OmegaConf.register_new_resolver("clipamp.hydra_subdir", hydra_subdir, replace=True)
 
 
-def _one_line(e: BaseException) -> str:
+def _user_line(e: BaseException) -> str:
     """The message (and its cause's) on one line, without Hydra's search-path dump."""
     text = str(e)
     if e.__cause__ is not None and str(e.__cause__) not in text:
@@ -56,23 +56,24 @@ def precheck(argv: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     try:
+        refuse_renamed(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             to_config(compose(config_name="config", overrides=overrides))
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
-        fail(_one_line(e))
+        fail(_user_line(e))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")  # a path: no pkg:// lookup
 def main(cfg: DictConfig) -> None:
     from sweep.app import run
-    from sweep.run.launch import rank_from_env, torchrun_world
-    from sweep.run.rank_failure import RankFailed, one_line
+    from sweep.distributed.launch import rank_from_env, torchrun_world
+    from sweep.distributed.rank_failure import RankFailed
 
     try:
         hydra_cfg = HydraConfig.get()
         run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))
     except UserError as e:
-        fail(_one_line(e))
+        fail(_user_line(e))
     except RunInterrupted as e:
         if rank_from_env() != 0:
             sys.exit(130)

@@ -7,10 +7,9 @@ from pathlib import Path
 from rich.console import Console
 
 from sweep.config import Config, validate
+from sweep.distributed import launch as ranks
 from sweep.experiments.training import run_single
-from sweep.run import launch as ranks
-from sweep.run.store import anchored
-from sweep.run.tracking import Store, resolve_uri
+from sweep.tracking.tracker import open_store
 
 
 def experiment(name: str):
@@ -45,16 +44,3 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
         return experiment(cfg.run)(cfg, store, Console(soft_wrap=True))
 
     return launch.run(go)
-
-
-def open_store(cfg: Config, overrides: list[str] | None, launch: ranks.Launch, base_dir: Path) -> Store:
-    """Rank 0 opens (creates, migrates) the store; the other ranks wait, learn the experiment, never touch it."""
-    opened: list[Store] = []
-
-    def on_main() -> tuple[str, str, dict[str, str]]:
-        uri = anchored(resolve_uri(cfg.tracking.uri), base_dir)
-        opened.append(Store.open(uri, cfg.tracking.experiment, overrides))
-        return opened[0].experiment_id, opened[0].uri, opened[0].tags
-
-    experiment_id, uri, tags = launch.agree(on_main)
-    return opened[0] if opened else Store(None, experiment_id, uri, tags)

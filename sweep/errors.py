@@ -10,6 +10,13 @@ import time
 RANK_GRACE_S = 5.0
 
 
+def one_line(e: BaseException, limit: int | None = None) -> str:
+    """``Type: message`` on one line (whitespace runs collapsed; ``no message`` when empty), the message
+    cut at ``limit`` characters: how a library's exception is quoted inside a ``UserError``."""
+    text = " ".join(str(e).split()) or "no message"
+    return f"{type(e).__name__}: {text[:limit]}"
+
+
 class UserError(ValueError):
     """A bad value a user can fix; the message names the value, the allowed set and the fix."""
 

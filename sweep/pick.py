@@ -14,7 +14,7 @@ import pandas as pd
 
 PICK_RULES = """\
 1. among COMPLETE trials with a finite eval loss whose clipping ratio lies in the target band
-   ``[target_clip_low, target_clip_high]``: the lowest eval loss (ties: lower clipping ratio, then
+   ``study.target_clip=[low, high]``: the lowest eval loss (ties: lower clipping ratio, then
    the earlier trial) — rule ``in-band-min-loss``;
 2. if none lies in the band: the trial whose clipping ratio is nearest to the band (ties: lower
    eval loss) — rule ``nearest-band``;

@@ -1,5 +1,5 @@
 """``python -m sweep.resend DIR [--tracking-uri URI]``: send what a run kept while its tracking server
-was away (``sweep.run.outbox``): its metric values, tags, artifacts and its end (FINISHED/KILLED/FAILED).
+was away (``sweep.tracking.outbox``): its metric values, tags, artifacts and its end (FINISHED/KILLED/FAILED).
 
 ``DIR`` is the folder the run's warning named (it holds ``pending.json`` and the artifacts). The
 server is ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else the one the run used (its password,
@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 
 from sweep.errors import UserError, fail
-from sweep.run.outbox import PENDING, read_pending
-from sweep.run.tracking import open_client, redact
+from sweep.tracking.outbox import PENDING, read_pending
+from sweep.tracking.tracker import open_client, redact
 
 
 def main(argv: list[str] | None = None) -> int:

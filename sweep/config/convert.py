@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sweep.config.schema import Config, ModelConfig
+from sweep.config.schema import RENAMED, Config, ModelConfig
 from sweep.errors import UserError
 
 
@@ -43,6 +43,14 @@ def to_config(node: Any) -> Config:
             kwargs[key] = plain.pop(key)
         node.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), plain)
     return OmegaConf.to_object(node)
+
+
+def refuse_renamed(overrides: Sequence[str]) -> None:
+    """``UserError`` for an override of a key that ``RENAMED`` lists, naming the key to pass instead."""
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key in RENAMED:
+            raise UserError(f"{key} is now {RENAMED[key]}")
 
 
 def as_yaml(cfg: Config) -> str:

@@ -14,14 +14,14 @@ the engine itself.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from clipamp_engine.band import band_quantile
 from clipamp_engine.calibration import CalibrationWindows
-from clipamp_engine.clip import CLIP_MODES
+from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from clipamp_engine.step import DTYPES
 
 RUNS = ("calibrate", "train", "sweep", "spike")
@@ -171,21 +171,32 @@ class ClipConfig:
     seed: int | None = None  # dpsgd: noise RNG seed
 
 
+#: The engine's defaults of ``clip=calibrated`` (``CalibratedClip``): the one place the default window,
+#: quantile, band, … are written; ``calibrate.*`` and ``conf/clip/calibrated.yaml`` (tested) follow them.
+CALIBRATED = clip_mode_options("calibrated")
+
+
+def _engine(key: str) -> Any:
+    """A ``calibrate.*`` field defaulting to ``CalibratedClip``'s ``key`` (a fresh copy of a list)."""
+    return field(default_factory=lambda: copy.deepcopy(CALIBRATED[key]))
+
+
 @dataclass
 class CalibrateConfig:
     """Calibration windows: record pre-clip norms for ``window`` steps (clipping off, or at
-    ``cap``), then clip at τ = Quantile_q(norms), q = ``quantile``; ``every``: repeat windows."""
+    ``cap``), then clip at τ = Quantile_q(norms), q = ``quantile``; ``every``: repeat windows.
+    What ``+experiment=calibrate`` runs as ``clip=calibrated`` (``calibrated``); defaults: the engine's."""
 
-    window: int = 100
-    quantile: float | None = 0.95  # null: aim τ at the middle of target_clip (q = 1 − (low + high)/2)
-    cap: float | None = None  # clipping during a window: None = off, or a conservative cap
-    every: int = 0  # repeat a window every N steps (0: once)
-    candidates: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 5.0])
+    window: int = _engine("window")
+    quantile: float | None = _engine("quantile")  # null: aim τ at the middle of target_clip (q = 1 − (low + high)/2)
+    cap: float | None = _engine("cap")  # clipping during a window: None = off, or a conservative cap
+    every: int = _engine("every")  # repeat a window every N steps (0: once)
+    candidates: list[float] = _engine("candidates")
     # where the first window starts: "auto" (after the LR warm-up and the norms' initial transient,
     # clipamp_engine.placement) or N (after N steps; 0: at step 1)
-    start: Any = 0
-    validate: int = 0  # held-out steps after each window that check τ (0: all while τ is in force)
-    target_clip: list[float] = field(default_factory=lambda: [0.01, 0.05])  # the clipping-ratio band τ is judged by
+    start: Any = _engine("start")
+    validate: int = _engine("validate")  # held-out steps after each window that check τ (0: all while τ is in force)
+    target_clip: list[float] = _engine("target_clip")  # the clipping-ratio band τ is judged by
 
 
 @dataclass
@@ -221,9 +232,9 @@ class StudyConfig:
     anchor: str | None = None
     anchor_low: float = 0.5
     anchor_high: float = 2.0
-    # The band of clipping ratios the pick accepts (constrained: also the trials' constraint).
-    target_clip_low: float = 0.01
-    target_clip_high: float = 0.2
+    # The band [low, high] of clipping ratios the pick accepts (constrained: also the trials' constraint);
+    # spelled as calibrate.target_clip (study.target_clip_low/high are refused, naming this key).
+    target_clip: list[float] = field(default_factory=lambda: [0.01, 0.2])
     # constrained only (multi-objective studies cannot prune): median pruner on the training loss
     pruner: str = choice("median", PRUNERS)
     prune_warmup: float = 0.3  # fraction of steps a trial always runs before it may be pruned
@@ -291,7 +302,7 @@ class FaultsConfig:
 
 @dataclass
 class DistConfig:
-    """Several processes under ``torchrun`` (``sweep.run.launch``); ``auto``: ddp there, else none."""
+    """Several processes under ``torchrun`` (``sweep.distributed.launch``); ``auto``: ddp there, else none."""
 
     strategy: str = choice("auto", STRATEGIES)
     timeout_s: float = 600.0  # a collective waiting longer than this (a rank died or hangs) ends the run
@@ -323,6 +334,13 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
+#: Keys spelled differently now: an override of one is refused with a line naming its new key.
+RENAMED = dict.fromkeys(
+    ("study.target_clip_low", "study.target_clip_high"),
+    "study.target_clip=[low,high], one band as in calibrate.target_clip: pass e.g. study.target_clip=[0.01,0.2]",
+)
+
+
 def register() -> None:
     """Register the schema so ``conf/config.yaml`` can extend it (defaults: ``base_config``)."""
     ConfigStore.instance().store(name="base_config", node=Config)
@@ -335,19 +353,12 @@ def window_ranges(cfg: Config) -> list[range]:
 
 def calibrated(cfg: Config) -> Config:
     """``cfg`` with ``clip=calibrated`` set from ``calibrate.*``: what a calibrate run (or a spike's
-    calibrated arm, or a sweep's anchor window) does, so its logged params say so."""
+    calibrated arm, or a sweep's anchor window) does, so its logged params say so. Every
+    ``calibrate`` key is a ``clip=calibrated`` option of the same name (tested)."""
     c = copy.deepcopy(cfg)
     k = cfg.calibrate
-    q = k.quantile if k.quantile is not None else band_quantile(k.target_clip)  # null: aim at the band
-    c.clip = ClipConfig(
-        mode="calibrated",
-        window=k.window,
-        every=k.every,
-        quantile=q,
-        candidates=list(k.candidates),
-        cap=k.cap,
-        start=k.start,
-        validate=k.validate,
-        target_clip=list(k.target_clip),
-    )
+    options = {f.name: copy.deepcopy(getattr(k, f.name)) for f in fields(CalibrateConfig)}
+    if k.quantile is None:  # null: aim at the band
+        options["quantile"] = band_quantile(k.target_clip)
+    c.clip = ClipConfig(mode="calibrated", **options)
     return c

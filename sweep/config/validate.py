@@ -3,15 +3,21 @@
 Every check raises ``UserError`` with one line naming the value, what is allowed and the fix.
 Choices are checked generically from the schema (``choice`` fields); ``check_common`` holds the
 rest of what every run needs, ``check_study`` / ``check_spike`` what their experiment adds.
+Ranges the engine checks itself (``CalibratedClip`` for ``calibrate.*``, ``HysteresisScaler`` for
+the scaler's ``amp.*``) are not restated: ``engine_check`` builds the object and turns its
+``ValueError`` into a line named by config key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+from collections.abc import Callable
 from typing import Any
 
-from clipamp_engine.band import validate_band
+from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
 from sweep.config.schema import RUNS, Config, window_ranges
 from sweep.errors import UserError
@@ -80,8 +86,6 @@ _RANGES = (
     ("amp.growth_factor", lambda v: v > 1.0, "> 1", "2.0"),
     ("amp.backoff_factor", lambda v: 0.0 < v < 1.0, "in (0, 1)", "0.5"),
     ("amp.growth_interval", lambda v: v >= 1, ">= 1", "2000"),
-    ("amp.hysteresis", lambda v: v >= 1, ">= 1", "1"),
-    ("amp.min_scale", lambda v: v > 0.0, "> 0", "1.0"),
     ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)", "0.1"),
 )
 
@@ -96,18 +100,9 @@ def check_numbers(cfg: Config) -> None:
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise UserError(f"optim.betas={list(betas)} must be two numbers in [0, 1): pass e.g. optim.betas=[0.9,0.95]")
-    a = cfg.amp
-    if not a.max_scale >= a.min_scale:
-        raise UserError(
-            f"amp.max_scale={a.max_scale} must be >= amp.min_scale={a.min_scale}: "
-            f"raise amp.max_scale or lower amp.min_scale"
-        )
-    if not a.min_scale <= a.init_scale <= a.max_scale:
-        nearest = a.max_scale if a.init_scale > a.max_scale else a.min_scale
-        raise UserError(
-            f"amp.init_scale={a.init_scale} must be in [amp.min_scale={a.min_scale}, "
-            f"amp.max_scale={a.max_scale}]: pass e.g. amp.init_scale={nearest}"
-        )
+    a = cfg.amp  # the loss scaler checks its own ranges (hysteresis, min_scale <= init_scale <= max_scale)
+    scaler = {k: getattr(a, k) for k in _options(HysteresisScaler) if hasattr(a, k)}
+    engine_check(lambda: HysteresisScaler("cpu", enabled=False, **scaler), "amp", a, scaler)
     if cfg.progress_every < 1:
         raise UserError(f"progress_every={cfg.progress_every} must be >= 1 (steps between plain progress lines)")
     m = cfg.model
@@ -116,43 +111,68 @@ def check_numbers(cfg: Config) -> None:
             raise UserError(f"model.{key}={getattr(m, key)} must be >= 1")
 
 
+#: What a null ``calibrate.*`` value means, added to the engine's message about that key.
+_NULL_MEANS = {
+    "calibrate.quantile": "aim τ at calibrate.target_clip",
+    "calibrate.cap": "no clipping during the window",
+}
+
+
 def check_calibrate(cfg: Config) -> None:
+    """``calibrate.*`` as the engine's ``CalibratedClip`` takes it (it checks the ranges), and a window
+    that fits in a calibrate run."""
     c = cfg.calibrate
-    if c.quantile is not None and not 0.0 < c.quantile < 1.0:
-        raise UserError(
-            f"calibrate.quantile={c.quantile} must be in (0, 1), e.g. 0.95, or null (aim at calibrate.target_clip)"
-        )
-    if c.window < 2:
-        raise UserError(f"calibrate.window={c.window} must be >= 2 steps")
     c.start = calibrate_start(c.start)
+    options = dataclasses.asdict(c)
+    engine_check(lambda: CalibratedClip(**options, total_steps=cfg.steps), "calibrate", c, options)
     skip = c.start if isinstance(c.start, int) else 0
     if cfg.run == "calibrate" and skip + c.window > cfg.steps:
         raise UserError(
             f"calibrate.start={skip} + calibrate.window={c.window} is larger than steps={cfg.steps}: "
             f"lower calibrate.window or calibrate.start, or raise steps"
         )
-    if not isinstance(c.validate, int) or c.validate < 0:
-        raise UserError(f"calibrate.validate={c.validate} must be >= 0 steps (0: every step after the window)")
+
+
+def calibrate_start(value: Any) -> Any:
+    """``calibrate.start`` given as digits (``"100"``) as the step count; anything else as given."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+def _options(cls: type) -> list[str]:
+    return [n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD]
+
+
+def engine_check(build: Callable[[], object], group: str, node: Any, options: dict[str, Any]) -> None:
+    """Build an engine object from ``group``'s ``options`` (``node``: the config group): its ``ValueError``
+    becomes a one-line ``UserError`` whose option names are config keys (``window=1`` →
+    ``calibrate.window=1``), ending with the fix: the first key it names that differs from the
+    schema default, at that default."""
     try:
-        validate_band(c.target_clip)
+        build()
     except ValueError as e:
-        raise UserError(f"calibrate.{e}") from None
-    if c.cap is not None and not c.cap > 0:
-        raise UserError(f"calibrate.cap={c.cap} must be > 0 or null (no clipping during the window)")
-    if c.every < 0 or (c.every and c.every < c.window):
-        raise UserError(f"calibrate.every={c.every} must be 0 (one window) or >= calibrate.window={c.window}")
+        names = "|".join(sorted(options, key=len, reverse=True))
+        line = " ".join(str(e).split())
+        line = re.sub(rf"(?<![\w.])({names})(?= ?(?:=|<=|>=|<|>))", rf"{group}.\1", line)
+        line = re.sub(rf"(?<=<= )({names})\b", rf"{group}.\1", line)
+        named = re.findall(rf"{group}\.({names})\b", line)
+        defaults = type(node)()
+        changed = [k for k in named if getattr(node, k) != getattr(defaults, k)] or named
+        if changed:
+            key, default = f"{group}.{changed[0]}", getattr(defaults, changed[0])
+            fix, meaning = f"{key}={_shown(default)}", _NULL_MEANS.get(key)
+            if meaning:
+                fix += f" ({meaning})" if default is None else f", or null ({meaning})"
+            line += f": pass e.g. {fix}"
+        raise UserError(line) from None
 
 
-def calibrate_start(value: Any) -> int | str:
-    """``calibrate.start`` as ``"auto"`` or a step count >= 0, else ``UserError`` naming the fix."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    raise UserError(
-        f"calibrate.start={value!r} must be auto (after the LR warm-up and the norms' transient) or "
-        f"a number of steps >= 0 (0: the window starts at step 1)"
-    )
+def _shown(value: Any) -> str:
+    """A value as an override would spell it (``[0.01,0.05]``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 def check_study(cfg: Config) -> None:
@@ -177,10 +197,11 @@ def check_study(cfg: Config) -> None:
             f"study.anchor={s.anchor!r} is not 'window' or an MLflow run id (32 hex digits): pass "
             f"study.anchor=window, the id of a calibrate run, or null for the max_norm_low/high range"
         )
-    if not 0.0 <= s.target_clip_low <= s.target_clip_high <= 1.0:
+    band = list(s.target_clip)
+    if len(band) != 2 or not 0.0 <= band[0] <= band[1] <= 1.0:
         raise UserError(
-            f"study.target_clip_low={s.target_clip_low}, study.target_clip_high={s.target_clip_high} "
-            f"must satisfy 0 <= low <= high <= 1"
+            f"study.target_clip={band} must be [low, high] with 0 <= low <= high <= 1: "
+            "pass e.g. study.target_clip=[0.01,0.2]"
         )
     if not 0.0 <= s.prune_warmup < 1.0:
         raise UserError(f"study.prune_warmup={s.prune_warmup} must be in [0, 1)")

@@ -11,10 +11,10 @@ from __future__ import annotations
 from rich.console import Console
 
 from sweep.config.schema import Config, calibrated
+from sweep.distributed.launch import Launch
 from sweep.report.run import print_run_summary, write_run_report
-from sweep.run.launch import Launch
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
-from sweep.run.tracking import Store, redact
+from sweep.tracking.tracker import Store, redact
 
 
 def run_single(cfg: Config, store: Store, console: Console | None = None, launch: Launch | None = None) -> RunResult:

@@ -269,7 +269,7 @@ def _open_run(tracking: str, experiment: str, run_name: str | None, tags: dict[s
     """A RunTracker for the integration's MLflow run (a child of the process's active run, if any)."""
     import mlflow
 
-    from ..run.tracking import RunTracker, Store
+    from ..tracking.tracker import RunTracker, Store
 
     active = mlflow.active_run() if tracking == "auto" else None
     store = Store.open(mlflow.get_tracking_uri() if active else None if tracking == "auto" else tracking, experiment)

@@ -229,7 +229,7 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     """The norm metric's history of an MLflow run (``$MLFLOW_TRACKING_URI`` or the default store)."""
     from mlflow.exceptions import MlflowException
 
-    from sweep.run.tracking import open_client, resolve_uri
+    from sweep.tracking.tracker import open_client, resolve_uri
 
     uri = resolve_uri(tracking_uri)
     client = open_client(uri)

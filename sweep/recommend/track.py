@@ -13,7 +13,7 @@ import time
 
 from sweep.recommend.report import Recommendation, markdown
 from sweep.run.calibration import calibration_metrics, calibration_payload
-from sweep.run.tracking import ensure_experiment, open_client, resolve_uri
+from sweep.tracking.tracker import ensure_experiment, open_client, resolve_uri
 
 
 def open_store(tracking_uri: str | None, experiment: str) -> tuple[object, str]:

@@ -9,6 +9,7 @@ then, per sweep study (``+experiment=sweep``), its trials and the configuration 
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import os
 from pathlib import Path
@@ -22,10 +23,19 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
-from sweep.run.tracking import open_client, resolve_uri
+from sweep.tracking.tracker import open_client, resolve_uri
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
 _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
+
+
+def logged_band(params: dict[str, str]) -> tuple[float, float]:
+    """A sweep parent's clipping band from its params: ``study.target_clip`` (``[0.01, 0.2]``), or the
+    ``study.target_clip_low``/``_high`` pair of older runs; ``(0, 1)`` when neither is there."""
+    if "study.target_clip" in params:
+        low, high = ast.literal_eval(params["study.target_clip"])
+        return float(low), float(high)
+    return float(params.get("study.target_clip_low", 0.0)), float(params.get("study.target_clip_high", 1.0))
 
 
 def search_all(client, experiment_id: str, filter_string: str = "") -> list:
@@ -77,7 +87,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
     for name, rows in trials.items():
         parent = parents.get(name)
         p = parent.data.params if parent else {}
-        band = (float(p.get("study.target_clip_low", 0.0)), float(p.get("study.target_clip_high", 1.0)))
+        band = logged_band(p)
         df = pd.DataFrame(rows).sort_values("trial").drop_duplicates("trial", keep="last").reset_index(drop=True)
         df = flag_table(df, band)
         out.append((name, df, pick_trial(df, band), band, p.get("study.mode", "")))

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from sweep.run.ui import runs_page
+from sweep.tracking.ui import runs_page
 
 
 def fmt(v: Any) -> str:
@@ -40,7 +40,7 @@ def frame_markdown(df) -> str:
 
 def ui_command(uri: str, experiment_id: str | None = None) -> str:
     """How to see the runs in the MLflow UI: a loopback-only ``mlflow ui``, or the server's page; the link
-    opens the experiment's training runs with the answer's columns (``sweep.run.ui``)."""
+    opens the experiment's training runs with the answer's columns (``sweep.tracking.ui``)."""
     page = runs_page(experiment_id)
     if uri.startswith(("http://", "https://")):
         return f"open {uri.rstrip('/')}/{page}"

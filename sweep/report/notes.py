@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 from sweep.report.format import fmt, frame_markdown, pct
 from sweep.report.runs import frame, table
-from sweep.run.outbox import unreachable
 from sweep.run.summary import tau_tags
-from sweep.run.ui import NOTE_TAG
+from sweep.tracking.outbox import unreachable
+from sweep.tracking.ui import NOTE_TAG
 
 if TYPE_CHECKING:
     from sweep.run.pipeline import RunResult
-    from sweep.run.tracking import RunTracker
+    from sweep.tracking.tracker import RunTracker
 
 RUN_NOTE_MAX = 8000  # MLflow's longest run tag value
 EXPERIMENT_NOTE_MAX = 20000  # and experiment tag value

@@ -17,7 +17,7 @@ from sweep.report.plots import plot_run
 if TYPE_CHECKING:
     from sweep.config.schema import Config
     from sweep.run.pipeline import RunResult
-    from sweep.run.tracking import RunTracker
+    from sweep.tracking.tracker import RunTracker
 
 
 def write_run_report(cfg: Config, tracker: RunTracker, result: RunResult) -> None:

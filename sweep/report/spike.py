@@ -12,13 +12,13 @@ from rich import box
 from rich.table import Table
 
 from sweep.config.schema import Config, window_ranges
-from sweep.experiments.spike.measure import Arm, loss_excess
 from sweep.report.format import markdown_table, pct
 from sweep.report.plots import plt, save
+from sweep.results.spike import Arm, loss_excess
 from sweep.tasks.build import count_text
 
 if TYPE_CHECKING:
-    from sweep.run.tracking import RunTracker
+    from sweep.tracking.tracker import RunTracker
 
 #: Columns of the terminal table (the markdown/CSV artifacts have all of them).
 TERMINAL_COLUMNS = ("arm", "τ", "‖g‖", "×peak", "applied", "recovery")

@@ -13,8 +13,8 @@ from sweep.report.format import fmt, frame_markdown, pct, ui_command
 from sweep.report.plots import plot_sweep
 
 if TYPE_CHECKING:
-    from sweep.experiments.study.result import SweepResult
-    from sweep.run.tracking import RunTracker
+    from sweep.results.study import SweepResult
+    from sweep.tracking.tracker import RunTracker
 
 SWEEP_COLUMNS = (
     "trial",

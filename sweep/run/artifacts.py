@@ -9,7 +9,7 @@ from clipamp_engine.calibration import CalibrationSummary
 from sweep.config.convert import as_yaml, flat_params
 from sweep.config.schema import Config
 from sweep.run.calibration import calibration_payload
-from sweep.run.tracking import RunTracker, param_text, redact_text
+from sweep.tracking.tracker import RunTracker, param_text, redact_text
 
 
 def logged_params(cfg: Config) -> dict[str, str]:

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from clipamp_engine import AmpTrainState, total_norm
+from sweep.distributed.launch import Launch
 from sweep.errors import UserError
 from sweep.run.diskspace import disk_full
-from sweep.run.launch import Launch
-from sweep.run.tracking import sqlite_path
+from sweep.tracking.tracker import sqlite_path
 
 CHECKPOINT_NAME = "checkpoint.pt"
 

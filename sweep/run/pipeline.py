@@ -23,6 +23,7 @@ from clipamp_engine import CalibratedClip, StepCSVWriter, StepLog
 from clipamp_engine.calibration import CalibrationError, CalibrationSummary
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
+from sweep.distributed.launch import Launch
 from sweep.errors import UserError
 from sweep.run.artifacts import logged_params, write_data_artifacts
 from sweep.run.build import build_state
@@ -40,11 +41,10 @@ from sweep.run.checkpoint import (
 )
 from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
-from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
 from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
-from sweep.run.tracking import RunTracker, SilentTracker, Store, source_tags
 from sweep.tasks.build import Batch, Task, build_task, evaluate
+from sweep.tracking.tracker import RunTracker, SilentTracker, Store, source_tags
 
 
 @dataclass

@@ -18,6 +18,16 @@ from sweep.config.schema import Config
 from sweep.run.loop import RunRecords
 
 
+def quantile_label(q: float) -> str:
+    """``p95`` for q = 0.95: the name of a quantile in metrics (``grad_norm_p95``), tags and tables,
+    spelled as the engine's ``CalibrationSummary.quantiles`` keys."""
+    return f"p{q * 100:.4g}"
+
+
+#: The reported quantiles' names: p50, p90, p95, p99.
+QUANTILE_KEYS = tuple(quantile_label(q) for q in REPORTED_QUANTILES)
+
+
 def window_metrics(summary: CalibrationSummary, first: CalibrationSummary) -> dict[str, float]:
     """What a closing window logs at its last step: its quantiles, its τ and τ / the first window's τ."""
     out = {f"window_{k}": v for k, v in summary.quantiles.items()}
@@ -39,7 +49,7 @@ def summary_metrics(cfg: Config, records: RunRecords, windows: list[CalibrationS
         q_tau = cfg.calibrate.quantile  # null: the quantile aimed at the middle of the band
         q_tau = q_tau if q_tau is not None else band_quantile(getattr(cfg.calibrate, "target_clip", PRETRAINING_BAND))
         values = quantiles(norms, list(REPORTED_QUANTILES) + [q_tau])
-        q = {f"p{x * 100:g}": v for x, v in zip(REPORTED_QUANTILES, values)}
+        q = dict(zip(QUANTILE_KEYS, values))
         q["max"] = max(norms) if norms else math.nan
         tau = values[-1]
         clip_ratio = records.clip_ratio()

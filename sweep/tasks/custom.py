@@ -18,12 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 from .models import VOCAB
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + " ".join(str(e).split())
 
 
 def locate(path: str, key: str) -> Any:
@@ -45,8 +41,7 @@ def locate(path: str, key: str) -> Any:
             break
     err = err or ImportError("not a dotted path")
     raise UserError(
-        f"{key}={path!r} could not be imported: {_one_line(err)}: "
-        f"pass {key}=package.module.Name of an importable object"
+        f"{key}={path!r} could not be imported: {one_line(err)}: pass {key}=package.module.Name of an importable object"
     ) from None
 
 
@@ -96,7 +91,7 @@ def build_custom(m: Any) -> tuple[nn.Module, Callable | None]:
         ) from None
     except Exception as e:  # a constructor's own error that Hydra passed through
         raise UserError(
-            f"model._target_={target!r} failed with model.kwargs={kwargs}: {_one_line(e)}: "
+            f"model._target_={target!r} failed with model.kwargs={kwargs}: {one_line(e)}: "
             "fix model.kwargs to match its signature"
         ) from None
     if not isinstance(model, nn.Module):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..config.schema import DataConfig
-from ..errors import UserError
+from ..errors import UserError, one_line
 from . import corpus as C
 
 #: datasets builders for local files, by file extension.
@@ -43,10 +43,6 @@ def offline() -> None:
     """Never reach the Hugging Face hub (set before ``transformers``/``datasets`` are imported)."""
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ[key] = "1"
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
 
 
 def resolve_files(files: Any) -> list[Path]:
@@ -106,7 +102,7 @@ def file_docs(d: DataConfig) -> list[Doc]:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
         except Exception as e:  # malformed file, wrong format
             raise UserError(
-                f"data.files={str(f)!r} could not be read as {builder}: {_one_line(e)}: "
+                f"data.files={str(f)!r} could not be read as {builder}: {one_line(e, 300)}: "
                 "fix the file or pass the right data.format"
             ) from None
         if ds.num_rows == 0:
@@ -156,7 +152,7 @@ def load_tokenizer(path: str | os.PathLike, key: str):
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:
         raise UserError(
-            f"{key}={str(path)!r} holds no loadable tokenizer ({_one_line(e)}): pass a "
+            f"{key}={str(path)!r} holds no loadable tokenizer ({one_line(e, 300)}): pass a "
             "directory written by tokenizer.save_pretrained()"
         ) from None
 

@@ -22,15 +22,11 @@ import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
-from ..errors import UserError
+from ..errors import UserError, one_line
 from .hf_data import offline
 
 PAD = -1  # input id of a padded position (targets there are -100)
 _EXAMPLES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "opt")
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
 
 
 def _check_keys(config_class: type, keys: list[str]) -> None:
@@ -61,14 +57,15 @@ def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
     except Exception as e:
         raise UserError(
             f"model.config={ {'model_type': model_type, **kwargs} } is refused by transformers: "
-            f"{_one_line(e)}: fix that model.config key"
+            f"{one_line(e, 300)}: fix that model.config key"
         ) from None
     _check_keys(type(config), list(kwargs))
     try:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as e:
         raise UserError(
-            f"model.config (model_type={model_type}) could not build a model: {_one_line(e)}: fix the model.config keys"
+            f"model.config (model_type={model_type}) could not build a model: {one_line(e, 300)}: "
+            "fix the model.config keys"
         ) from None
 
 
@@ -104,7 +101,7 @@ def from_pretrained(path: Path) -> nn.Module:
         )
     except Exception as e:
         raise UserError(
-            f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {_one_line(e)}: "
+            f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {one_line(e, 300)}: "
             "pass a directory written by model.save_pretrained()"
         ) from None
 

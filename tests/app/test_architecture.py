@@ -1,5 +1,5 @@
-"""The app's shape: its import graph has no cycle and points down the layers; modules and functions
-stay small; importing it leaves global state (warning filters) alone."""
+"""The app's shape: its import graph has no cycle, between modules or between packages, and points
+down the layers; modules and functions stay small; importing it leaves global state (warning filters) alone."""
 
 from __future__ import annotations
 
@@ -22,7 +22,16 @@ ENTRY_POINTS = {
     "sweep.experiments.spike.experiment",
 }
 #: Layers that never import presentation or experiments.
-LOWER = ("sweep.errors", "sweep.config", "sweep.tasks", "sweep.run", "sweep.pick")
+LOWER = (
+    "sweep.errors",
+    "sweep.config",
+    "sweep.tasks",
+    "sweep.run",
+    "sweep.tracking",
+    "sweep.distributed",
+    "sweep.results",
+    "sweep.pick",
+)
 
 
 def module_name(path: Path) -> str:
@@ -32,7 +41,8 @@ def module_name(path: Path) -> str:
 
 def import_graph(root: Path = SWEEP) -> dict[str, set[str]]:
     """Module → the ``sweep`` modules it imports anywhere in its body (function-level and
-    ``TYPE_CHECKING`` imports included; ``from pkg import name`` counts ``pkg.name`` when that is a module)."""
+    ``TYPE_CHECKING`` imports included; ``from pkg import name`` counts ``pkg``, and ``pkg.name`` when that
+    is a module)."""
     modules = {module_name(p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -46,7 +56,8 @@ def import_graph(root: Path = SWEEP) -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+                # ``from pkg import mod`` runs pkg/__init__ first: it imports the package and the module
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
             edges |= {t for t in targets if t in modules and t != name}
@@ -91,6 +102,7 @@ def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("from . import b\n")
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import x\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sweep.sub.b\n")
+    (pkg / "sub" / "d.py").write_text("from . import b\n")
     import tests.app.test_architecture as me
 
     old = me.REPO
@@ -100,6 +112,7 @@ def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
     finally:
         me.REPO = old
     assert graph["sweep.sub"] == {"sweep.sub.b"} and graph["sweep.sub.b"] == {"sweep.c"}
+    assert graph["sweep.sub.d"] == {"sweep.sub", "sweep.sub.b"}  # ``from pkg import mod`` runs pkg first
     assert find_cycle(graph) == ["sweep.c", "sweep.sub.b", "sweep.c"]
 
 
@@ -107,6 +120,64 @@ def test_app_import_graph_is_acyclic():
     graph = import_graph()
     assert len(graph) > 30 and "sweep.run.pipeline" in graph["sweep.experiments.training"]
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
+
+
+def package_graph(
+    graph: dict[str, set[str]], depth: int | None = None, packages: set[str] | None = None
+) -> dict[str, set[str]]:
+    """``graph`` with each module replaced by its package: the folder it is in (``depth=None``), or the
+    package ``depth`` names deep (``depth=2``: ``sweep.run``, ``sweep.experiments``). Modules at the top of
+    ``sweep/`` (``sweep.app``, ``sweep.errors``) stay nodes of their own; edges inside a package drop out.
+    ``packages``: the names that are packages (default: those with an ``__init__.py`` under ``sweep/``)."""
+    if packages is None:
+        packages = {module_name(p) for p in SWEEP.rglob("__init__.py")}
+
+    def unit(m: str) -> str:
+        own = m if m in packages else m.rpartition(".")[0]
+        own = own if depth is None else ".".join(own.split(".")[:depth])
+        return m if own == "sweep" else own
+
+    out: dict[str, set[str]] = {}
+    for m, ts in graph.items():
+        out.setdefault(unit(m), set()).update(unit(t) for t in ts)
+    return {u: ts - {u} for u, ts in out.items()}
+
+
+def test_package_graph_finds_cycles_no_module_cycle_shows():
+    # a.x → b.y → a.z: no module cycle, but packages a and b import each other; a.c.w → b.y only
+    graph = {"sweep.a.x": {"sweep.b.y"}, "sweep.b.y": {"sweep.a.z", "sweep.errors"}, "sweep.a.z": set()}
+    graph |= {"sweep.a.c.w": {"sweep.b.y"}, "sweep.errors": set(), "sweep.app": {"sweep.a.x"}}
+    packages = {"sweep", "sweep.a", "sweep.b", "sweep.a.c"}
+    assert find_cycle(graph) is None
+    folders = package_graph(graph, packages=packages)
+    assert folders == {
+        "sweep.a": {"sweep.b"},
+        "sweep.b": {"sweep.a", "sweep.errors"},
+        "sweep.a.c": {"sweep.b"},
+        "sweep.errors": set(),
+        "sweep.app": {"sweep.a"},
+    }
+    assert find_cycle(folders) == ["sweep.a", "sweep.b", "sweep.a"]
+    top = package_graph(graph, depth=2, packages=packages)
+    assert set(top) == {"sweep.a", "sweep.b", "sweep.errors", "sweep.app"} and top["sweep.a"] == {"sweep.b"}
+
+
+@pytest.mark.parametrize("depth", [None, 2], ids=["folders", "top-level"])
+def test_app_package_graph_is_acyclic(depth):
+    """No package imports a package that imports it back (``sweep.run`` → ``sweep.tracking`` → ``sweep.run``),
+    neither between folders (``sweep.experiments.study`` ↔ ``sweep.experiments.spike``) nor between
+    the top-level packages."""
+    graph = package_graph(import_graph(), depth)
+    assert {"sweep.run", "sweep.tracking", "sweep.distributed", "sweep.report", "sweep.app"} <= set(graph)
+    assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
+
+
+def test_reports_depend_only_downward():
+    """The reports read results (``sweep.results``) and tracking; no experiment, no entry point."""
+    graph = import_graph()
+    up = [(m, t) for m, ts in graph.items() if m.startswith("sweep.report") for t in ts]
+    up = [(m, t) for m, t in up if t.startswith(("sweep.experiments", "sweep.app", "sweep.__main__"))]
+    assert not up, f"reports import experiments or entry points: {up}"
 
 
 def test_imports_point_down_the_layers():
@@ -174,3 +245,11 @@ def test_the_checkout_composes_the_top_level_conf():
     from sweep.__main__ import CONF_DIR
 
     assert CONF_DIR == REPO / "conf" and (CONF_DIR / "config.yaml").is_file()
+
+
+def test_the_readme_layout_names_every_package():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("### Layout of the app", 1)[1].split("```", 2)[1]
+    named = {line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("sweep/")}
+    packages = {str(p.parent.relative_to(REPO)) for p in SWEEP.glob("*/__init__.py")}
+    assert packages <= named, f"packages missing from the README's layout: {sorted(packages - named)}"

@@ -43,7 +43,7 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.Completed
 
 def open_and_log(uri: str, run_name: str) -> None:
     """Open (create, migrate) the store at ``uri`` through the app's one opening path and log one run."""
-    from sweep.run.tracking import Store
+    from sweep.tracking.tracker import Store
 
     s = Store.open(uri, "clipamp")
     run = s.client.create_run(s.experiment_id, run_name=run_name)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from sweep.run import store as store_module
+from sweep.tracking import store as store_module
 from tests.reliability.helpers import open_and_log
 
 

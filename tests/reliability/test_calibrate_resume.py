@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from sweep.config.schema import calibrated
 from sweep.experiments.training import run_single
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.tracking import Store
+from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, kill_after, run_cli
 from tests.reliability.helpers import assert_one_line_error
 

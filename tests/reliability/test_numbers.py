@@ -19,7 +19,17 @@ BAD = [
     ("amp.backoff_factor=0", "amp.backoff_factor=0.0 must be in (0, 1)"),
     ("amp.growth_factor=0.5", "amp.growth_factor=0.5 must be > 1"),
     ("amp.growth_interval=0", "amp.growth_interval=0 must be >= 1"),
-    ("amp.init_scale=1e9", "amp.init_scale=1000000000.0 must be in [amp.min_scale=1.0, amp.max_scale=16777216.0]"),
+    (
+        "amp.init_scale=1e9",
+        "need amp.min_scale <= amp.init_scale <= amp.max_scale, got 1.0 <= 1000000000.0 <= 16777216.0: "
+        "pass e.g. amp.init_scale=65536.0",
+    ),
+    (
+        "amp.max_scale=0.5",
+        "need amp.min_scale <= amp.init_scale <= amp.max_scale, got 1.0 <= 65536.0 <= 0.5: pass e.g.",
+    ),
+    ("amp.min_scale=0", "amp.min_scale=0.0 must be > 0: pass e.g. amp.min_scale=1.0"),
+    ("amp.hysteresis=0", "amp.hysteresis=0 must be an integer >= 1 (1 = back off on every overflow): pass e.g."),
     ("model.dropout=1.0", "model.dropout=1.0 must be in [0, 1)"),
     ("model.dropout=-0.2", "model.dropout=-0.2 must be in [0, 1)"),
     ("model.n_layer=0", "model.n_layer=0 must be >= 1"),

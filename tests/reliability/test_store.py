@@ -19,7 +19,7 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.errors import UserError
-from sweep.run.tracking import Store
+from sweep.tracking.tracker import Store
 from tests.app.helpers import REPO, TINY
 from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 
@@ -108,7 +108,7 @@ def test_the_race_test_catches_the_race_without_the_lock(tmp_path):
 @pytest.mark.slow
 def test_a_kill_while_creating_the_store_leaves_nothing_half_made(tmp_path):
     db = tmp_path / "mlruns" / "mlflow.db"
-    code = f"from sweep.run.store import open_client; open_client('sqlite:///{db}')"
+    code = f"from sweep.tracking.store import open_client; open_client('sqlite:///{db}')"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 120
     while not list(db.parent.glob(".mlflow.db.creating-*")) and time.monotonic() < deadline:

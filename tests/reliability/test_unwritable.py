@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from mlflow import MlflowClient
 
-from sweep.run.tracking import Store
+from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY
 from tests.reliability.helpers import assert_one_line_error, finish, start_cli
 

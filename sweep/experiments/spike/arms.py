@@ -10,13 +10,13 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 
 from sweep.config.schema import Config, calibrated
+from sweep.distributed.launch import Launch
 from sweep.errors import UserError
-from sweep.experiments.spike.batch import Crafted, SpikeLoss, binary_blob, grad_norm, running_peak
-from sweep.experiments.spike.measure import Arm
-from sweep.run.launch import Launch
+from sweep.experiments.spike.batch import SpikeLoss, binary_blob, grad_norm, running_peak
+from sweep.results.spike import Arm, Crafted
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.tracking import Store
 from sweep.tasks.build import Batch, build_task
+from sweep.tracking.tracker import Store
 
 
 def arm_config(cfg: Config, policy: str) -> Config:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,17 +59,6 @@ class SpikeLoss:
         if self.marked is None or targets.untyped_storage().data_ptr() != self.marked.untyped_storage().data_ptr():
             return out
         return (out[0] * self.k, out[1]) if isinstance(out, tuple) else out * self.k
-
-
-@dataclass
-class Crafted:
-    """The corrupted batch of one policy pair, made inside its unspiked twin at the spike step."""
-
-    batch: Batch
-    k: float  # loss multiplier
-    natural_norm: float  # the blob's gradient norm at k = 1
-    peak: float  # running peak in the twin
-    target: float  # factor × peak
 
 
 def running_peak(norms: dict[int, float], at_step: int, window: int) -> float:

@@ -11,8 +11,8 @@ from rich.console import Console
 from sweep.config.convert import flat_params, with_overrides
 from sweep.config.schema import Config
 from sweep.config.validate import check_spike
+from sweep.distributed.launch import Launch
 from sweep.experiments.spike.arms import play_pair
-from sweep.experiments.spike.measure import Arm, SpikeResult, arm_metrics, fp16_outcome
 from sweep.report.format import print_wide
 from sweep.report.run import write_run_report
 from sweep.report.spike import (
@@ -24,8 +24,8 @@ from sweep.report.spike import (
     table_title,
     write_spike_table,
 )
-from sweep.run.launch import Launch
-from sweep.run.tracking import RunTracker, SilentTracker, Store, log_metrics, redact
+from sweep.results.spike import Arm, SpikeResult, arm_metrics, fp16_outcome
+from sweep.tracking.tracker import RunTracker, SilentTracker, Store, log_metrics, redact
 
 #: The clipping policies compared (each as an unspiked twin + a spiked run); fp16 runs the last only.
 POLICIES = ("none", "fixed", "calibrated")

@@ -11,7 +11,7 @@ Modes (``study=pareto`` | ``study=constrained``):
 - ``pareto``: two objectives, minimise (eval loss, clipping ratio); the parent run holds the Pareto
   front. Multi-objective studies cannot prune.
 - ``constrained``: one objective, eval loss; ``trial.set_constraint`` keeps the clipping ratio in
-  ``[target_clip_low, target_clip_high]`` (TPE/NSGA-II read the constraints); the mean training loss
+  ``study.target_clip=[low, high]`` (TPE/NSGA-II read the constraints); the mean training loss
   is reported every ``report_every`` steps and a ``MedianPruner`` stops trials that fall behind.
 
 Every invocation first enqueues one trial per dtype in ``study.dtypes`` (only the dtype is fixed;

@@ -37,7 +37,7 @@ from sweep.experiments.study.space import QUANTILE_KEYS, window_quantiles
 from sweep.report.entangle import NONE, plot_entangle
 from sweep.report.format import ui_command
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.tracking import RunTracker, Store, redact
+from sweep.tracking.tracker import RunTracker, Store, redact
 
 
 @dataclass(frozen=True)

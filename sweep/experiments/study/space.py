@@ -14,9 +14,8 @@ from sweep.config.convert import child_config
 from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.tracking import Store
-
-QUANTILE_KEYS = ("p50", "p90", "p95", "p99")
+from sweep.run.summary import QUANTILE_KEYS
+from sweep.tracking.tracker import Store
 
 
 def resolve_anchor(

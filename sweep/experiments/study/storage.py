@@ -13,7 +13,7 @@ import optuna
 
 from sweep.config.schema import Config
 from sweep.errors import UserError
-from sweep.run.tracking import redact, redact_text, sqlite_path
+from sweep.tracking.tracker import redact, redact_text, sqlite_path
 
 STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
 
@@ -93,7 +93,7 @@ def task_key(cfg: Config) -> dict[str, Any]:
         "anchor_high": s.anchor_high,
     }
     if s.mode == "constrained":
-        space["band"] = [s.target_clip_low, s.target_clip_high]
+        space["band"] = list(s.target_clip)
     if s.anchor == "window":
         space["window"] = [cfg.calibrate.window, cfg.calibrate.cap, cfg.amp.dtype]
     key = {

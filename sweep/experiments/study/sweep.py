@@ -15,7 +15,6 @@ from rich.console import Console
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.experiments.study.progress import TrialProgress
-from sweep.experiments.study.result import SweepResult, trials_table
 from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, resolve_anchor
 from sweep.experiments.study.storage import (
     default_storage,
@@ -30,9 +29,10 @@ from sweep.experiments.study.workers import hold_worker, recover_dead_workers, s
 from sweep.pick import PICK_RULES, pick_trial
 from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
+from sweep.results.study import SweepResult, trials_table
 from sweep.run.checkpoint import release_run
 from sweep.run.loop import StopRequest
-from sweep.run.tracking import RunTracker, Store, redact, redact_text
+from sweep.tracking.tracker import RunTracker, Store, redact, redact_text
 
 
 @contextmanager
@@ -125,7 +125,7 @@ def _sweep_as_worker(
         except KeyboardInterrupt:
             status = "KILLED"
             raise
-        band = (s.target_clip_low, s.target_clip_high)
+        band = tuple(s.target_clip)
         table = trials_table(study, band)
         c = ctx.counters
         result = SweepResult(
@@ -176,7 +176,7 @@ def _run_trials(
 ) -> TrialContext:
     """``study.n_trials`` trials; SIGINT/SIGTERM between trials stops before the next one."""
     s = cfg.study
-    band = (s.target_clip_low, s.target_clip_high)
+    band = tuple(s.target_clip)
 
     def best() -> str:
         p = pick_trial(trials_table(study, band), band)

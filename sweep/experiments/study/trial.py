@@ -23,7 +23,7 @@ from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.trial_launch import run_job
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
-from sweep.run.tracking import RunTracker, Store, log_metrics, redact_text
+from sweep.tracking.tracker import RunTracker, Store, log_metrics, redact_text
 
 
 class Pruned(optuna.TrialPruned, StopRun):
@@ -99,8 +99,8 @@ class _Watch:
     def constrain(self, clip_ratio: float) -> None:
         """Constrained mode: the clipping ratio must lie in the target band (``trial.set_constraint``)."""
         if self.s.mode == "constrained" and math.isfinite(clip_ratio):
-            self.trial.set_constraint("clip_ratio_low", self.s.target_clip_low - clip_ratio)
-            self.trial.set_constraint("clip_ratio_high", clip_ratio - self.s.target_clip_high)
+            self.trial.set_constraint("clip_ratio_low", self.s.target_clip[0] - clip_ratio)
+            self.trial.set_constraint("clip_ratio_high", clip_ratio - self.s.target_clip[1])
 
     def partial_metrics(self) -> dict[str, float]:
         """clip/skip ratios and final loss over the steps a stopped trial did run."""

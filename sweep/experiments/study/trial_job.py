@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sweep.app import open_store
 from sweep.config.convert import from_yaml
+from sweep.distributed import launch as ranks
+from sweep.distributed.rank_failure import RankFailed
 from sweep.errors import UserError, fail
 from sweep.report.run import write_run_report
-from sweep.run import launch as ranks
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
-from sweep.run.rank_failure import RankFailed
 from sweep.secrets import redact_text
+from sweep.tracking.tracker import open_store
 
 
 def run(job: dict[str, Any]) -> RunResult:

@@ -2,7 +2,7 @@
 
 The sweep process stays one Optuna worker (ask, tell, heartbeats) and runs each trial as
 ``torchrun --standalone --nproc_per_node=N -m sweep.experiments.study.trial_job JOB.json``: N ranks
-train the trial's exact config (``sweep.run.launch``: DDP, or FSDP2 with dist.strategy=fsdp2) and
+train the trial's exact config (``sweep.distributed.launch``: DDP, or FSDP2 with dist.strategy=fsdp2) and
 rank 0 records the child run under the sweep's parent run. The trial's objective is that run's
 logged metrics and its steps.csv, never recomputed. This composes with a shared PostgreSQL study:
 each worker is an ordinary Optuna worker whose trials are its own torchrun jobs (``--standalone``
@@ -26,7 +26,7 @@ from sweep.errors import UserError
 from sweep.run.loop import RunRecords
 from sweep.run.pipeline import RunResult, RunSpec
 from sweep.run.summary import read_rows
-from sweep.run.tracking import Store
+from sweep.tracking.tracker import Store
 
 
 def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable[[], None], every: float) -> RunResult:

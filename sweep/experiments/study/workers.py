@@ -30,7 +30,7 @@ from filelock import FileLock, Timeout
 from optuna.trial import TrialState
 
 from sweep.run.checkpoint import lock_run
-from sweep.run.tracking import RunTracker, Store, redact, sqlite_path
+from sweep.tracking.tracker import RunTracker, Store, redact, sqlite_path
 
 WORKER_TAGS = ("worker_host", "worker_lock")
 

@@ -58,13 +58,29 @@ def test_common_overrides_compose():
         (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
         (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
         (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
-        (["calibrate.start=later"], "calibrate.start='later' must be auto"),
-        (["calibrate.start=-3"], "calibrate.start=-3 must be auto"),
+        (["calibrate.start=later"], "calibrate.start='later' must be 'auto' or a number of steps >= 0"),
+        (["calibrate.start=-3"], "calibrate.start=-3 must be 'auto' or a number of steps >= 0"),
         (
             ["calibrate.start=400", "calibrate.window=200"],
             "calibrate.start=400 + calibrate.window=200 is larger than steps=500",
         ),
-        (["calibrate.validate=-1"], "calibrate.validate=-1 must be >= 0"),
+        (["calibrate.validate=-1"], "calibrate.validate=-1 must be a number of steps >= 0"),
+        (["calibrate.window=1"], "calibrate.window=1 must be an integer >= 2 steps: pass e.g. calibrate.window=100"),
+        (
+            ["calibrate.every=50"],
+            "calibrate.every=50 must be 0 (one window) or an integer >= calibrate.window=200: "
+            "pass e.g. calibrate.every=0",
+        ),
+        (
+            ["calibrate.cap=-1"],
+            "calibrate.cap=-1.0 must be a finite number > 0: "
+            "pass e.g. calibrate.cap=null (no clipping during the window)",
+        ),
+        (
+            ["calibrate.quantile=2"],
+            "calibrate.quantile=2.0 must be in (0, 1), e.g. 0.95: pass e.g. calibrate.quantile=0.95, "
+            "or null (aim τ at calibrate.target_clip)",
+        ),
         (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
         (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
         (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
@@ -120,6 +136,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
         "Error locating target 'no_such.Layer'",
     ),
     (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available on this machine"),
+    (["+experiment=sweep", "study.target_clip_high=0.3"], "study.target_clip_high is now study.target_clip=[low,high]"),
     (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
     (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
     (["+experiment=calibrate", "tracking.uri=sqlite:///BLOCKED/mlruns/mlflow.db"], "cannot write in"),
@@ -147,3 +164,22 @@ def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(tmp_pat
         client = MlflowClient(f"sqlite:///{db}")
         exps = [e.experiment_id for e in client.search_experiments()]
         assert not client.search_runs(exps, filter_string="attributes.status = 'RUNNING'")
+
+
+@pytest.mark.parametrize("key", ["study.target_clip_low", "+study.target_clip_high"])
+def test_the_old_band_spelling_is_refused_naming_the_new_key(key, capsys):
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=sweep", f"{key}=0.1"])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"error: {key.lstrip('+')} is now study.target_clip=[low,high], one band as in calibrate.target_clip: "
+        "pass e.g. study.target_clip=[0.01,0.2]"
+    )
+
+
+def test_the_band_is_one_key():
+    cfg = compose_cfg("+experiment=sweep", "study.target_clip=[0.02,0.1]")
+    assert cfg.study.target_clip == [0.02, 0.1] and compose_cfg().study.target_clip == [0.01, 0.2]

@@ -105,3 +105,16 @@ def test_top_level_and_experiment_files_set_only_what_they_change():
 def test_choices_are_checked_from_the_schema(override, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(compose_cfg("+experiment=train", override))
+
+
+def test_calibrate_defaults_are_the_engines_calibrated_clip():
+    from sweep.config.schema import CalibrateConfig, calibrated
+
+    engine = clip_mode_options("calibrated")
+    ours = dataclasses.asdict(CalibrateConfig())
+    assert ours == {k: engine[k] for k in ours}  # every calibrate key is an engine option, at its default
+    cfg = compose_cfg("+experiment=train", "calibrate.window=30", "calibrate.every=60", "calibrate.start=auto")
+    cal = calibrated(cfg).clip
+    assert cal.mode == "calibrated" and {k: getattr(cal, k) for k in ours} == dataclasses.asdict(cfg.calibrate)
+    banded = calibrated(compose_cfg("+experiment=calibrate")).clip  # calibrate.quantile=null: aim at the band
+    assert banded.quantile == pytest.approx(1 - sum(banded.target_clip) / 2)

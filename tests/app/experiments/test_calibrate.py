@@ -229,7 +229,7 @@ def test_resume_restores_the_calibration_from_the_checkpoint_alone(store):
     from sweep.config.schema import calibrated
     from sweep.run.loop import StopRun
     from sweep.run.pipeline import RunHooks, RunSpec, run_training
-    from sweep.run.tracking import Store
+    from sweep.tracking.tracker import Store
 
     args = [
         "+experiment=calibrate",

@@ -15,7 +15,7 @@ from sweep.config import validate
 from sweep.config.convert import with_overrides
 from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
-from sweep.experiments.spike.measure import recovery_steps
+from sweep.results.spike import recovery_steps
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0

@@ -135,7 +135,7 @@ def test_reading_runs_leaves_the_tracking_uri_of_later_runs_alone(runs, monkeypa
     import mlflow
 
     from sweep.report.runs import frame
-    from sweep.run.tracking import resolve_uri
+    from sweep.tracking.tracker import resolve_uri
 
     if before is None:
         monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -147,3 +147,15 @@ def test_reading_runs_leaves_the_tracking_uri_of_later_runs_alone(runs, monkeypa
     assert os.environ.get("MLFLOW_TRACKING_URI") == before
     assert resolve_uri(None) == (before or "sqlite:///mlruns/mlflow.db")
     mlflow.set_tracking_uri(None)  # MLflow's in-process global, for the tests after this one
+
+
+@pytest.mark.parametrize(
+    "params,band",
+    [
+        ({"study.target_clip": "[0.02, 0.1]"}, (0.02, 0.1)),
+        ({"study.target_clip_low": "0.01", "study.target_clip_high": "0.2"}, (0.01, 0.2)),  # older runs' params
+        ({}, (0.0, 1.0)),
+    ],
+)
+def test_a_sweeps_band_is_read_from_either_spelling_of_its_params(params, band):
+    assert cli.logged_band(params) == band

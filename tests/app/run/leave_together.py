@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from sweep.run.launch import start
+from sweep.distributed.launch import start
 
 
 def main(out: Path, mode: str) -> None:

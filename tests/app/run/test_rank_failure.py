@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from mlflow import MlflowClient
 
-from sweep.run.rank_failure import RankFailed, diagnose, register
+from sweep.distributed.rank_failure import RankFailed, diagnose, register
 from tests.app.helpers import REPO
 
 ENV = {

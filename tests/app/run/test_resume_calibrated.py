@@ -12,7 +12,7 @@ import pytest
 from sweep.config.schema import calibrated
 from sweep.experiments.training import run_single
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.tracking import Store
+from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, kill_after
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app

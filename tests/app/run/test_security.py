@@ -6,7 +6,7 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.report.format import ui_command
-from sweep.run.tracking import redact, redact_text
+from sweep.tracking.tracker import redact, redact_text
 from tests.app.helpers import TINY, run_cli
 
 SECRET = "hunter2"

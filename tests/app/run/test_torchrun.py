@@ -21,8 +21,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from sweep.distributed.launch import Launch, resolve_strategy
 from sweep.errors import UserError
-from sweep.run.launch import Launch, resolve_strategy
 from sweep.tasks.build import Batch
 from tests.app.helpers import TINY
 

@@ -11,8 +11,8 @@ from mlflow import MlflowClient
 
 from sweep.run.loop import ROLLING, STEP_METRICS, RunRecords
 from sweep.run.summary import tau_tags
-from sweep.run.tracking import ensure_experiment
-from sweep.run.ui import CHARTS, COLUMNS, KIND, KIND_TAG, OTHERS, SECTION, VIEW_TAG
+from sweep.tracking.tracker import ensure_experiment
+from sweep.tracking.ui import CHARTS, COLUMNS, KIND, KIND_TAG, OTHERS, SECTION, VIEW_TAG
 
 
 def _rows(phases, taus):
@@ -92,7 +92,7 @@ def test_experiment_opens_on_training_runs_with_the_answer_columns(store):
 def test_chart_view_opens_on_the_answer_and_every_per_step_series():
     """The first chart section: τ and p95 bars, then a line chart of every per-step metric the run sends;
     the UI's own section for the rest is collapsed."""
-    from sweep.run.ui import view_state
+    from sweep.tracking.ui import view_state
 
     view = json.loads(view_state())
     assert [(s["name"], s["display"]) for s in view["compareRunSections"]] == [(SECTION, True), (OTHERS, False)]

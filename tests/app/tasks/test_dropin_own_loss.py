@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sweep.errors import UserError
-from sweep.tasks import build_task
+from sweep.tasks.build import build_task
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 TARGET = "tests.engine.nanogpt_shaped.NanoGPTShaped"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from sweep import app
 from sweep.config.schema import DataConfig, ModelConfig
-from sweep.tasks import build_task
+from sweep.tasks.build import build_task
 from sweep.tasks.hf_model import PAD
 from tests.app.helpers import compose_cfg
 

@@ -13,8 +13,8 @@ from mlflow import MlflowClient
 
 from sweep import app
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.tracking import Store
-from sweep.tasks import build_task
+from sweep.tasks.build import build_task
+from sweep.tracking.tracker import Store
 from tests.app.helpers import compose_cfg, run_cli
 
 from .test_hf import TINY_LLAMA, grad_norm, write_corpus

@@ -8,8 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from sweep.tasks import DataConfig, ModelConfig, build_task, evaluate, lm_loss
+from sweep.config.schema import DataConfig, ModelConfig
 from sweep.tasks import corpus as C
+from sweep.tasks.build import build_task, evaluate, lm_loss
 from tests.app.helpers import CONF
 
 TINY_GPT = dict(name="gpt", d_model=32, n_layer=1, n_head=2, block_size=32)

@@ -17,10 +17,10 @@ from sweep.config import validate
 from sweep.errors import UserError
 from sweep.experiments.study import space, storage
 from sweep.experiments.study import trial as trial_module
-from sweep.experiments.study.result import SweepResult
 from sweep.pick import pick_trial
 from sweep.report.cli import main as report_main
-from sweep.run.tracking import Store
+from sweep.results.study import SweepResult
+from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 STEPS = 8
@@ -180,8 +180,8 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
         assert t.params["max_norm"] == pytest.approx(anchor["p95"])
         c = t.user_attrs["clip_ratio"]
         assert t.constraints == {
-            "clip_ratio_low": pytest.approx(cfg.study.target_clip_low - c),
-            "clip_ratio_high": pytest.approx(c - cfg.study.target_clip_high),
+            "clip_ratio_low": pytest.approx(cfg.study.target_clip[0] - c),
+            "clip_ratio_high": pytest.approx(c - cfg.study.target_clip[1]),
         }
     assert {t.params["dtype"] for t in study.get_trials()[:2]} == {"fp16", "bf16"}
     pruned = study.get_trials()[3]
@@ -312,7 +312,7 @@ def test_study_name_is_stable_and_follows_the_task():
         (["study.dtypes=[fp8]"], "study.dtypes=['fp8'] must be distinct values of"),
         (["study.max_norm_low=5", "study.max_norm_high=1"], "must satisfy 0 < low < high"),
         (["study.anchor=latest"], "study.anchor='latest' is not 'window' or an MLflow run id"),
-        (["study.target_clip_low=0.5", "study.target_clip_high=0.1"], "must satisfy 0 <= low <= high <= 1"),
+        (["study.target_clip=[0.5,0.1]"], "study.target_clip=[0.5, 0.1] must be [low, high] with 0 <= low <= high"),
         (["clip=none"], "clip=none: the sweep tunes the global-norm threshold"),
     ],
 )

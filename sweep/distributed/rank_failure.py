@@ -21,16 +21,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sweep.errors import one_line
+
 
 def peer_failed(e: BaseException) -> bool:
     """Whether ``e`` is a collective broken by another rank's exit (that rank's record says why)."""
     return isinstance(e, dist.DistError) or any(
         s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
     )
-
-
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split()) or 'no message'}"
 
 
 class RankFailed(Exception):

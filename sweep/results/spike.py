@@ -11,11 +11,21 @@ from typing import Any
 import torch
 
 from sweep.config.schema import Config
-from sweep.experiments.spike.batch import Crafted
 from sweep.run.pipeline import RunResult
-from sweep.tasks.build import Task
+from sweep.tasks.build import Batch, Task
 
 GAP_STEPS = 10  # steps before the spike averaged into pre_spike_gap
+
+
+@dataclass
+class Crafted:
+    """The corrupted batch of one policy pair, made inside its unspiked twin at the spike step."""
+
+    batch: Batch
+    k: float  # loss multiplier
+    natural_norm: float  # the blob's gradient norm at k = 1
+    peak: float  # running peak in the twin
+    target: float  # factor × peak
 
 
 def loss_excess(rows: Sequence[dict], ref_rows: Sequence[dict], step: int) -> float:

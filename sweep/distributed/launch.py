@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sweep.distributed.rank_failure import RankFailed, diagnose, register
 from sweep.errors import UserError
-from sweep.run.rank_failure import RankFailed, diagnose, register
 
 #: Experiments that can run on several ranks.
 DISTRIBUTED_RUNS = ("calibrate", "train", "spike")

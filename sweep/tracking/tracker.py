@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import isfinite
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sweep.errors import UserError
-from sweep.run.outbox import MAX_BATCH, Outbox  # MAX_BATCH re-exported
-from sweep.run.store import DEFAULT_URI, open_client, sqlite_path
-from sweep.run.ui import experiment_ui_tags
 from sweep.secrets import redact, redact_text  # re-exported: callers import them from here
+from sweep.tracking.outbox import MAX_BATCH, Outbox  # MAX_BATCH re-exported
+from sweep.tracking.store import DEFAULT_URI, anchored, open_client, sqlite_path
+from sweep.tracking.ui import experiment_ui_tags
+
+if TYPE_CHECKING:
+    from sweep.config.schema import Config
+    from sweep.distributed.launch import Launch
 
 # Fail fast instead of MLflow's default minutes of HTTP retries against a dead server.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -35,7 +39,7 @@ def resolve_uri(uri: str | None) -> str:
 
 def ensure_experiment(client, name: str, uri: str) -> str:
     """Experiment id for ``name``; a new one on sqlite keeps artifacts beside the database. Either way it
-    carries the tags that open the MLflow UI on its training runs (``sweep.run.ui``)."""
+    carries the tags that open the MLflow UI on its training runs (``sweep.tracking.ui``)."""
     exp = client.get_experiment_by_name(name)
     if exp is not None and exp.lifecycle_stage == "deleted":
         raise UserError(
@@ -133,7 +137,7 @@ class RunTracker:
     ``artifact_dir`` is a local folder: the run's own artifact folder on a local store (files
     written there are in the run as they are written), else ``./mlruns/uploads/RUN_ID`` (beside the
     checkpoints), uploaded at ``end`` and then removed. On a remote store every send goes through
-    an ``Outbox``: a server that stops answering does not stop the run (``sweep.run.outbox``).
+    an ``Outbox``: a server that stops answering does not stop the run (``sweep.tracking.outbox``).
     """
 
     def __init__(
@@ -274,3 +278,16 @@ class SilentTracker:
         return None
 
     log_params = set_tags = add_step = flush = log_metrics = end = _nothing
+
+
+def open_store(cfg: Config, overrides: list[str] | None, launch: Launch, base_dir: Path) -> Store:
+    """Rank 0 opens (creates, migrates) the store; the other ranks wait, learn the experiment, never touch it."""
+    opened: list[Store] = []
+
+    def on_main() -> tuple[str, str, dict[str, str]]:
+        uri = anchored(resolve_uri(cfg.tracking.uri), base_dir)
+        opened.append(Store.open(uri, cfg.tracking.experiment, overrides))
+        return opened[0].experiment_id, opened[0].uri, opened[0].tags
+
+    experiment_id, uri, tags = launch.agree(on_main)
+    return opened[0] if opened else Store(None, experiment_id, uri, tags)

@@ -1,0 +1,1 @@
+"""Training under ``torchrun``: the process group, each rank's share, and a rank that fails."""
