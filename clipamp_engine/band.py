@@ -1,15 +1,15 @@
 """A target clipping band, and the check of a window's τ on held-out steps.
 
-Seed 004 asks to choose τ "so the clipping ratio lands in a small band" (large-scale
-pretraining: low, often below 5%). ``band_quantile`` aims at the band's midpoint,
-τ = Quantile_{1 − (low + high)/2} of the window (the realised ratio's sampling error is binomial,
-about symmetric in absolute terms, and the band is stated in absolute shares); ``check_band`` then
-compares the ratio the window predicts (its share of norms above τ) with the ratio realised while clipping at τ on the
-following ``calibrate.validate`` steps, with an exact (Clopper–Pearson) interval on the realised
-ratio so that a handful of validation steps is not mistaken for drift.
+A practical way to choose τ is so that the clipping ratio lands in a small band (large-scale
+pretraining: low, often below 5%; a rule of thumb, not a published bound). ``band_quantile`` aims at
+the band's midpoint, τ = Quantile_{1 − (low + high)/2} of the window (the realised ratio's sampling
+error is binomial, about symmetric in absolute terms, and the band is stated in absolute shares);
+``check_band`` then compares the ratio the window predicts (its share of norms above τ) with the
+ratio realised while clipping at τ on the following ``calibrate.validate`` steps, with an exact
+(Clopper–Pearson) interval on the realised ratio so that a handful of validation steps is not
+mistaken for drift.
 
 References:
-    Seed lesson 004, "Choosing the threshold" (table of healthy clipping ratios).
     Clopper & Pearson, "The use of confidence or fiducial limits illustrated in the case of the
     binomial", Biometrika 26 (1934).
 """
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from .calibration import CONFIDENCE, _binomial_cdf
 
-#: Seed 004's healthy clipping ratio for large-scale pretraining: low, often below 5%.
+#: A healthy clipping ratio for large-scale pretraining: low, often below 5% (a rule of thumb, not a published bound).
 PRETRAINING_BAND = (0.01, 0.05)
 
 

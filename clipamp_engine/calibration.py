@@ -14,7 +14,8 @@ assumes only that the window's norms are independent draws from one continuous d
 windows measure.
 
 References:
-    Seed lesson 004, "Choosing the threshold" and "Norm Calibration Window".
+    Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural networks", ICML 2013
+        (the threshold from the statistics of the norms over many updates).
     Seetharaman et al., "AutoClip", arXiv:2007.14469 (percentile-based thresholds).
     Conover, "Practical Nonparametric Statistics", 3rd ed. (1999), §3.2 (confidence interval
     for a quantile); Hahn & Meeker, "Statistical Intervals" (1991), ch. 5 (distribution-free

@@ -1,9 +1,9 @@
-"""The seed lesson's demo: a small ``nn.Linear`` regression for 20 steps with an injected inf.
+"""A demo of the safe step: a small ``nn.Linear`` regression for 20 steps with an injected inf.
 
     python -m clipamp_engine.demo [--bf16] [--spike] [--csv PATH] [--max-skip-rate X]
 
 One line per step, beginning ``STEP`` or ``SKIP``; at least one ``SKIP`` (the inf written into a
-gradient at ``--inject-step``). ``--spike`` multiplies one batch's targets by 1e8 (the seed's
+gradient at ``--inject-step``). ``--spike`` multiplies one batch's targets by 1e8 (a
 exercise) to show what clipping does with a finite spike. ``--csv`` replaces an earlier demo CSV
 at that path. Exit 0, 1 when the skip rate over the run exceeds ``--max-skip-rate``, or 2 with one
 ``error:`` line for a bad argument.

@@ -1,6 +1,6 @@
 """Norm-pattern diagnosis: read a run's per-step records and name what the norms say.
 
-The seed's table "Debugging With Norms", made executable:
+A table of norm patterns and their usual causes, made executable:
 
 =====================  ==========================================================
 kind                   likely cause
@@ -53,7 +53,7 @@ _CAUSES = {
     "slow_growth": "LR too high, instability accumulating",
     "always_clipped": "τ too low, or the LR / loss scale / loss normalisation is wrong: clipping should catch "
     "spikes, not set the step length",
-    "sustained_clipping": "clipping has become the normal step length after warm-up (seed 004's warning sign "
+    "sustained_clipping": "clipping has become the normal step length after warm-up (a warning sign "
     "for pretraining): the LR, the loss scale or τ from a window that missed a change",
     "scale_oscillating": "overflows recur soon after every growth; the scale never settles",
     "scale_at_floor": "gradients overflow even at the smallest loss scale: check the loss, the LR, fp16 ranges "
@@ -416,7 +416,7 @@ def diagnose(
             else pre > max_norm).
         sustained_window, sustained_above: "sustained clipping" when, after the LR warm-up (the
             first step whose LR did not rise), the clipping ratio over some ``sustained_window``
-            consecutive taken steps exceeds ``sustained_above`` (the top of seed 004's pretraining
+            consecutive taken steps exceeds ``sustained_above`` (the top of the pretraining
             band) beyond noise: the exact 95% lower bound of that ratio is above it (over 50 steps
             that takes ≥ 7 clipped steps, not 3); skipped when ``always_clipped`` already fires.
         scale_min_reversals, scale_max_period: the loss scale "oscillates" when it reverses

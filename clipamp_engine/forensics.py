@@ -7,12 +7,13 @@ record (CSV) columns. All device work is fused (``torch._foreach_*``) and everyt
 back with one host sync per step. Each flag that is off skips its work entirely; with all
 off the probe costs nothing (but pass ``forensics=None`` then).
 
-What the columns say (seed: "update norm — Adam precondition 后实际移动多大"; "per-layer
-norm — 哪些层触发异常"; "norm exactly zero — detached graph, frozen params"):
+What the columns say (the update norm: how far Adam's preconditioned step really moves the
+weights; per-layer norms: which layers trigger an anomaly; a norm of exactly zero: a detached
+graph or frozen parameters):
 
 - ``update_norm``: ‖u‖ of the data update actually applied this step,
   ``u = θ_new − θ_old·(1 − lr·wd)`` for decoupled weight decay (AdamW), i.e. weight decay
-  *excluded* (the seed's definition of update norm); ``θ_new − θ_old`` otherwise. Measured
+  *excluded* (the update the optimizer itself makes); ``θ_new − θ_old`` otherwise. Measured
   after any ``update``-mode clipping, so it is the update the parameters really received.
   Cost: one copy of the trainable parameters that have gradients (their dtype), reused.
 - ``param_norm``: ‖θ‖ over all trainable parameters after the step.

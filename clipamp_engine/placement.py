@@ -16,7 +16,6 @@ The window starts on the step after both hold. ``latest`` caps the wait (the win
 still fit in the run): reaching it starts the window anyway and says so.
 
 References:
-    Seed lesson 004, "Norm Calibration Window" and "sustained clipping after warmup".
     Page, "Continuous inspection schemes", Biometrika 41 (1954) (stopping once a monitored
     statistic stays in control; here the statistic is a rolling median).
 """

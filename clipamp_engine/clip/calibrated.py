@@ -1,6 +1,6 @@
 """``clip=calibrated``: measure the norms in calibration windows, then clip at τ = Quantile_q of them.
 
-The seed's "Norm Calibration Window": train a short interval without clipping (or at a
+A calibration window: train a short interval without clipping (or at a
 conservative cap), take a high quantile of the finite pre-clip norms as the threshold, check
 that it clips as predicted on the following steps, and revise it in later windows if asked.
 The policy owns the whole procedure — where the window starts (``start``, see
@@ -10,7 +10,9 @@ interval of every quantile, the adopted τ, the validation counts behind each τ
 run needs, and a user's own loop around ``AmpTrainState`` calibrates exactly as the app does.
 
 References:
-    Seed lesson 004, "Choosing the threshold" and "Norm Calibration Window".
+    Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural networks", ICML 2013
+        (the threshold from the statistics of the norms over many updates).
+    Seetharaman et al., "AutoClip", arXiv:2007.14469 (a percentile of the observed norms).
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ class CalibratedClip(ClipPolicy):
         cap: τ until the first window closes (``None``: no clipping then).
         start: ``"auto"``, or the number of steps before the first window (0: it starts at step 1).
         validate: held-out steps after each window that check τ (0: all while τ is in force).
-        target_clip: the clipping-ratio band ``[low, high]`` τ is judged against (seed 004's
-            pretraining band by default).
+        target_clip: the clipping-ratio band ``[low, high]`` τ is judged against (the
+            pretraining band of ``clipamp_engine.band`` by default).
         confidence: level of the quantile and ratio intervals.
         total_steps: the run length (context, not an option): a window cut by the end of the
             run is kept only with >= 2 steps; ``auto`` starts early enough to fit. ``None``: unknown.

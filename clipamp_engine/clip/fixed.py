@@ -1,6 +1,6 @@
 """Clipping at thresholds fixed by the configuration: global norm, none, value, staged, per group.
 
-``norm`` is the seed's default: a projection of the whole gradient onto the τ-ball, so the
+``norm`` is the default: a projection of the whole gradient onto the τ-ball, so the
 direction is kept. ``value`` and ``per_group`` change the direction; ``staged`` keeps a
 fixed τ per training stage. None of these holds state worth a checkpoint.
 
@@ -62,8 +62,8 @@ class NoClip(GlobalCoefficientClip):
 class ValueClip(ClipPolicy):
     """Per-coordinate clamp ``g_i ← clip(g_i, −c, c)``.
 
-    Changes the gradient's direction (coordinates are clipped independently); the seed's
-    advice is global-norm clipping unless there is a reason. Sparse gradients are clamped on
+    Changes the gradient's direction (coordinates are clipped independently); global-norm
+    clipping is the usual choice unless there is a reason. Sparse gradients are clamped on
     their values. ``threshold`` reports ``c``, a per-coordinate bound, not a norm.
 
     Args:
@@ -93,7 +93,7 @@ class StagedNormClip(GlobalCoefficientClip):
     """Global-norm clipping whose τ depends on the step: stage-wise thresholds.
 
     ``stages=[[0, 2.0], [1000, 1.0]]`` clips at τ=2 for steps 1–999 and τ=1 from step 1000
-    on (the last stage whose start ≤ step wins). The seed's compromise between a fixed τ and
+    on (the last stage whose start ≤ step wins). A compromise between a fixed τ and
     a dynamic one: each training stage keeps a fixed, calibrated τ.
 
     Args:
@@ -151,7 +151,7 @@ class PerGroupClip(ClipPolicy):
 
     ``s_j = min(1, τ_j / (‖g_j‖ + 1e-6))``, ``g_j ← s_j g_j``. Not a projection of the whole
     gradient: when the ``s_j`` differ, the full-model gradient *changes direction* — per-group
-    clipping is "按模块限速" (a speed limit per module), useful when one module (an embedding,
+    clipping is a speed limit per module, useful when one module (an embedding,
     an auxiliary head, LoRA adapters) would otherwise dominate the global norm. The post-clip
     norm reported is the global norm of the result.
 

@@ -95,7 +95,7 @@ class UpdateNormClip(ClipPolicy):
     so weight decay is never clipped. ``after_step`` returns ``update_l2_pre_clip`` and
     ``update_l2_post_clip`` (0-dim tensors) for the record; ``last_update_norm`` keeps ‖u‖.
     The optimizer's moments saw the unclipped gradient, so they are not protected: combine
-    with a gradient mode if that matters (the seed's advice: clip gradients first, add
+    with a gradient mode if that matters (the usual advice: clip gradients first, add
     update clipping only when update-norm logs show the adaptive step is what blows up).
 
     Cost: one copy of the parameters that have gradients, in their own dtype (allocated once

@@ -273,7 +273,7 @@ FP16_OVERRIDES = [
 
 @dataclass
 class SpikeConfig:
-    """The seed's bad-batch replay (``+experiment=spike``; see ``sweep.experiments.spike``)."""
+    """The bad-batch replay (``+experiment=spike``; see ``sweep.experiments.spike``)."""
 
     at_step: int = 150  # the corrupted batch is fed at this step (after a calibration window ends)
     factor: float = 20.0  # its pre-clip gradient norm = factor × the running peak
@@ -293,8 +293,8 @@ class FaultsConfig:
     inf_grad: list[int] = field(default_factory=list)
     nan_grad: list[int] = field(default_factory=list)
     nan_loss: list[int] = field(default_factory=list)
-    loss_spike: list[int] = field(default_factory=list)  # float targets × spike_factor (the seed's
-    spike_factor: float = 1e8  # exercise), else the loss × spike_factor
+    loss_spike: list[int] = field(default_factory=list)  # float targets × spike_factor (a regression
+    spike_factor: float = 1e8  # task's targets), else the loss × spike_factor
     overflow: list[int] = field(default_factory=list)
     overflow_factor: float = 1e5
     nan_input: list[int] = field(default_factory=list)

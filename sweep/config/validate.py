@@ -65,7 +65,7 @@ def check_common(cfg: Config) -> None:
     if cfg.checkpoint_every < 0:
         raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
     if cfg.device != "cpu" and not _device_available(cfg.device):
-        raise UserError(f"device={cfg.device!r} is not available on this machine; use device=cpu")
+        raise UserError(f"device={cfg.device!r} is not available here (torch sees no such device); use device=cpu")
     if cfg.amp.dtype == "fp16" and not _fp16_autocast_ok(cfg.device):
         raise UserError(f"amp.dtype=fp16 is not supported on device={cfg.device!r}; use amp.dtype=bf16 or fp32")
     if cfg.tracking.flush_every < 1:

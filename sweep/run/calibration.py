@@ -1,7 +1,7 @@
 """What a calibrate run's ``CalibratedClip`` did, as data: MLflow metrics and ``quantiles.json``.
 
 The engine runs the windows (placement, quantiles with intervals, the adopted τ, its check on the
-held-out steps, drift; seed lesson 004, "Norm Calibration Window"); the report renders the same
+held-out steps, drift; see ``clipamp_engine.clip.calibrated``); the report renders the same
 object for people (``sweep.report.calibration``).
 """
 

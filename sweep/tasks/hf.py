@@ -5,8 +5,8 @@
 Batches are token windows: packed (documents back to back, EOS between; every target real) or
 padded (one document window per row, input ``PAD`` and target -100 where padded, attention mask
 0 there). The loss is the runner's ``lm_loss``: (token-sum, real-token count), so the engine's
-step loss is the token mean over every real token of the whole accumulated batch (seed 004,
-"Why token normalization matters").
+step loss is the token mean over every real token of the whole accumulated batch: a mean of
+per-sequence means would weigh short sequences up and change the gradient norm.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""``+experiment=spike``: replay the seed's bad batch under each clipping policy and measure the damage.
+"""``+experiment=spike``: replay one bad batch under each clipping policy and measure the damage.
 
-The story (seed lesson 000): a run's loss flattens at step 8,217 after one batch whose gradient
-norm is 20× its previous peak; with a global clip at 1.0 the same batch becomes a unit-norm
+The failure it replays: a run's loss flattens after one batch whose gradient norm is 20× its
+previous peak; with a global clip at 1.0 the same batch becomes a unit-norm
 update and training survives. This experiment replays it on the default task, from one seed and
 one data order, as child runs of one MLflow parent run. Each clipping policy runs twice, an
 unspiked twin (the normal batch at ``spike.at_step``) and the spiked run:
@@ -27,13 +27,13 @@ random bytes as inputs and targets (what a compressed or binary file that slippe
 corpus, or a misaligned read, feeds a byte-level LM). The cross-entropy gradient is bounded per
 token, so the blob's own gradient norm is only a few × the recent peak; its loss is therefore
 also multiplied by ``k`` (what a normalisation bug does, e.g. a summed loss divided by a wrong
-token count — seed 004, "Why token normalization matters"). ``k`` is solved so that the pre-clip
+token count). ``k`` is solved so that the pre-clip
 norm is ``spike.factor`` × the running peak: inside the twin, at the spike step, the live model
 (the weights after step ``at_step − 1``, bit-identical in the spiked run) computes the blob's
 gradient with ``torch.autograd.grad`` (``.grad`` untouched; bf16 autocast for bf16 runs, fp32 for
 fp16/fp32 runs) and the gradient is linear in ``k``. The running peak is the largest finite
-pre-clip norm of the ``spike.peak_window`` steps before the spike (0: since step 1): the seed's
-"previous peak" at step 8,217 is not the initialisation transient of step 1.
+pre-clip norm of the ``spike.peak_window`` steps before the spike (0: since step 1): a
+"previous peak" late in training is not the initialisation transient of step 1.
 
 Measurements. ``loss_excess_H = loss / twin's loss − 1`` at step ``at_step + H``, per step and
 unsmoothed: both runs see the identical batch at every step but the spike step, so batch-to-batch

@@ -1,10 +1,11 @@
 """``+experiment=sweep study=entangle``: does a gain from clipping come from a smaller step (the LR)?
 
-Seed 004's Practical Rule: "If changing max_grad_norm improves training, check whether the same
-improvement comes from lowering LR … Clipping and LR are entangled through the effective step
-length." This study trains a grid of ``optim.lr`` × ``clip.max_norm`` (τ from a calibration
-window's quantiles, plus no clipping) over ``study.seeds`` seeds, every cell a child MLflow run of
-one parent, and answers in one line (``entangle_verdict``):
+A practical rule: if changing max_grad_norm improves training, check whether the same improvement
+comes from lowering the LR — clipping and the LR are entangled through the effective step length
+(Zhang et al., "Why gradient clipping accelerates training", ICLR 2020). This study trains a grid of
+``optim.lr`` × ``clip.max_norm`` (τ from a calibration window's quantiles, plus no clipping) over
+``study.seeds`` seeds, every cell a child MLflow run of one parent, and answers in one line
+(``entangle_verdict``):
 
 1. the best clipped cell (lowest mean eval loss over seeds) at (lr*, τ*);
 2. **gain**: is it better than the unclipped cell at the same lr* by more than the noise? If not,
