@@ -135,7 +135,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
         ],
         "Error locating target 'no_such.Layer'",
     ),
-    (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available on this machine"),
+    (["+experiment=calibrate", "device=cuda"], "device='cuda' is not available here"),
     (["+experiment=sweep", "study.target_clip_high=0.3"], "study.target_clip_high is now study.target_clip=[low,high]"),
     (["+experiment=calibrate", "tracking.uri=file:///tmp/x"], "tracking.uri='file:///tmp/x' is not supported"),
     (["+experiment=calibrate", "tracking.uri=http://127.0.0.1:9/"], "is unreachable"),
