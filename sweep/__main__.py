@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from sweep.config.convert import to_config
 from sweep.config.schema import register
 from sweep.errors import UserError, fail
+from sweep.offline import stay_offline
 from sweep.run.loop import RunInterrupted
 from sweep.secrets import hide_argv, redact_text
 
@@ -129,6 +130,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
+    stay_offline()  # before MLflow, transformers or datasets is imported
     sys.argv[1:] = hide_argv(sys.argv[1:])  # before Hydra can write or echo a password
     precheck(sys.argv[1:])
     main()

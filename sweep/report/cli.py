@@ -18,6 +18,7 @@ import pandas as pd
 from rich.console import Console
 
 from sweep.errors import UserError, fail
+from sweep.offline import stay_offline
 from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
@@ -85,6 +86,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
 
 
 def main(argv: list[str] | None = None) -> int:
+    stay_offline()
     ap = argparse.ArgumentParser(prog="python -m sweep.report", description=DESCRIPTION)
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment (tracking.experiment)")
