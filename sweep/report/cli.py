@@ -23,7 +23,7 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
-from sweep.run.tracking import open_client, resolve_uri
+from sweep.run.tracking import open_client, resolve_uri, sqlite_path
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
 _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
@@ -99,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--last {args.last} must be >= 1, e.g. --last 10")
         if args.out:
             check_out(args.out)
-        client = open_client(resolve_uri(args.tracking_uri))
+        uri = resolve_uri(args.tracking_uri)
+        db = sqlite_path(uri)
+        if db is not None and not db.exists():  # a report never creates a store
+            print(f"no runs yet: no tracking store at {db} (pass --tracking-uri, or run from the runs' folder)")
+            return 0
+        client = open_client(uri)
         found = search(client.tracking_uri, args.experiment, args.last)
         sweeps = sweeps_tables(client, args.experiment)
     except UserError as e:
@@ -118,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.out:
-        save(args.out, found, sweeps)
+        try:
+            save(args.out, found, sweeps)
+        except OSError as e:  # unwritable file, a folder in its place, a full disk
+            fail(
+                f"--out {args.out}: cannot write {e.filename or args.out} ({e.strerror or type(e).__name__}); "
+                "the table above is complete: pass a writable file path, e.g. --out report.md"
+            )
     return 0
 
 
@@ -131,7 +142,8 @@ def check_out(out: str) -> None:
         raise UserError(
             f"--out {out}: cannot create {folder}/ ({e.strerror}): pass a path in a writable folder"
         ) from None
-    if Path(out).is_dir() or not os.access(folder, os.W_OK):
+    exists_read_only = Path(out).is_file() and not os.access(out, os.W_OK)
+    if Path(out).is_dir() or exists_read_only or not os.access(folder, os.W_OK):
         raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 
 

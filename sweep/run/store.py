@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import sqlite3
 import urllib.error
@@ -153,8 +154,14 @@ def prepare_sqlite(uri: str, db: Path) -> None:
 
 
 def create_store(db: Path) -> None:
-    """Run MLflow's migrations on a temporary file, then rename it into place (a kill leaves no half store)."""
+    """Run MLflow's migrations on a temporary file, then rename it into place (a kill leaves no half store).
+    Silently: MLflow's "Creating initial MLflow database tables" INFO lines are not the app's output."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    quiet = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
 
     for stale in db.parent.glob(f".{db.name}.creating-*"):  # left by a process killed while creating
         stale.unlink()
@@ -169,6 +176,8 @@ def create_store(db: Path) -> None:
         os.replace(tmp, db)
     finally:
         tmp.unlink(missing_ok=True)
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
 
 
 def _tables(db: Path) -> tuple[set[str], str | None, int | None]:
