@@ -108,8 +108,9 @@ def run_training(
             status = "FAILED"
             try:
                 run.loop(stop)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
                 status = "KILLED"
+                e.run_ended = status  # a run that trained ended KILLED: the CLI's line says so
                 raise
             except StopRun as e:
                 status = e.status
