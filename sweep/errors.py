@@ -10,6 +10,15 @@ import time
 RANK_GRACE_S = 5.0
 
 
+def clip_words(text: str, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters, cut at a word boundary and marked ``…``."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return text[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " …"
+
+
 class UserError(ValueError):
     """A bad value a user can fix; the message names the value, the allowed set and the fix."""
 

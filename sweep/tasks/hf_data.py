@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..config.schema import DataConfig
-from ..errors import UserError
+from ..errors import UserError, clip_words
 from . import corpus as C
 from .file_checks import TEXT_BUILDERS, bad_json_line, check_utf8
 
@@ -47,7 +47,7 @@ def offline() -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: " + clip_words(str(e))
 
 
 def resolve_files(files: Any) -> list[Path]:
