@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import check_accumulation, check_setup, checked_loss
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
@@ -132,6 +133,7 @@ class AmpTrainState:
             raise ValueError(
                 "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
             )
+        check_setup(model, optimizer, max_norm, clip)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
         if self.clip.per_sample and (accumulation_steps != 1 or dtype == "fp16"):
@@ -275,11 +277,12 @@ class AmpTrainState:
 
     def _micro_batches(self, inputs: Any, targets: Any):
         k = self.accumulation_steps
+        check_accumulation(_batch_size(inputs), k)
         return zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
 
     def _forward(self, x: Any, y: Any) -> Any:
         with self.autocast(), torch.set_grad_enabled(not self.clip.per_sample):
-            return self.loss_fn(self.model(x), y)
+            return checked_loss(self.loss_fn(self.model(x), y))
 
     def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
         if self.clip.per_sample:  # DP-SGD: gradients from clipped per-example gradients
