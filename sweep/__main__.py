@@ -98,7 +98,7 @@ def main(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))
     except UserError as e:
-        fail(_one_line(e))
+        fail(_one_line(e), getattr(e, "status", 2))
     except RunInterrupted as e:
         if rank_from_env() != 0:
             sys.exit(130)

@@ -42,6 +42,7 @@ from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.launch import Launch
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
+from sweep.run.nothing_trained import nothing_trained
 from sweep.run.resume_csv import open_steps_csv, resumed_rows
 from sweep.run.summary import summary_metrics, tau_tags, window_metrics
 from sweep.run.tracking import RunTracker, SilentTracker, Store, source_tags
@@ -126,6 +127,11 @@ def run_training(
             except KeyboardInterrupt:
                 status = "KILLED"
                 raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
+            nothing = nothing_trained(run.records.rows, cfg.run)
+            if nothing is not None:
+                status = "FAILED"
+                tracker.set_tags({"failure_reason": str(nothing)})
+                raise nothing
             status = "FINISHED"
         except Exception as e:
             if disk_full(e) is None:

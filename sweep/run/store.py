@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import sqlite3
+import sys
 import urllib.error
 import urllib.request
 from base64 import b64encode
@@ -139,6 +140,7 @@ def prepare_sqlite(uri: str, db: Path) -> None:
         with FileLock(f"{db}.lock", timeout=LOCK_TIMEOUT_S):
             if not db.exists() or db.stat().st_size == 0:
                 create_store(db)
+                warn_orphans(db)
             else:
                 verify_store(uri, db)
     except Timeout:
@@ -151,6 +153,19 @@ def prepare_sqlite(uri: str, db: Path) -> None:
             f"tracking.uri={uri!r}: cannot write in {db.parent}/ ({e.strerror}); "
             f"pass tracking.uri=sqlite:///WRITABLE/DIR/mlflow.db"
         ) from None
+
+
+def warn_orphans(db: Path) -> None:
+    """A store created beside ``checkpoints/`` of runs it cannot know (its predecessor was deleted or
+    moved): one line, since those runs cannot be resumed from this store."""
+    found = sorted(db.parent.glob("checkpoints/*/checkpoint.pt"))
+    if found:
+        print(
+            f"warning: created a new tracking store {db}, but {db.parent / 'checkpoints'} holds {len(found)} "
+            f"checkpoint(s) of runs it does not know (was the previous {db.name} deleted or moved?): resume=true "
+            f"cannot continue them; put the old {db.name} back to resume them",
+            file=sys.stderr,
+        )
 
 
 def create_store(db: Path) -> None:
