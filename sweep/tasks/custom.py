@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..errors import UserError, clip_words
 from .models import VOCAB
 
 
@@ -223,4 +223,4 @@ def check_custom_training(model: nn.Module, loss_fn: Callable, batch: Any, m: An
 
 
 def _first(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200]
+    return clip_words(str(e), 200)
