@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import check_accumulation, check_setup, checked_loss
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
@@ -159,6 +160,7 @@ class AmpTrainState:
             raise ValueError(
                 "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
             )
+        check_setup(model, optimizer, max_norm, clip)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
@@ -297,11 +299,12 @@ class AmpTrainState:
 
     def _micro_batches(self, inputs: Any, targets: Any):
         k = self.accumulation_steps
+        check_accumulation(_batch_size(inputs), k)
         return zip(_split(inputs, k), _split(targets, k)) if k > 1 else [(inputs, targets)]
 
     def _forward(self, x: Any, y: Any) -> Any:
         with self.autocast(), torch.set_grad_enabled(self.gradients.builds_graph):
-            return self._loss_of(x, y)
+            return checked_loss(self._loss_of(x, y))
 
     def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
         self.gradients.backward(loss, self.scaler, self.model, self.loss_fn, x, y)

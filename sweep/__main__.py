@@ -6,18 +6,43 @@ store) print one line and exit 2; Ctrl-C / SIGTERM end the run as KILLED and exi
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
-from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
 
-from sweep.config.convert import refuse_renamed, to_config
-from sweep.config.schema import register
-from sweep.errors import UserError, fail, one_line
-from sweep.run.loop import RunInterrupted
-from sweep.secrets import hide_argv, redact_text
+def _interrupted_at_start(signum, frame) -> None:
+    """Ctrl-C before the app handles it (imports, composing the config): one line, exit 130."""
+    if os.environ.get("RANK", "0") == "0":
+        print("interrupted during start-up: no run was started, nothing to resume", file=sys.stderr)
+    sys.exit(130)
+
+
+def _startup_sigint(on: bool) -> None:
+    """Ctrl-C during start-up is one line (``on``), then the app's own handling; an ignored SIGINT
+    (a background job) stays ignored."""
+    current = signal.getsignal(signal.SIGINT)
+    if on and current is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_at_start)
+    elif not on and current is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+if __name__ == "__main__":
+    _startup_sigint(True)  # first: the imports below take seconds
+
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from sweep.config.convert import refuse_renamed, to_config  # noqa: E402
+from sweep.config.schema import register  # noqa: E402
+from sweep.errors import UserError, fail, one_line  # noqa: E402
+from sweep.offline import stay_offline  # noqa: E402
+from sweep.run.loop import RunInterrupted  # noqa: E402
+from sweep.secrets import hide_argv, redact_text  # noqa: E402
 
 
 def _conf_dir() -> Path:
@@ -69,11 +94,12 @@ def main(cfg: DictConfig) -> None:
     from sweep.distributed.launch import rank_from_env, torchrun_world
     from sweep.distributed.rank_failure import RankFailed
 
+    _startup_sigint(False)  # from here the app handles Ctrl-C
     try:
         hydra_cfg = HydraConfig.get()
         run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))
     except UserError as e:
-        fail(_user_line(e))
+        fail(_user_line(e), getattr(e, "status", 2))
     except RunInterrupted as e:
         if rank_from_env() != 0:
             sys.exit(130)
@@ -100,18 +126,18 @@ def main(cfg: DictConfig) -> None:
                 file=sys.stderr,
             )
         sys.exit(130)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if rank_from_env() != 0:
             sys.exit(130)
-        print(
-            "interrupted: run ended KILLED, steps.csv keeps every completed step; "
-            + (
-                "re-run the same command to resume the study"
-                if cfg.get("run") == "sweep"
-                else "resume=true continues from the last checkpoint"
-            ),
-            file=sys.stderr,
-        )
+        if cfg.get("run") == "sweep":
+            line = "run ended KILLED, steps.csv keeps every completed step; re-run the same command to resume the study"
+        elif getattr(e, "run_ended", None):  # set by the pipeline when it ended a run that had trained
+            line = (
+                "run ended KILLED, steps.csv keeps every completed step; resume=true continues from the last checkpoint"
+            )
+        else:
+            line = "before the first step: no step ran, nothing to resume; re-run the same command"
+        print(f"interrupted: {line}", file=sys.stderr)
         sys.exit(130)
     except RankFailed as e:  # under torchrun: rank 0 reports the failure of whichever rank failed
         line = e.report(rank_from_env())
@@ -130,6 +156,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
+    _startup_sigint(True)
+    stay_offline()  # before MLflow, transformers or datasets is imported
     sys.argv[1:] = hide_argv(sys.argv[1:])  # before Hydra can write or echo a password
     precheck(sys.argv[1:])
     main()

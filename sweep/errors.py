@@ -12,9 +12,18 @@ RANK_GRACE_S = 5.0
 
 def one_line(e: BaseException, limit: int | None = None) -> str:
     """``Type: message`` on one line (whitespace runs collapsed; ``no message`` when empty), the message
-    cut at ``limit`` characters: how a library's exception is quoted inside a ``UserError``."""
-    text = " ".join(str(e).split()) or "no message"
-    return f"{type(e).__name__}: {text[:limit]}"
+    cut at a word within ``limit`` characters: how a library's exception is quoted inside a ``UserError``."""
+    text = (clip_words(str(e), limit) if limit else " ".join(str(e).split())) or "no message"
+    return f"{type(e).__name__}: {text}"
+
+
+def clip_words(text: str, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters, cut at a word boundary and marked ``…``."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return text[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " …"
 
 
 class UserError(ValueError):

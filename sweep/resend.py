@@ -15,11 +15,13 @@ import shutil
 from pathlib import Path
 
 from sweep.errors import UserError, fail
+from sweep.offline import stay_offline
 from sweep.tracking.outbox import PENDING, read_pending
 from sweep.tracking.tracker import open_client, redact
 
 
 def main(argv: list[str] | None = None) -> int:
+    stay_offline()
     ap = argparse.ArgumentParser(prog="python -m sweep.resend", description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="the run's local folder named by the warning")
     ap.add_argument("--tracking-uri", default=None, help="the MLflow server (default: the run's)")

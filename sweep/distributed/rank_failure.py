@@ -70,9 +70,16 @@ class RankFailed(Exception):
 
     def report(self, rank: int) -> str | None:
         """The line this process prints: rank 0's; a failing rank's own only when rank 0 is gone (same host);
-        None on the other ranks (their own gloo connections keep rank 0 waiting until they exit)."""
+        rank 1's when rank 0 itself died silently (no other rank records the run); None on the other ranks
+        (their own gloo connections keep rank 0 waiting until they exit)."""
         if rank == 0 or (self.own and _dead_rank(self.store, rank, [0]) == 0):
             return self.line()
+        if rank == 1 and self.rank == 0 and self.cause is None:
+            return (
+                f"rank 0 of {self.world} died without an error (killed by a signal, e.g. the OOM killer; "
+                "torchrun's summary gives its exit code); it recorded the run, which stays RUNNING in MLflow: "
+                "steps.csv keeps every step it wrote, resume=true continues from the last checkpoint"
+            )
         return None
 
 

@@ -19,11 +19,12 @@ import pandas as pd
 from rich.console import Console
 
 from sweep.errors import UserError, fail
+from sweep.offline import stay_offline
 from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
-from sweep.tracking.tracker import open_client, resolve_uri
+from sweep.tracking.tracker import open_client, resolve_uri, sqlite_path
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
 _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
@@ -95,6 +96,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
 
 
 def main(argv: list[str] | None = None) -> int:
+    stay_offline()
     ap = argparse.ArgumentParser(prog="python -m sweep.report", description=DESCRIPTION)
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment (tracking.experiment)")
@@ -107,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--last {args.last} must be >= 1, e.g. --last 10")
         if args.out:
             check_out(args.out)
-        client = open_client(resolve_uri(args.tracking_uri))
+        uri = resolve_uri(args.tracking_uri)
+        db = sqlite_path(uri)
+        if db is not None and not db.exists():  # a report never creates a store
+            print(f"no runs yet: no tracking store at {db} (pass --tracking-uri, or run from the runs' folder)")
+            return 0
+        client = open_client(uri)
         found = search(client.tracking_uri, args.experiment, args.last)
         sweeps = sweeps_tables(client, args.experiment)
     except UserError as e:
@@ -126,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.out:
-        save(args.out, found, sweeps)
+        try:
+            save(args.out, found, sweeps)
+        except OSError as e:  # unwritable file, a folder in its place, a full disk
+            fail(
+                f"--out {args.out}: cannot write {e.filename or args.out} ({e.strerror or type(e).__name__}); "
+                "the table above is complete: pass a writable file path, e.g. --out report.md"
+            )
     return 0
 
 
@@ -139,7 +152,8 @@ def check_out(out: str) -> None:
         raise UserError(
             f"--out {out}: cannot create {folder}/ ({e.strerror}): pass a path in a writable folder"
         ) from None
-    if Path(out).is_dir() or not os.access(folder, os.W_OK):
+    exists_read_only = Path(out).is_file() and not os.access(out, os.W_OK)
+    if Path(out).is_dir() or exists_read_only or not os.access(folder, os.W_OK):
         raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 
 

@@ -47,11 +47,13 @@ class RunRecords:
         taken = self.taken(phase)
         return sum(bool(r["clipped"]) for r in taken) / len(taken) if taken else math.nan
 
-    def step_metrics(self) -> dict[str, float | None]:
-        """The latest row's per-step MLflow metrics: ``STEP_METRICS`` and ``clip_ratio_rolling``, the share of
-        the last ``ROLLING`` taken steps that were clipped (NaN, hence not sent, when all were skipped)."""
-        row = self.rows[-1]
-        recent = [bool(r["clipped"]) for r in self.rows[-ROLLING:] if not r["skipped"]]
+    def step_metrics(self, index: int = -1) -> dict[str, float | None]:
+        """Row ``index``'s (default: the latest) per-step MLflow metrics: ``STEP_METRICS`` and
+        ``clip_ratio_rolling``, the share of the ``ROLLING`` taken steps up to it that were clipped (NaN,
+        hence not sent, when all were skipped)."""
+        end = index % len(self.rows) + 1
+        row = self.rows[end - 1]
+        recent = [bool(r["clipped"]) for r in self.rows[max(0, end - ROLLING) : end] if not r["skipped"]]
         return {k: row[k] for k in STEP_METRICS} | {
             "clip_ratio_rolling": sum(recent) / len(recent) if recent else math.nan
         }
@@ -228,6 +230,7 @@ def run_steps(
             if checkpoint is not None and (signum is not None or checkpoint_every and step % checkpoint_every == 0):
                 emit(state.flush())
                 checkpoint(step)
+                tracker.flush()  # the store holds every step the checkpoint holds, whatever kills the run next
             if signum is not None:
                 emit(state.flush())
                 tracker.flush()

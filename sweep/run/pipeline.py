@@ -42,7 +42,9 @@ from sweep.run.checkpoint import (
 from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
-from sweep.run.summary import read_rows, summary_metrics, tau_tags, window_metrics
+from sweep.run.nothing_trained import nothing_trained
+from sweep.run.resume_csv import open_steps_csv, resumed_rows
+from sweep.run.summary import summary_metrics, tau_tags, window_metrics
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 from sweep.tracking.tracker import RunTracker, SilentTracker, Store, source_tags
 
@@ -107,8 +109,9 @@ def run_training(
             status = "FAILED"
             try:
                 run.loop(stop)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
                 status = "KILLED"
+                e.run_ended = status  # a run that trained ended KILLED: the CLI's line says so
                 raise
             except StopRun as e:
                 status = e.status
@@ -124,6 +127,11 @@ def run_training(
             except KeyboardInterrupt:
                 status = "KILLED"
                 raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
+            nothing = nothing_trained(run.records.rows, cfg.run)
+            if nothing is not None:
+                status = "FAILED"
+                tracker.set_tags({"failure_reason": str(nothing)})
+                raise nothing
             status = "FINISHED"
         except Exception as e:
             if disk_full(e) is None:
@@ -257,13 +265,6 @@ class _ActiveRun:
             {"pipeline": state.pipeline, "ranks": str(launch.world)}
         )  # update path (clipamp_engine.fused); ranks
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
-        try:
-            writer = StepCSVWriter(csv_path, columns, truncate_after=start if ckpt else None) if csv_path else _NoCSV()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise UserError(
-                f"{csv_path} is not a readable steps CSV ({type(e).__name__}: {e}); move it away "
-                f"and start a new run (drop resume=)"
-            ) from None
         run = cls(
             cfg,
             tracker,
@@ -271,23 +272,22 @@ class _ActiveRun:
             hooks,
             state,
             faults,
-            writer,
+            _NoCSV(),
             RunRecords(),
             start,
             checkpoint_path(uri, tracker.run_id),
             launch,
         )
-        if ckpt is not None:
-            try:
-                run.restore(ckpt, csv_path)
-            except BaseException:
-                writer.close()
-                raise
+        if ckpt is not None:  # decided before anything is written: a refused resume leaves steps.csv as it was
+            run.restore(ckpt, csv_path, columns)
+        if csv_path is not None:
+            run.writer = open_steps_csv(csv_path, columns, start if ckpt else None)
         return run
 
-    def restore(self, ckpt: dict, csv_path: Path | None) -> None:
+    def restore(self, ckpt: dict, csv_path: Path | None, columns: tuple[str, ...]) -> None:
         """Engine (calibration windows included) and RNG state from the checkpoint; the records so far
-        (for the summary and plots, rank 0) from the CSV's rows, which must be steps 1..the checkpoint's."""
+        (for the summary and plots, rank 0) from the CSV's rows, which must be steps 1..the checkpoint's;
+        then the per-step metrics of those rows that the tracking store lacks (a kill can cut sends short)."""
         run_id, step = self.tracker.run_id, self.start_step
         try:
             restore_run_checkpoint(self.ckpt_file, self.state, ckpt, self.launch)
@@ -299,19 +299,10 @@ class _ActiveRun:
                 f"({type(e).__name__}: {' '.join(str(e).split())[:160]}): start a new run (drop resume=)"
             ) from None
         if csv_path is not None:  # rank 0 keeps the records
-            try:
-                self.records.rows = read_rows(csv_path)
-            except (ValueError, KeyError, TypeError) as e:
-                raise UserError(
-                    f"resume={run_id}: {csv_path} has an unreadable row ({type(e).__name__}: {e}); "
-                    f"restore the file or start a new run (drop resume=)"
-                ) from None
-            if [r["step"] for r in self.records.rows] != list(range(1, step + 1)):
-                raise UserError(
-                    f"resume={run_id}: {csv_path} does not hold steps 1–{step} of the checkpoint "
-                    f"({len(self.records.rows)} rows): resuming would lose rows and the summary built "
-                    f"from them; restore steps.csv or start a new run (drop resume=)"
-                )
+            self.records.rows = resumed_rows(run_id, csv_path, columns, step)
+            for i, row in enumerate(self.records.rows):
+                self.tracker.add_step(row["step"], self.records.step_metrics(i))
+            self.tracker.flush()
         self.windows_seen = len(self.windows)
         self.checkpointed = step
         self.hooks.announce(f"resumed run {self.tracker.run_id} at step {self.start_step}")

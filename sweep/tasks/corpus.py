@@ -152,10 +152,13 @@ def _chunks(name: str, data: bytes, path) -> list[tuple[str, str, bytes]]:
     return [(f"{name}#{i}", name, data[cuts[i] : cuts[i + 1]]) for i in range(n)]
 
 
-def split_corpus(corpus: Corpus, eval_fraction: float) -> tuple[Corpus, Corpus]:
-    """Train/eval split by a stable hash of each document name; both sides non-empty."""
+def split_corpus(
+    corpus: Corpus, eval_fraction: float, more: str = "pass data.path=FILE with more text"
+) -> tuple[Corpus, Corpus]:
+    """Train/eval split by a stable hash of each document name; both sides non-empty (else ``more``
+    says how to give the corpus more documents)."""
     if len(corpus) < 2:
-        raise UserError(f"the corpus has {len(corpus)} usable document(s): pass data.path=FILE with more text")
+        raise UserError(f"the corpus has {len(corpus)} usable document(s): {more}")
     h = [_unit_hash(n, "eval") for n in corpus.names]
     ev = [i for i, x in enumerate(h) if x < eval_fraction]
     if not ev:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UserError, one_line
+from ..errors import UserError, clip_words, one_line
 from .models import VOCAB
 
 
@@ -130,6 +130,7 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError(f"model._target_={target!r} has no trainable parameters: a custom model needs some to train")
     model.eval()
+    out = None
     try:
         try:
             out = model(batch.inputs)
@@ -156,13 +157,72 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
     except UserError:
         raise
     except Exception as e:
-        raise UserError(
-            f"model._target_={target!r}: its output failed in the loss ({type(e).__name__}: {_first(e)}); "
-            f"expected {expected}: {fix}"
-        ) from None
+        raise _loss_error(e, out, tuple(batch.targets.shape), m, expected, fix) from None
     finally:
         model.train()
+    check_custom_training(model, loss_fn, batch, m, expected, fix)
+
+
+def _loss_error(e: BaseException, out: Any, targets: tuple, m: Any, expected: str, fix: str) -> UserError:
+    """The loss raised: a ``model.loss_target``'s own error is the loss function's, else the output's."""
+    if m.loss_target:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        return UserError(
+            f"model.loss_target={m.loss_target!r} raised {type(e).__name__}: {_first(e)} (on the model's output "
+            f"{got} and targets of shape {targets}): fix the loss function"
+        )
+    return UserError(
+        f"model._target_={m._target_!r}: its output failed in the loss ({type(e).__name__}: {_first(e)}); "
+        f"expected {expected}: {fix}"
+    )
+
+
+def check_custom_training(model: nn.Module, loss_fn: Callable, batch: Any, m: Any, expected: str, fix: str) -> None:
+    """One training-mode forward on ``batch`` (a model may differ there: dropout paths, a train-only
+    branch): its output must have the eval-mode shape and its loss must reach the parameters (not
+    detached from autograd). The RNG state, buffers (e.g. BatchNorm statistics) and gradients are
+    restored, so training starts exactly as without the check."""
+    target = m._target_
+    rng, buffers = torch.get_rng_state(), [b.detach().clone() for b in model.buffers()]
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    model.train()
+    try:
+        with torch.enable_grad():
+            out = model(batch.inputs)
+            if not m.loss_target:
+                want = (
+                    (*batch.targets.shape, VOCAB) if batch.targets.dtype == torch.long else tuple(batch.targets.shape)
+                )
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+                if got != want:
+                    raise UserError(
+                        f"model._target_={target!r} returned {got} in training mode (model.train()) for inputs of "
+                        f"shape {tuple(batch.inputs.shape)}; expected {expected} = {want} as in eval mode: {fix}"
+                    )
+            loss = loss_fn(out, batch.targets)
+            total = loss[0] if isinstance(loss, tuple) else loss
+        if isinstance(total, torch.Tensor) and not total.requires_grad:
+            raise UserError(
+                f"model._target_={target!r}: in training mode its loss does not depend on its parameters (the "
+                "output is detached from autograd, e.g. by .detach(), .item(), .numpy() or torch.no_grad()): "
+                "return the output of its layers as computed"
+            )
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(
+            f"model._target_={target!r} failed in training mode (model.train()) on inputs of shape "
+            f"{tuple(batch.inputs.shape)} ({type(e).__name__}: {_first(e)}): {fix}"
+        ) from None
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.zero_grad(set_to_none=True)
 
 
 def _first(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200]
+    return clip_words(str(e), 200)

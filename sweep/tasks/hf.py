@@ -52,7 +52,13 @@ def _corpora(d_json: str, pretrained: str | None) -> tuple[C.Corpus, C.Corpus, A
         files, docs = [], D.builtin_docs(d)
     tok, where = _tokenizer(d, m, docs, files)
     full = D.tokenize(docs, tok)
-    train, held_out = C.split_corpus(full, float(d.eval_fraction))
+    train, held_out = C.split_corpus(
+        full,
+        float(d.eval_fraction),
+        "pass data.files=FILE(S) with more documents (one per line of .txt, one per row otherwise)"
+        if d.name == "hf"
+        else "pass data.path=FILE with more text",
+    )
     T = int(d.seq_len)
     for split, c in (("training", train), ("held-out", held_out)):
         if d.packing and c.nbytes <= T:

@@ -20,6 +20,7 @@ import torch
 from ..config.schema import DataConfig
 from ..errors import UserError, one_line
 from . import corpus as C
+from .file_checks import TEXT_BUILDERS, bad_json_line, check_utf8
 
 #: datasets builders for local files, by file extension.
 FORMATS = {
@@ -94,13 +95,19 @@ def file_docs(d: DataConfig) -> list[Doc]:
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" lines: the error says it
     docs: list[Doc] = []
     for f in files:
         if f.stat().st_size == 0:
             continue  # no rows (datasets cannot even infer the columns)
+        if builder in TEXT_BUILDERS:
+            check_utf8(f)
         try:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
         except Exception as e:  # malformed file, wrong format
+            bad = bad_json_line(f) if builder == "json" else None
+            if bad is not None:
+                raise UserError(f"data.files={str(f)!r} is not JSON Lines: {bad}; fix or remove that line") from None
             raise UserError(
                 f"data.files={str(f)!r} could not be read as {builder}: {one_line(e, 300)}: "
                 "fix the file or pass the right data.format"

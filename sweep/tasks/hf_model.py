@@ -13,8 +13,12 @@ Weights load in fp32 (master weights); autocast gives bf16/fp16 compute like eve
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import logging
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
@@ -91,19 +95,58 @@ def pretrained_dir(path: str) -> Path:
     return p
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[list[str]]:
+    """What ``transformers`` logs meanwhile (its load report, its warnings) is kept in the list it
+    yields instead of printed, and its progress bars are off: the app's output stays its own lines."""
+    from transformers.utils import logging as tlog
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    root = tlog.get_logger()
+    handlers, root.handlers = root.handlers, [Keep()]
+    bars = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        yield kept
+    finally:
+        root.handlers = handlers
+        if bars:
+            tlog.enable_progress_bar()
+
+
+_MISMATCH = re.compile(
+    r"^(\S+)\s*\|\s*MISMATCH\s*\|.*ckpt: torch\.Size\((\[.*?\])\) vs model:\s*torch\.Size\((\[.*?\])\)"
+)
+
+
 def from_pretrained(path: Path) -> nn.Module:
     offline()
     from transformers import AutoModelForCausalLM
 
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=torch.float32, use_cache=False
-        )
-    except Exception as e:
-        raise UserError(
-            f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {one_line(e, 300)}: "
-            "pass a directory written by model.save_pretrained()"
-        ) from None
+    with quiet_transformers() as kept:
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                str(path), local_files_only=True, dtype=torch.float32, use_cache=False
+            )
+        except Exception as e:
+            found = [m.groups() for text in kept for line in text.splitlines() if (m := _MISMATCH.match(line.strip()))]
+            reason = one_line(e, 300)
+            if found:
+                key, saved, wanted = found[0]
+                more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                reason = (
+                    f"{len(found)} saved weights do not fit its config.json, e.g. {key}: saved {saved}, "
+                    f"config {wanted}{more}"
+                )
+            raise UserError(
+                f"model.pretrained={str(path)!r} could not be loaded as a causal LM: {reason}: "
+                "pass a directory written by model.save_pretrained()"
+            ) from None
 
 
 def check_fits(model: nn.Module, vocab: int, seq_len: int, tokenizer_where: str) -> None:
@@ -171,5 +214,27 @@ def build(m: ModelConfig, vocab: int) -> nn.Module:
     """The model of ``model=hf`` (not yet adapted): pretrained if given, else from ``model.config``."""
     precheck(m)
     if m.pretrained:  # the directory's config.json is the model; model.config (a preset's) is not used
-        return from_pretrained(pretrained_dir(m.pretrained))
-    return from_config(m, vocab)
+        model = from_pretrained(pretrained_dir(m.pretrained))
+        where = f"model.pretrained={m.pretrained!r}"
+    else:
+        with quiet_transformers():  # e.g. "If you want to use BertLMHeadModel as a standalone": check_causal says it
+            model = from_config(m, vocab)
+        where = f"model.config.model_type={m.config.get('model_type')!r}"
+    check_causal(model, where)
+    return model
+
+
+def check_causal(model: nn.Module, where: str) -> None:
+    """Refuse an encoder (BERT, RoBERTa, …: a masked-LM type whose config is not ``is_decoder``): its
+    attention is bidirectional, so trained as a causal LM it sees the very tokens it predicts and the
+    run "succeeds" on a leak. clipamp trains causal LMs only; masked-LM training is not supported."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
+
+    config = model.config
+    if config.model_type in MASKED and not getattr(config, "is_decoder", False):
+        raise UserError(
+            f"{where} is {type(model).__name__}, an encoder (model_type {config.model_type!r}): its attention "
+            "is bidirectional, so as a causal LM it would see the tokens it must predict; clipamp trains causal "
+            f"LMs only (no masked-LM training): pass a decoder such as {', '.join(_EXAMPLES[:3])}, or "
+            "model.config.is_decoder=true for causal attention"
+        )

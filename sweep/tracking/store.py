@@ -10,13 +10,18 @@ MLflow's basic-auth credentials.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
 import os
 import sqlite3
+import sys
 import urllib.error
 import urllib.request
 from base64 import b64encode
+from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from filelock import FileLock, Timeout
 
@@ -61,9 +66,64 @@ def check_uri(uri: str) -> str:
     db = sqlite_path(uri)
     if db is not None:
         prepare_sqlite(uri, db)
+        return sqlite_url(db)
     if scheme in ("http", "https"):
         return check_server(uri)
+    if scheme in ("postgresql", "mysql", "mssql"):
+        check_database(uri)
     return uri
+
+
+def sqlite_url(db: Path) -> str:
+    """The URL SQLAlchemy (hence MLflow) reads as the file ``db``: its path percent-encoded, since
+    SQLAlchemy decodes the path and cuts it at ``?`` (a folder ``a?b`` or ``a%20b`` is the file's own name)."""
+    return "sqlite:///" + quote(str(db), safe="/")
+
+
+@contextlib.contextmanager
+def no_stray_folders(url: str) -> Iterator[None]:
+    """Remove what MLflow creates for a percent-encoded ``sqlite_url``: it makes the parent folders of
+    the URL's path taken literally (``a%3Fb/``) while SQLAlchemy opens the decoded one (``a?b/``)."""
+    literal = Path(url.removeprefix("sqlite:///")).parent
+    new = [p for p in (literal, *literal.parents) if not p.exists()]
+    try:
+        yield
+    finally:
+        for folder in new:  # deepest first; only folders left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def check_database(uri: str, timeout_s: int = 5) -> None:
+    """One connection attempt (``timeout_s``) to a database server store, instead of MLflow's minutes of
+    retries; ``UserError`` naming the server if it does not answer or the driver is missing."""
+    import sqlalchemy
+    from sqlalchemy.engine import make_url
+
+    shown = redact(uri)
+    try:
+        url = make_url(uri)
+        if url.drivername == "postgresql" and importlib.util.find_spec("psycopg") is None:
+            url = url.set(drivername="postgresql+psycopg2")  # SQLAlchemy >= 2.1 maps postgresql:// to psycopg 3
+        timeout = {"mssql": "timeout"}.get(url.get_backend_name(), "connect_timeout")
+        engine = sqlalchemy.create_engine(url, connect_args={timeout: timeout_s}, poolclass=sqlalchemy.pool.NullPool)
+    except (ImportError, sqlalchemy.exc.ArgumentError, ValueError) as e:
+        raise UserError(
+            f"tracking.uri={shown!r} cannot be used ({type(e).__name__}: {redact(' '.join(str(e).split()))[:160]}); "
+            f"install its database driver, or {_FIX_URI}"
+        ) from None
+    try:
+        with engine.connect():
+            pass
+    except Exception as e:  # sqlalchemy.exc.OperationalError/InterfaceError wrapping the driver's own
+        reason = redact(" ".join(str(getattr(e, "orig", e)).split()))[:160]
+        raise UserError(
+            f"tracking.uri={shown!r} is unreachable ({reason}); start the database server or {_FIX_URI}"
+        ) from None
+    finally:
+        engine.dispose()
 
 
 def prepare_sqlite(uri: str, db: Path) -> None:
@@ -80,6 +140,7 @@ def prepare_sqlite(uri: str, db: Path) -> None:
         with FileLock(f"{db}.lock", timeout=LOCK_TIMEOUT_S):
             if not db.exists() or db.stat().st_size == 0:
                 create_store(db)
+                warn_orphans(db)
             else:
                 verify_store(uri, db)
     except Timeout:
@@ -94,22 +155,44 @@ def prepare_sqlite(uri: str, db: Path) -> None:
         ) from None
 
 
+def warn_orphans(db: Path) -> None:
+    """A store created beside ``checkpoints/`` of runs it cannot know (its predecessor was deleted or
+    moved): one line, since those runs cannot be resumed from this store."""
+    found = sorted(db.parent.glob("checkpoints/*/checkpoint.pt"))
+    if found:
+        print(
+            f"warning: created a new tracking store {db}, but {db.parent / 'checkpoints'} holds {len(found)} "
+            f"checkpoint(s) of runs it does not know (was the previous {db.name} deleted or moved?): resume=true "
+            f"cannot continue them; put the old {db.name} back to resume them",
+            file=sys.stderr,
+        )
+
+
 def create_store(db: Path) -> None:
-    """Run MLflow's migrations on a temporary file, then rename it into place (a kill leaves no half store)."""
+    """Run MLflow's migrations on a temporary file, then rename it into place (a kill leaves no half store).
+    Silently: MLflow's "Creating initial MLflow database tables" INFO lines are not the app's output."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    quiet = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
 
     for stale in db.parent.glob(f".{db.name}.creating-*"):  # left by a process killed while creating
         stale.unlink()
     tmp = db.with_name(f".{db.name}.creating-{os.getpid()}")
     try:
-        store = SqlAlchemyStore(f"sqlite:///{tmp}", (db.parent.resolve() / "artifacts").as_uri())
+        with no_stray_folders(sqlite_url(tmp)):
+            store = SqlAlchemyStore(sqlite_url(tmp), (db.parent.resolve() / "artifacts").as_uri())
         store.engine.dispose()
-        SqlAlchemyStore._engine_map.pop(f"sqlite:///{tmp}", None)
+        SqlAlchemyStore._engine_map.pop(sqlite_url(tmp), None)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, db)
     finally:
         tmp.unlink(missing_ok=True)
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
 
 
 def _tables(db: Path) -> tuple[set[str], str | None, int | None]:
@@ -122,6 +205,14 @@ def _tables(db: Path) -> tuple[set[str], str | None, int | None]:
         return tables, rev[0] if rev else None, runs
     finally:
         con.close()
+
+
+def mlflow_tables(db: Path) -> bool:
+    """Whether the sqlite file ``db`` holds MLflow's tables (False for any other file)."""
+    try:
+        return "experiments" in _tables(db)[0]
+    except sqlite3.DatabaseError:
+        return False
 
 
 def verify_store(uri: str, db: Path) -> None:
@@ -206,4 +297,8 @@ def open_client(uri: str):
     """An ``MlflowClient`` on ``uri`` once ``check_uri`` accepts it."""
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=check_uri(uri))
+    url = check_uri(uri)
+    if url == uri or sqlite_path(url) is None:
+        return MlflowClient(tracking_uri=url)
+    with no_stray_folders(url):
+        return MlflowClient(tracking_uri=url)

@@ -167,8 +167,10 @@ class RunTracker:
 
     @classmethod
     def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> RunTracker:
-        """Continue an existing run (resume): mark it RUNNING again, same artifacts. Steps whose
-        per-step metrics the run already holds (logged before it was killed) are not sent again."""
+        """Continue an existing run (resume): mark it RUNNING again, same artifacts. Every metric value
+        the run already holds (its key and step, logged before it was stopped or killed) is never sent
+        again: ``add_step`` of a step the run holds sends only what it lacks, so the history holds each
+        step once whichever sends a kill cut short."""
         self = cls.__new__(cls)
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
@@ -179,7 +181,7 @@ class RunTracker:
                 client.download_artifacts(run_id, "steps.csv", str(self.artifact_dir))
             except Exception:  # none uploaded: the resume's row check refuses with one line
                 pass
-        self.logged_through = max((m.step for m in client.get_metric_history(run_id, "lr")), default=0)
+        self.logged = {(key, m.step) for key in run.data.metrics for m in client.get_metric_history(run_id, key)}
         return self
 
     def _init_common(self, client, run, flush_every: int) -> None:
@@ -191,7 +193,7 @@ class RunTracker:
         self.flush_every = flush_every
         self._buffer: list = []
         self._steps_buffered = 0
-        self.logged_through = 0  # per-step metrics of steps up to this one are in the run already
+        self.logged: set[tuple[str, int]] = set()  # (key, step) of metric values the run holds already
         self.artifact_uri = uri = run.info.artifact_uri
         self.announce, self.reconnect_s = None, 30.0  # set by the pipeline: where to say it, how long to wait
         if uri.startswith("file:"):
@@ -216,10 +218,12 @@ class RunTracker:
         log_metrics(self.client, self.run_id, {}, tags=tags)
 
     def add_step(self, step: int, metrics: dict[str, float | None]) -> None:
-        """Buffer one step's metrics (non-finite and None dropped); flush every ``flush_every`` steps."""
-        if step <= self.logged_through:
-            return
-        self._buffer.extend(metric_batch(metrics, step))
+        """Buffer one step's metrics (non-finite and None dropped, and any the run holds already, see
+        ``reopen``); flush every ``flush_every`` steps."""
+        batch = metric_batch(metrics, step)
+        if self.logged:
+            batch = [m for m in batch if (m.key, m.step) not in self.logged]
+        self._buffer.extend(batch)
         self._steps_buffered += 1
         if self._steps_buffered >= self.flush_every:
             self.flush()

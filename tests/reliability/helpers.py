@@ -48,3 +48,32 @@ def open_and_log(uri: str, run_name: str) -> None:
     s = Store.open(uri, "clipamp")
     run = s.client.create_run(s.experiment_id, run_name=run_name)
     s.client.set_terminated(run.info.run_id)
+
+
+def start_run(*args: str, cwd: Path, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """``start_cli`` up to the ``steps.csv: PATH`` line; the process and that path."""
+    proc = start_cli(*args, cwd=cwd, env=env)
+    for line in proc.stdout:
+        if line.startswith("steps.csv: "):
+            return proc, Path(line.split(": ", 1)[1].strip())
+    raise AssertionError(proc.stderr.read())
+
+
+def csv_steps(csv: Path) -> list[int]:
+    """The steps of ``csv``'s complete rows (a torn last line left out)."""
+    text = csv.read_text() if csv.exists() else ""
+    return [int(line.split(",", 1)[0]) for line in text[: text.rfind("\n") + 1].splitlines()[1:]]
+
+
+def kill_between_checkpoints(proc: subprocess.Popen, csv: Path, every: int, least: int) -> int:
+    """SIGKILL ``proc`` once ``csv`` holds >= ``least`` rows and its last step is 1-3 past a multiple of
+    ``every`` (after a checkpoint, not on one); the last step in the CSV."""
+    import time
+
+    deadline = time.time() + 240
+    while len(steps := csv_steps(csv)) < least or steps[-1] % every not in (1, 2, 3):
+        assert time.time() < deadline and proc.poll() is None, f"{csv} did not reach {least} rows"
+        time.sleep(0.005)
+    proc.kill()
+    proc.communicate(timeout=60)
+    return csv_steps(csv)[-1]

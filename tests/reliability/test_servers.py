@@ -7,6 +7,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.app.experiments.study.test_postgres import SECRET as PG_SECRET
+from tests.app.experiments.study.test_postgres import postgres  # noqa: F401  (fixture)
 from tests.app.helpers import TINY
 from tests.app.run.test_mlflow_server import server  # noqa: F401  (fixture)
 from tests.reliability.helpers import finish, start_cli

@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import optuna
 
@@ -19,14 +20,16 @@ STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
 
 
 def default_storage(tracking_uri: str) -> str:
-    """``sqlite:///X/optuna.db`` beside a ``sqlite:///X/mlflow.db`` tracking store, else ``mlruns/``."""
+    """``sqlite:///X/optuna.db`` beside a ``sqlite:///X/mlflow.db`` tracking store, else ``mlruns/`` (the
+    path percent-encoded: SQLAlchemy decodes it, and a folder named ``a?b`` is no query)."""
     db = sqlite_path(tracking_uri)
     folder = db.parent.as_posix() if db is not None else "mlruns"
-    return f"sqlite:///{folder}/optuna.db"
+    return f"sqlite:///{quote(folder, safe='/')}/optuna.db"
 
 
-def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 60):
-    """An Optuna ``RDBStorage`` on ``url``; malformed, unsupported or unreachable → one-line ``UserError``."""
+def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 60, tracking_uri: str | None = None):
+    """An Optuna ``RDBStorage`` on ``url``; malformed, unsupported or unreachable → one-line ``UserError``,
+    as is the tracking store ``tracking_uri`` or any MLflow store (Optuna would add its tables to it)."""
     from sqlalchemy.engine import make_url
 
     shown = redact_text(redact(url))
@@ -53,6 +56,7 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
             raise UserError(
                 f"study.storage={shown!r}: cannot create {Path(parsed.database).parent}/ ({e.strerror}): {fix}"
             ) from None
+    _refuse_tracking_store(shown, parsed, tracking_uri, fix)
     if parsed.drivername == "postgresql" and not _importable("psycopg") and _importable("psycopg2"):
         # SQLAlchemy >= 2.1 maps a bare postgresql:// to psycopg 3; use the psycopg2 we ship
         url = parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
@@ -67,6 +71,25 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
     except Exception as e:
         reason = redact_text(" ".join(str(e).split()))[:200]
         raise UserError(f"study.storage={shown!r} cannot be opened ({type(e).__name__}: {reason}): {fix}") from None
+
+
+def _refuse_tracking_store(shown: str, parsed, tracking_uri: str | None, fix: str) -> None:
+    """Before Optuna touches it: ``UserError`` if the storage is the tracking store or an MLflow store."""
+    from sqlalchemy.engine import make_url
+
+    from sweep.tracking.store import mlflow_tables
+
+    db = Path(parsed.database) if parsed.get_backend_name() == "sqlite" and parsed.database else None
+    tracking_db = sqlite_path(tracking_uri) if tracking_uri else None
+    if db is not None:
+        same = tracking_db is not None and db.resolve() == tracking_db.resolve()
+        mlflow_store = db.is_file() and mlflow_tables(db)
+    else:
+        same = tracking_uri is not None and tracking_db is None and make_url(tracking_uri) == parsed
+        mlflow_store = False
+    if same or mlflow_store:
+        what = "the tracking store (tracking.uri)" if same else "an MLflow tracking store"
+        raise UserError(f"study.storage={shown!r} is {what}: Optuna would add its tables to it; {fix}")
 
 
 def _importable(module: str) -> bool:

@@ -67,7 +67,9 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
 def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
     s = cfg.study
     storage_url = s.storage or default_storage(store.uri)
-    storage = open_storage(storage_url, heartbeat_interval=s.heartbeat_interval, grace_period=s.grace_period)
+    storage = open_storage(
+        storage_url, heartbeat_interval=s.heartbeat_interval, grace_period=s.grace_period, tracking_uri=store.uri
+    )
     shown_storage = redact_text(redact(storage_url))
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

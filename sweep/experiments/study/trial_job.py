@@ -19,7 +19,7 @@ from sweep.distributed.rank_failure import RankFailed
 from sweep.errors import UserError, fail
 from sweep.report.run import write_run_report
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
-from sweep.secrets import redact_text
+from sweep.secrets import redact_text, unseal
 from sweep.tracking.tracker import open_store
 
 
@@ -38,7 +38,7 @@ def run(job: dict[str, Any]) -> RunResult:
 
 
 def main(argv: list[str]) -> None:
-    job = json.loads(Path(argv[0]).read_text())
+    job = json.loads(unseal(Path(argv[0]).read_text()))
     rank, status = ranks.rank_from_env(), 0
     try:
         outcome: dict[str, Any] = {"kind": "ok", "run_id": run(job).run_id}

@@ -26,6 +26,7 @@ from sweep.errors import UserError
 from sweep.run.loop import RunRecords
 from sweep.run.pipeline import RunResult, RunSpec
 from sweep.run.summary import read_rows
+from sweep.secrets import seal
 from sweep.tracking.tracker import Store
 
 
@@ -38,20 +39,24 @@ def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable
     """
     with tempfile.TemporaryDirectory(prefix="clipamp-trial-") as tmp:
         job, outcome, err_path = Path(tmp) / "job.json", Path(tmp) / "outcome.json", Path(tmp) / "stderr.txt"
+        env = _env()
         job.write_text(
-            json.dumps(
-                {
-                    "config": as_yaml(cfg),
-                    "name": spec.name,
-                    "parent_run_id": spec.parent_run_id,
-                    "tags": spec.tags,
-                    "store_tags": store.tags,
-                    "uri": store.uri,
-                    "outcome": str(outcome),
-                }
+            seal(
+                json.dumps(
+                    {
+                        "config": as_yaml(cfg),
+                        "name": spec.name,
+                        "parent_run_id": spec.parent_run_id,
+                        "tags": spec.tags,
+                        "store_tags": store.tags,
+                        "uri": store.uri,
+                        "outcome": str(outcome),
+                    }
+                ),
+                env,
             )
-        )
-        job.chmod(0o600)  # the config may hold a storage password
+        )  # passwords (tracking.uri, study.storage) go to the job's environment, never to the file
+        job.chmod(0o600)
         cmd = [
             sys.executable,
             "-m",
@@ -63,7 +68,7 @@ def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable
             str(job),
         ]
         with err_path.open("w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env())
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
             try:
                 while True:
                     try:

@@ -17,7 +17,7 @@ from sweep.tasks.models import TinyMLPLM
 class RankFault(TinyMLPLM):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.calls = 0
+        self.calls = -1  # the first training forward is model=custom's training-mode check, before step 1
 
     def forward(self, idx):
         if self.training:

@@ -1,0 +1,74 @@
+"""Misuse of ``AmpTrainState`` caught with a ``ValueError`` that names the argument and the fix,
+instead of a step that silently trains nothing or an error from deep inside (``torch.stack``,
+a division by zero, an ``AttributeError`` on a float).
+
+The checks read Python objects and tensor metadata only (types, shapes, ``numel``): no device sync.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any) -> None:
+    """At construction: ``max_norm`` is a number (when the default policy uses it) and the optimizer
+    updates at least one of ``model``'s parameters."""
+    if clip is None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm)):
+        raise ValueError(
+            f"max_norm={max_norm!r} must be a number > 0 (a float such as 1.0; math.inf never clips), "
+            f"not {type(max_norm).__name__}"
+        )
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and not any(id(p) in own for p in held):
+        raise ValueError(
+            f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: every step would "
+            "update nothing; build it from this model, e.g. torch.optim.AdamW(model.parameters())"
+        )
+
+
+def check_accumulation(batch_size: int, accumulation_steps: int) -> None:
+    """Each of the ``accumulation_steps`` micro-batches needs at least one sample."""
+    if batch_size < accumulation_steps:
+        raise ValueError(
+            f"accumulation_steps={accumulation_steps} is larger than the batch ({batch_size} samples): some "
+            f"micro-batches would be empty; pass accumulation_steps <= {batch_size} or a larger batch"
+        )
+
+
+def checked_loss(result: Any) -> Any:
+    """``loss_fn``'s result as the step uses it: a scalar floating tensor, or ``(loss_sum, token_count)``
+    with a positive count; ``ValueError`` naming what it returned otherwise."""
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise ValueError(
+                f"loss_fn returned a {type(result).__name__} of {len(result)} items: return a scalar mean loss "
+                "or (loss_sum, token_count)"
+            )
+        loss, count = result
+        if isinstance(count, (int, float)) and not count > 0:
+            raise ValueError(
+                f"loss_fn returned (loss_sum, {count!r}): the token count must be > 0 (a micro-batch without "
+                "real tokens has no token mean); return the number of tokens the sum is over"
+            )
+        _check_scalar(loss, "loss_fn's loss_sum")
+        return tuple(result)
+    _check_scalar(result, "loss_fn")
+    return result
+
+
+def _check_scalar(loss: Any, what: str) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"{what} returned a {type(loss).__name__} ({loss!r}), not a tensor: return the torch scalar computed "
+            "from the model's output (a Python number carries no gradient)"
+        )
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError(
+            f"{what} returned a {loss.dtype} tensor of shape {tuple(loss.shape)}, not a floating scalar: reduce "
+            "it (e.g. .mean(), or reduction='mean')"
+        )
