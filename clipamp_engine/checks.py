@@ -43,6 +43,11 @@ def check_accumulation(batch_size: int, accumulation_steps: int) -> None:
 def checked_loss(result: Any) -> Any:
     """``loss_fn``'s result as the step uses it: a scalar floating tensor, or ``(loss_sum, token_count)``
     with a positive count; ``ValueError`` naming what it returned otherwise."""
+    if result is None:  # the usual adapter for a model that computes its own loss, called without targets
+        raise ValueError(
+            "loss_fn returned None: expected a loss tensor or (loss_sum, token_count); for a model that computes "
+            "its own loss from the targets pass loss_fn=None (the step then calls model(inputs, targets))"
+        )
     if isinstance(result, (tuple, list)):
         if len(result) != 2:
             raise ValueError(

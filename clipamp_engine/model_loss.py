@@ -4,8 +4,8 @@ Many models compute their loss themselves from the targets: nanoGPT's ``model(id
 returns ``(logits, loss)``, a Hugging Face model called with ``labels=`` returns an output whose
 ``.loss`` is set. With ``loss_fn=None`` the step calls the model with the targets and takes that
 loss: ``model(inputs, targets)``, or ``model(**inputs, labels=targets)`` when ``inputs`` is a
-mapping (a tokenizer's batch). Any other output, and a ``loss_fn`` result that is neither a loss
-tensor nor ``(loss_sum, token_count)``, is one ``ValueError`` naming the forms expected.
+mapping (a tokenizer's batch). Any other output is one ``ValueError`` naming the forms expected;
+a ``loss_fn``'s result is checked by ``clipamp_engine.checks.checked_loss``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import checked_loss
+
 __all__ = ["EXPECTED_MODEL_OUTPUT", "loss_function", "model_loss"]
 
 EXPECTED_MODEL_OUTPUT = (
     "a tuple holding one scalar loss tensor (nanoGPT's (logits, loss)), a dict with a 'loss' tensor, "
     "or an object whose .loss is a scalar tensor (Hugging Face's ModelOutput)"
 )
-EXPECTED_LOSS_FN = "a loss tensor or (loss_sum, token_count)"
 
 
 def _describe(value: Any) -> str:
@@ -58,19 +59,10 @@ def model_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def _checked(result: Any) -> Any:
-    if isinstance(result, torch.Tensor) or (isinstance(result, tuple) and len(result) == 2 and _is_loss(result[0])):
-        return result
-    raise ValueError(
-        f"loss_fn returned {_describe(result)}: expected {EXPECTED_LOSS_FN}; for a model that computes "
-        "its own loss from the targets pass loss_fn=None (the step then calls model(inputs, targets))"
-    )
-
-
 def loss_function(model: nn.Module, loss_fn: Callable[[Any, Any], Any] | None) -> Callable[[Any, Any], Any]:
     """``(inputs, targets) -> loss`` for one micro-batch, run inside the step's autocast."""
     if loss_fn is not None:
-        return lambda x, y: _checked(loss_fn(model(x), y))
+        return lambda x, y: checked_loss(loss_fn(model(x), y))
 
     def own(x: Any, y: Any) -> torch.Tensor:
         return model_loss(model(**x, labels=y) if isinstance(x, Mapping) else model(x, y))

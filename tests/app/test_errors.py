@@ -12,7 +12,9 @@ def test_one_line_names_the_type_and_collapses_whitespace():
 def test_one_line_cuts_the_message_at_the_limit():
     e = OSError("x" * 500)
     assert one_line(e) == "OSError: " + "x" * 500
-    assert one_line(e, 300) == "OSError: " + "x" * 300
+    assert one_line(e, 300) == "OSError: " + "x" * 300 + " …"  # one word: cut at the limit, marked
+    words = OSError("word " * 100)
+    assert one_line(words, 32) == "OSError: word word word word word word …"  # at a word boundary
 
 
 def test_one_line_says_when_there_is_no_message():
