@@ -249,7 +249,7 @@ def test_the_checkout_composes_the_top_level_conf():
 
 def test_the_readme_layout_names_every_package():
     readme = (REPO / "README.md").read_text()
-    block = readme.split("### Layout of the app", 1)[1].split("```", 2)[1]
+    block = readme.split("## Layout\n", 1)[1].split("```", 2)[1]
     named = {line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("sweep/")}
     packages = {str(p.parent.relative_to(REPO)) for p in SWEEP.glob("*/__init__.py")}
     assert packages <= named, f"packages missing from the README's layout: {sorted(packages - named)}"
