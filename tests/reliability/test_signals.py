@@ -17,8 +17,9 @@ from tests.app.helpers import TINY
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-# a long end-of-run phase: 200 held-out batches to evaluate, then the plots
-RUN = ["+experiment=train", *TINY, f"steps={STEPS}", "data.eval_batches=200", "tracking.plots=true"]
+# a long end-of-run phase (2,000 held-out batches to evaluate, then the plots: seconds), so that
+# signals sent 0.1 s apart both arrive inside it
+RUN = ["+experiment=train", *TINY, f"steps={STEPS}", "data.eval_batches=2000", "tracking.plots=true"]
 
 
 def _signal_in_end_phase(tmp: Path, store: str, signals: int) -> tuple[subprocess.CompletedProcess, str]:
@@ -33,7 +34,7 @@ def _signal_in_end_phase(tmp: Path, store: str, signals: int) -> tuple[subproces
     while not (csv.exists() and csv.read_text().count("\n") > STEPS):  # every step written: the end phase
         time.sleep(0.02)
     for _ in range(signals):
-        time.sleep(0.3)
+        time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
     try:
         out, err = proc.communicate(timeout=300)
