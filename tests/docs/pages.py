@@ -40,7 +40,7 @@ class Invocation:
 
     page: Path
     line: int
-    program: str  # "sweep", "sweep.report" or "clipamp_engine.demo"
+    program: str  # "sweep", "sweep.report", "sweep.recommend" or "clipamp_engine.demo"
     args: tuple[str, ...]
 
     def where(self) -> str:
@@ -70,7 +70,8 @@ def shell_lines(text: str) -> Iterator[tuple[int, str]]:
             joined, first = "", None
     outside = _code_outside_fences(text)
     for m in INLINE.finditer(outside):
-        yield outside.count("\n", 0, m.start()) + 1, m.group(1)
+        if " " in m.group(1).split(" -m ", 1)[-1].strip():  # a bare `python -m sweep.report` names a tool
+            yield outside.count("\n", 0, m.start()) + 1, m.group(1)
 
 
 def invocations(page: Path) -> Iterator[Invocation]:
@@ -104,9 +105,11 @@ def _program(tokens: list[str]) -> tuple[str, list[str]] | None:
         return None
     if Path(tokens[0]).name == "clipamp":
         return "sweep", tokens[1:]
+    if Path(tokens[0]).name == "clipamp-recommend":
+        return "sweep.recommend", tokens[1:]
     if "-m" in tokens[:-1] and (Path(tokens[0]).name.startswith("python") or tokens[0] == "torchrun"):
         i = tokens.index("-m")
-        if tokens[i + 1] in ("sweep", "sweep.report", "clipamp_engine.demo"):
+        if tokens[i + 1] in ("sweep", "sweep.report", "sweep.recommend", "clipamp_engine.demo"):
             return tokens[i + 1], tokens[i + 2 :]
     return None
 

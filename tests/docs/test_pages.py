@@ -24,6 +24,10 @@ def check(inv) -> None:
         from sweep.report.cli import main
 
         parses(main, list(inv.args))
+    elif inv.program == "sweep.recommend":
+        from sweep.recommend.cli import main
+
+        parses(main, list(inv.args))
     else:
         from clipamp_engine.demo import main
 
