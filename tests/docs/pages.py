@@ -3,8 +3,9 @@
 Pages are README.md and every ``docs/*.md``. A shell command is a line of a ```bash/```sh/```console
 block (``\\``-continued lines joined, ``$ `` prompts and trailing comments dropped) or an inline code
 span that starts with an invocation; a command is split at ``&&``, ``||``, ``;`` and ``|`` into the
-invocations it chains. A synopsis (``clip=MODE``, ``[--wide]``, ``…``) is not a command and is not checked. A runnable
-snippet is a ```python block right after a ``<!-- runnable -->`` line.
+invocations it chains. A synopsis (``clip=MODE``, ``[--wide]``, ``…``), or a tool named in prose
+(a bare ``python -m sweep.report``), is not a command and is not checked. A runnable snippet is a
+```python block right after a ``<!-- runnable -->`` line.
 """
 
 from __future__ import annotations
