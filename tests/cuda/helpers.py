@@ -11,29 +11,14 @@ import warnings
 import pytest
 import torch
 
+from tests.engine.test_step import Tiny
+
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-class Net(torch.nn.Module):
-    """Two linear layers; ``poison`` makes the next backward write it into the first weight's gradient."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(6, 32)
-        self.b = torch.nn.Linear(32, 1)
-        self.poison = None
-        self.a.weight.register_hook(self._hook)
-
-    def _hook(self, g):
-        if self.poison is None:
-            return g
-        bad, self.poison = self.poison, None
-        g = g.clone()
-        g[0, 0] = bad  # a device-side fill: no host sync
-        return g
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+def Net() -> Tiny:
+    """The engine tests' fault-injecting two-layer model, 32 wide."""
+    return Tiny(hidden=32)
 
 
 def batch(i: int, n: int = 8, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

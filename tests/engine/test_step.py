@@ -14,12 +14,13 @@ DTYPES = ["fp16", "bf16", "fp32"]
 
 
 class Tiny(torch.nn.Module):
-    """Two layers; ``poison`` makes the next backward write ``poison`` into the first weight's grad."""
+    """Two layers; ``poison`` makes the next backward write ``poison`` into the first weight's grad
+    (a device-side fill: no host sync)."""
 
-    def __init__(self):
+    def __init__(self, hidden: int = 8):
         super().__init__()
-        self.a = torch.nn.Linear(6, 8)
-        self.b = torch.nn.Linear(8, 1)
+        self.a = torch.nn.Linear(6, hidden)
+        self.b = torch.nn.Linear(hidden, 1)
         self.poison = None
         self.a.weight.register_hook(self._hook)
 
