@@ -23,364 +23,25 @@ keyword arguments with the defaults documented on ``diagnose``. Numpy only.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
+from .findings import FINDING_KINDS, SEVERITIES, Finding, format_findings
+from .norm_patterns import (
+    Trace,
+    find_always_clipped,
+    find_nonfinite,
+    find_scale_at_floor,
+    find_scale_oscillating,
+    find_slow_growth,
+    find_spikes,
+    find_sustained_clipping,
+    find_zero_norm,
+    trace_rows,
+)
 from .records import StepLog
 
 __all__ = ["FINDING_KINDS", "SEVERITIES", "Finding", "diagnose", "format_findings"]
-
-FINDING_KINDS = (
-    "nonfinite",
-    "zero_norm",
-    "spikes",
-    "slow_growth",
-    "always_clipped",
-    "sustained_clipping",
-    "scale_oscillating",
-    "scale_at_floor",
-)
-SEVERITIES = ("info", "warning", "error")
-_CAUSES = {
-    "nonfinite": "overflow, an invalid loss or bad input; clipping does not fix NaNs",
-    "zero_norm": "a detached graph, frozen parameters or an empty loss mask",
-    "spikes": "bad samples, long sequences or label bugs",
-    "slow_growth": "LR too high, instability accumulating",
-    "always_clipped": "τ too low, or the LR / loss scale / loss normalisation is wrong: clipping should catch "
-    "spikes, not set the step length",
-    "sustained_clipping": "clipping has become the normal step length after warm-up (a warning sign "
-    "for pretraining): the LR, the loss scale or τ from a window that missed a change",
-    "scale_oscillating": "overflows recur soon after every growth; the scale never settles",
-    "scale_at_floor": "gradients overflow even at the smallest loss scale: check the loss, the LR, fp16 ranges "
-    "(or use bf16)",
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One named pattern in a norm trace, with the steps and figures that show it."""
-
-    kind: str
-    severity: str
-    message: str
-    steps: list[int] = field(default_factory=list)
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-# -- reading rows ----------------------------------------------------------------------------
-
-
-def _float(v: Any) -> float:
-    if v is None or v == "":
-        return math.nan
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("true", "1", "yes")
-    return bool(v) if v is not None and not (isinstance(v, float) and math.isnan(v)) else False
-
-
-def _rows(records: Iterable[StepLog | Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    return [r.row() if isinstance(r, StepLog) else r for r in records]
-
-
-class _Trace:
-    """The columns diagnosis needs, as numpy arrays."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        self.step = np.array([int(_float(r.get("step"))) for r in rows], dtype=np.int64)
-        self.pre = np.array([_float(r.get("grad_l2_pre_clip")) for r in rows])
-        self.post = np.array([_float(r.get("grad_l2_post_clip")) for r in rows])
-        self.skipped = np.array([_bool(r.get("skipped")) for r in rows])
-        self.reason = [str(r.get("skip_reason") or "") for r in rows]
-        self.scale = np.array([_float(r.get("scaler_scale")) for r in rows])
-        self.max_norm = np.array([_float(r.get("max_norm")) for r in rows])
-        self.clipped_col = [r.get("clipped") for r in rows]
-        self.source = [str(r.get("data_source") or "") for r in rows]
-        self.at_floor = np.array([_bool(r.get("scaler_at_floor")) for r in rows])
-        self.lr = np.array([_float(r.get("lr")) for r in rows])
-        self.taken = ~self.skipped & np.isfinite(self.pre)
-
-    def clipped(self, rows: np.ndarray) -> np.ndarray:
-        """Whether each of ``rows`` was clipped: the ``clipped`` column, else post < pre, else pre > max_norm."""
-        out = []
-        for i in rows:
-            col = self.clipped_col[i]
-            if col is not None and col != "":
-                out.append(_bool(col))
-            elif np.isfinite(self.post[i]):
-                out.append(bool(self.post[i] < self.pre[i]))
-            else:
-                out.append(bool(np.isfinite(self.max_norm[i]) and self.pre[i] > self.max_norm[i]))
-        return np.array(out, dtype=bool)
-
-
-# -- the patterns ----------------------------------------------------------------------------
-
-
-def _nonfinite(t: _Trace) -> Finding | None:
-    bad = t.skipped | ~np.isfinite(t.pre)
-    n = int(bad.sum())
-    if not n:
-        return None
-    rate = n / len(bad)
-    reasons = Counter(t.reason[i] or "nonfinite_norm" for i in np.flatnonzero(bad))
-    severity = "error" if rate > 0.05 else "warning" if rate > 0.01 else "info"
-    steps = t.step[bad].tolist()
-    return Finding(
-        "nonfinite",
-        severity,
-        f"{n} of {len(bad)} steps ({rate:.1%}) had a non-finite loss or gradient "
-        f"({', '.join(f'{k}: {v}' for k, v in reasons.most_common())}); likely {_CAUSES['nonfinite']}",
-        steps,
-        {"count": n, "rate": rate, "reasons": dict(reasons), "first_step": steps[0]},
-    )
-
-
-def _zero_norm(t: _Trace) -> Finding | None:
-    zero = t.taken & (t.pre == 0)
-    n = int(zero.sum())
-    if not n:
-        return None
-    taken = int(t.taken.sum())
-    severity = "error" if n == taken else "warning"
-    return Finding(
-        "zero_norm",
-        severity,
-        f"{n} of {taken} taken steps had a gradient norm of exactly 0; likely {_CAUSES['zero_norm']}",
-        t.step[zero].tolist(),
-        {"count": n, "rate": n / taken},
-    )
-
-
-def _spikes(t: _Trace, window: int, factor: float, min_history: int) -> Finding | None:
-    idx = np.flatnonzero(t.taken)
-    norms = t.pre[idx]
-    if len(norms) <= min_history:
-        return None
-    med = np.empty(len(norms))
-    med[:min_history] = np.nan
-    for j in range(min_history, min(window, len(norms))):  # partial windows at the start
-        med[j] = np.median(norms[:j])
-    if len(norms) > window:  # full windows, vectorised: med[j] = median(norms[j-window:j])
-        med[window:] = np.median(np.lib.stride_tricks.sliding_window_view(norms[:-1], window), axis=1)
-    with np.errstate(invalid="ignore"):
-        mask = (med > 0) & (norms > factor * med)
-    hits = np.flatnonzero(mask).tolist()
-    medians = med[hits].tolist()
-    if not hits:
-        return None
-    rows = idx[hits]
-    steps = t.step[rows].tolist()
-    ratios = [float(norms[j] / m) for j, m in zip(hits, medians)]
-    evidence: dict[str, Any] = {
-        "count": len(hits),
-        "rate": len(hits) / len(norms),
-        "norms": norms[hits].tolist(),
-        "window_medians": medians,
-        "ratios": ratios,
-        "max_ratio": max(ratios),
-        "factor": factor,
-        "window": window,
-    }
-    message = (
-        f"{len(hits)} norm spike(s) above {factor:g}× the median of the previous {window} steps "
-        f"(worst {max(ratios):.1f}× at step {steps[int(np.argmax(ratios))]})"
-    )
-    sources = [t.source[i] for i in rows]
-    if any(sources):
-        spike_counts = Counter(sources)
-        overall = Counter(t.source[i] for i in idx)
-        top, top_n = spike_counts.most_common(1)[0]
-        share, base = top_n / len(hits), overall[top] / len(idx)
-        evidence.update(spike_sources=dict(spike_counts), source_share=share, source_base_rate=base)
-        if top and share >= 0.5 and share > base:
-            evidence["dominant_source"] = top
-            message += f"; data_source {top!r} holds {share:.0%} of them (vs {base:.0%} of all steps)"
-    message += f"; likely {_CAUSES['spikes']}"
-    severity = "warning" if len(hits) / len(norms) < 0.05 else "error"
-    return Finding("spikes", severity, message, steps, evidence)
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    rx = np.argsort(np.argsort(x)).astype(float)
-    ry = np.argsort(np.argsort(y)).astype(float)
-    if rx.std() == 0 or ry.std() == 0:
-        return 0.0
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def _slow_growth(t: _Trace, min_steps: int, min_rho: float, min_ratio: float) -> Finding | None:
-    ok = t.taken & (t.pre > 0)
-    steps, norms = t.step[ok], t.pre[ok]
-    n = len(norms)
-    if n < min_steps:
-        return None
-    rho = _spearman(steps.astype(float), norms)
-    q = n // 4
-    first, last = float(np.median(norms[:q])), float(np.median(norms[-q:]))
-    ratio = last / first if first > 0 else math.inf
-    tstat = rho * math.sqrt((n - 2) / max(1e-12, 1 - rho * rho))
-    if not (rho >= min_rho and tstat > 3.0 and ratio >= min_ratio):
-        return None
-    slope = float(np.polyfit(steps.astype(float), np.log(norms), 1)[0])  # log-norm per step
-    per_1000 = math.exp(slope * 1000)
-    return Finding(
-        "slow_growth",
-        "warning",
-        f"the gradient norm rises steadily over {n} steps (Spearman ρ={rho:.2f}; last-quarter median "
-        f"{last:.3g} is {ratio:.1f}× the first-quarter {first:.3g}; ×{per_1000:.3g} per 1000 steps); "
-        f"likely {_CAUSES['slow_growth']}",
-        [int(steps[0]), int(steps[-1])],
-        {
-            "spearman_rho": rho,
-            "t_stat": tstat,
-            "first_quarter_median": first,
-            "last_quarter_median": last,
-            "ratio": ratio,
-            "log_slope_per_step": slope,
-            "growth_per_1000_steps": per_1000,
-            "steps": n,
-        },
-    )
-
-
-def _always_clipped(t: _Trace, max_ratio: float, min_steps: int) -> Finding | None:
-    idx = np.flatnonzero(t.taken)
-    if len(idx) < min_steps:
-        return None
-    clipped = t.clipped(idx)
-    ratio = float(clipped.mean())
-    if ratio <= max_ratio:
-        return None
-    norms = t.pre[idx]
-    p50, p95 = (float(v) for v in np.percentile(norms, [50, 95]))
-    taus = t.max_norm[idx][np.isfinite(t.max_norm[idx])]
-    evidence = {
-        "clip_ratio": ratio,
-        "steps": len(idx),
-        "norm_p50": p50,
-        "norm_p95": p95,
-        "max_norm_median": float(np.median(taus)) if len(taus) else None,
-    }
-    tau_txt = f" τ≈{evidence['max_norm_median']:.3g} vs" if len(taus) else ""
-    return Finding(
-        "always_clipped",
-        "error" if ratio > 0.9 else "warning",
-        f"{ratio:.0%} of {len(idx)} taken steps were clipped ({tau_txt} median norm {p50:.3g}, "
-        f"p95 {p95:.3g}); likely {_CAUSES['always_clipped']}",
-        t.step[idx][clipped].tolist(),
-        evidence,
-    )
-
-
-def _min_clips_above(window: int, above: float) -> int:
-    """The fewest clipped steps of ``window`` whose exact 95% interval lies entirely above ``above``."""
-    from .band import clopper_pearson
-
-    return next((k for k in range(window + 1) if clopper_pearson(k, window)[0] > above), window + 1)
-
-
-def _sustained_clipping(t: _Trace, window: int, above: float) -> Finding | None:
-    """Rolling windows of ``window`` taken steps after the LR warm-up whose clipping ratio is above
-    ``above`` beyond sampling noise (Clopper–Pearson lower bound > ``above``)."""
-    from .placement import warmup_end
-
-    end = warmup_end(t.lr[np.isfinite(t.lr)].tolist()) or 1
-    idx = np.flatnonzero(t.taken & (t.step >= t.step[0] + end - 1))
-    if len(idx) < window:
-        return None
-    counts = np.convolve(t.clipped(idx).astype(float), np.ones(window), "valid")
-    rolling = counts / window
-    over = np.flatnonzero(counts >= _min_clips_above(window, above))
-    if not len(over):
-        return None
-    ends = t.step[idx][over + window - 1]  # the step each over-band rolling window ends at
-    worst = int(np.argmax(rolling))
-    return Finding(
-        "sustained_clipping",
-        "warning",
-        f"after the LR warm-up (step {int(t.step[0]) + end - 1}) the clipping ratio over {window} steps "
-        f"exceeded {above:.0%} beyond sampling noise in {len(over)} windows ending at steps "
-        f"{int(ends[0])}–{int(ends[-1])} "
-        f"(peak {rolling[worst]:.0%}, steps {int(t.step[idx][worst])}–{int(t.step[idx][worst + window - 1])}); "
-        f"likely {_CAUSES['sustained_clipping']}",
-        ends.tolist(),
-        {
-            "window": window,
-            "above": above,
-            "peak_ratio": float(rolling[worst]),
-            "windows_over": int(len(over)),
-            "warmup_end": int(t.step[0]) + end - 1,
-        },
-    )
-
-
-def _scale_changes(t: _Trace) -> tuple[list[int], list[int]]:
-    """Row indices where the loss scale changed, and the direction (+1 / −1) of each change."""
-    s = t.scale
-    rows, dirs = [], []
-    for i in range(1, len(s)):
-        if np.isfinite(s[i]) and np.isfinite(s[i - 1]) and s[i] != s[i - 1]:
-            rows.append(i)
-            dirs.append(1 if s[i] > s[i - 1] else -1)
-    return rows, dirs
-
-
-def _scale_oscillating(t: _Trace, min_reversals: int, max_period: int) -> Finding | None:
-    rows, dirs = _scale_changes(t)
-    rev = [rows[k] for k in range(1, len(dirs)) if dirs[k] != dirs[k - 1]]
-    if len(rev) < min_reversals:
-        return None
-    span = len(t.step)
-    period = span / len(rev)
-    if period > max_period:
-        return None
-    finite = t.scale[np.isfinite(t.scale)]
-    return Finding(
-        "scale_oscillating",
-        "warning",
-        f"the loss scale reversed direction {len(rev)} times in {span} steps (one reversal every "
-        f"{period:.0f} steps, between {finite.min():g} and {finite.max():g}); likely "
-        f"{_CAUSES['scale_oscillating']}; consider a longer growth_interval or hysteresis",
-        t.step[rev].tolist(),
-        {
-            "reversals": len(rev),
-            "ups": dirs.count(1),
-            "downs": dirs.count(-1),
-            "period_steps": period,
-            "min_scale_seen": float(finite.min()),
-            "max_scale_seen": float(finite.max()),
-        },
-    )
-
-
-def _scale_at_floor(t: _Trace, min_scale: float) -> Finding | None:
-    rows, _ = _scale_changes(t)
-    dynamic = bool(rows)  # a disabled scaler (bf16/fp32) reports a constant 1.0
-    floor = t.at_floor | (dynamic & np.isfinite(t.scale) & (t.scale <= min_scale))
-    if not floor.any():
-        return None
-    steps = t.step[floor].tolist()
-    overflows_at_floor = int((floor & t.skipped).sum())
-    return Finding(
-        "scale_at_floor",
-        "error",
-        f"the loss scale sat at its floor (≤ {min_scale:g}) on {len(steps)} steps from step {steps[0]}, "
-        f"{overflows_at_floor} of them overflowing; {_CAUSES['scale_at_floor']}",
-        steps,
-        {"first_step": steps[0], "count": len(steps), "min_scale": min_scale, "overflows_at_floor": overflows_at_floor},
-    )
 
 
 def diagnose(
@@ -426,34 +87,19 @@ def diagnose(
     Returns:
         ``Finding`` objects, most severe first.
     """
-    rows = _rows(records)
+    rows = trace_rows(records)
     if not rows:
         return []
-    t = _Trace(rows)
+    t = Trace(rows)
     found = [
-        _nonfinite(t),
-        _zero_norm(t),
-        _spikes(t, spike_window, spike_factor, spike_min_history),
-        _slow_growth(t, growth_min_steps, growth_min_rho, growth_min_ratio),
-        (always := _always_clipped(t, clip_ratio_above, clip_min_steps)),
-        None if always else _sustained_clipping(t, sustained_window, sustained_above),
-        _scale_oscillating(t, scale_min_reversals, scale_max_period),
-        _scale_at_floor(t, min_scale),
+        find_nonfinite(t),
+        find_zero_norm(t),
+        find_spikes(t, spike_window, spike_factor, spike_min_history),
+        find_slow_growth(t, growth_min_steps, growth_min_rho, growth_min_ratio),
+        (always := find_always_clipped(t, clip_ratio_above, clip_min_steps)),
+        None if always else find_sustained_clipping(t, sustained_window, sustained_above),
+        find_scale_oscillating(t, scale_min_reversals, scale_max_period),
+        find_scale_at_floor(t, min_scale),
     ]
     findings = [f for f in found if f is not None]
     return sorted(findings, key=lambda f: -SEVERITIES.index(f.severity))
-
-
-def format_findings(findings: Sequence[Finding], max_steps: int = 10) -> str:
-    """A markdown bullet list of findings (for the calibrate report)."""
-    if not findings:
-        return "- no findings: the norm trace shows none of the known failure patterns\n"
-    lines = []
-    for f in findings:
-        steps = ""
-        if f.steps:
-            shown = ", ".join(map(str, f.steps[:max_steps]))
-            more = f" … (+{len(f.steps) - max_steps})" if len(f.steps) > max_steps else ""
-            steps = f" — steps {shown}{more}"
-        lines.append(f"- **{f.kind}** ({f.severity}): {f.message}{steps}")
-    return "\n".join(lines) + "\n"
