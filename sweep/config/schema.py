@@ -28,6 +28,7 @@ RUNS = ("calibrate", "train", "sweep", "spike")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 MODEL_NAMES = ("gpt", "lstm", "linear", "custom", "hf")
+ATTENTION = ("auto", "sdpa", "eager")  # sweep.tasks.models.ATTENTION
 DATA_NAMES = ("stdlib", "text", "synthetic", "hf")
 STUDY_MODES = ("pareto", "constrained", "entangle")
 SAMPLERS = ("tpe", "random", "nsga2")
@@ -53,6 +54,7 @@ class ModelConfig:
     n_head: int = 4
     block_size: int = 128  # >= data.seq_len
     dropout: float = 0.0
+    attention: str = choice("auto", ATTENTION)  # gpt: auto, sdpa or eager (sweep.tasks.models.use_eager)
     hidden: int = 256  # lstm hidden size (n_layer layers)
     in_features: int = 16  # linear
     out_features: int = 1  # linear

@@ -95,7 +95,7 @@ def _build_model(m: ModelConfig, seq_len: int) -> tuple[nn.Module, Callable | No
                 f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}: "
                 "pick model.n_head dividing model.d_model (e.g. model.n_head=4)"
             )
-        return GPT(m.d_model, m.n_layer, m.n_head, m.block_size, m.dropout), lm_loss
+        return GPT(m.d_model, m.n_layer, m.n_head, m.block_size, m.dropout, m.attention), lm_loss
     if name == "lstm":
         return LSTMLM(m.d_model, m.hidden, m.n_layer, m.dropout), lm_loss
     if name == "linear":
