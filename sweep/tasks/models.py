@@ -21,28 +21,24 @@ ATTENTION = ("auto", "sdpa", "eager")
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal ``softmax(q kᵀ / √d) v`` from matmuls, the softmax in at least fp32 (as flash attention accumulates).
+    """Causal ``softmax(q kᵀ / √d) v`` from matmuls.
 
     Vaswani et al., "Attention Is All You Need", arXiv:1706.03762, eq. 1; the explicit form of
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``.
+    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``. The softmax runs in the scores' dtype:
+    torch's CPU kernel computes a bf16 softmax in fp32 and rounds once (``tests/app/tasks/test_attention.py``).
     """
     T = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril_()
-    weights = (
-        scores.to(torch.promote_types(scores.dtype, torch.float32))
-        .masked_fill_(~causal, float("-inf"))
-        .softmax(-1)
-        .to(v.dtype)
-    )
+    weights = scores.masked_fill_(~causal, float("-inf")).softmax(-1)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
     return weights @ v
 
 
 def use_eager(q: torch.Tensor, attention: str) -> bool:
-    """``auto``: the explicit form for bf16 on CPU, where its backward is ~2.7x cheaper than the fused
-    kernel's (``bench/bench_calibrate.py`` prints both); ``F.scaled_dot_product_attention`` elsewhere."""
+    """``auto``: the explicit form for bf16 on CPU, where its forward and backward cost ~3x less than the
+    fused kernel's (``bench/bench_calibrate.py`` prints both); ``F.scaled_dot_product_attention`` elsewhere."""
     if attention == "auto":
         return q.device.type == "cpu" and q.dtype == torch.bfloat16
     return attention == "eager"

@@ -46,6 +46,14 @@ def test_eager_in_bf16_is_as_close_to_float64_as_sdpa():
     assert err_e <= 2 * err_s + 1e-3, (err_e, err_s)
 
 
+def test_cpu_bf16_softmax_is_the_fp32_softmax_rounded_once():
+    """What lets the explicit form keep its softmax in bf16 on CPU."""
+    scores = torch.randn(64, 128, 128, generator=torch.Generator().manual_seed(1)) * 4
+    scores[..., 100:] = float("-inf")
+    low = scores.bfloat16()
+    assert torch.equal(low.softmax(-1), low.float().softmax(-1).bfloat16())
+
+
 @pytest.mark.parametrize(
     "dtype, attention, eager",
     [
