@@ -76,7 +76,7 @@ def shell_lines(text: str) -> Iterator[tuple[int, str]]:
 
 
 def invocations(page: Path) -> Iterator[Invocation]:
-    """Every call of ``clipamp``/``python -m sweep``/``sweep.report``/``clipamp_engine.demo`` on a page."""
+    """Every call of ``clipamp``, ``python -m sweep|sweep.report|clipamp_engine.demo``, ``bench/*.py`` on a page."""
     for line, command in shell_lines(page.read_text()):
         try:
             tokens = shlex.split(command, comments=True)
@@ -108,6 +108,8 @@ def _program(tokens: list[str]) -> tuple[str, list[str]] | None:
         return "sweep", tokens[1:]
     if Path(tokens[0]).name == "clipamp-recommend":
         return "sweep.recommend", tokens[1:]
+    if Path(tokens[0]).name.startswith("python") and len(tokens) > 1 and re.fullmatch(r"bench/\w+\.py", tokens[1]):
+        return tokens[1], tokens[2:]  # a benchmark script
     if "-m" in tokens[:-1] and (Path(tokens[0]).name.startswith("python") or tokens[0] == "torchrun"):
         i = tokens.index("-m")
         if tokens[i + 1] in ("sweep", "sweep.report", "sweep.recommend", "clipamp_engine.demo"):

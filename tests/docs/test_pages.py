@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import runpy
+import sys
+from unittest import mock
 
 import pytest
 from hydra.errors import HydraException
@@ -17,8 +19,12 @@ ALL = [inv for page in pages() for inv in invocations(page)]
 
 
 def check(inv) -> None:
-    """One invocation: its overrides compose (app), or its arguments parse (report, demo)."""
-    if inv.program == "sweep":
+    """One invocation: its overrides compose (app), or its arguments parse (report, recommend, demo, benches)."""
+    if inv.program.startswith("bench/"):
+        bench = runpy.run_path(str(ROOT / inv.program), run_name="bench")
+        with mock.patch.object(sys, "argv", [inv.program, *inv.args]):
+            parses(lambda _argv: bench["main"](), list(inv.args))
+    elif inv.program == "sweep":
         compose_cfg(*overrides(inv.args))
     elif inv.program == "sweep.report":
         from sweep.report.cli import main
@@ -59,6 +65,15 @@ def test_a_command_naming_a_missing_choice_fails(tmp_path):
     (inv,) = invocations(page)
     with pytest.raises(HydraException, match="no_such_model"):
         check(inv)
+
+
+def test_a_bench_flag_that_does_not_exist_fails(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("```bash\n.venv/bin/python bench/bench_startup.py --no-such-flag\n```\n")
+    (inv,) = invocations(page)
+    with pytest.raises(SystemExit) as e:
+        check(inv)
+    assert e.value.code == 2
 
 
 def test_a_report_flag_that_does_not_exist_fails(tmp_path):
