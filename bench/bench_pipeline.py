@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from clipamp_engine.distributed import GlobalBatchLoss, Replicas
+from clipamp_engine.fused_step import fused_update
 from clipamp_engine.scaling import LossScaler
 from clipamp_engine.step import AmpTrainState
 
@@ -106,10 +107,7 @@ def engine_arm(module, fused: bool, scaling: bool):
     def run():  # the engine's part of a step after backward, record included (step() minus backward)
         state.step_count += 1
         if fused:
-            scale = state.scaler.scale_tensor()
-            state._fused_update(
-                loss, None, None, opt.param_groups[0]["lr"], scale.clone() if scale is not None else 1.0
-            )
+            fused_update(state, loss)
         else:
             lr, scale = float(opt.param_groups[0]["lr"]), state.scaler.get_scale()
             state._ready.append(state._update(acc, lr, scale))
