@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .fused import fused_optimizer_step, global_coefficient, is_fusable
+from .fused import apply_factor_and_step, global_coefficient, is_fusable
 from .micro_batches import batch_size
 from .norms import grads_of, total_norm
 
@@ -78,8 +78,9 @@ def fused_update(
 ) -> None:
     """Everything after backward on the fused path, for the gradients now in ``state``'s parameters.
 
-    Norm of the scaled gradients → skip flag and clip coefficient on the device → one fused
-    optimizer pass that unscales, clips and steps (or skips) → scaler and schedule, no sync. The
+    Norm of the scaled gradients → skip flag and clip coefficient on the device → the fused
+    optimizer pass that unscales, clips and steps (or skips), by ``state.fused_recipe`` (see
+    ``clipamp_engine.fused.FACTOR_RECIPES``) → scaler and schedule, no sync. The
     record (with the LR and loss scale in force before this update) is left pending in ``state``.
 
     Args:
@@ -103,7 +104,7 @@ def fused_update(
     loss_finite = torch.isfinite(mean_loss)
     found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
     coef = global_coefficient(state.clip, pre, state.step_count)
-    fused_optimizer_step(state.optimizer, 1.0 / (factor * coef), found_inf)
+    apply_factor_and_step(state.optimizer, grads, factor * coef, found_inf, state.fused_recipe)
     state.scaler.record_inf_check(state.optimizer, found_inf)
     state.scaler.update()
     if state._device_lr is not None:

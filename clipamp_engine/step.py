@@ -28,7 +28,7 @@ from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
-from .fused import DeviceLambdaLR, RecordBuffer, fused_path_refusal
+from .fused import DeviceLambdaLR, RecordBuffer, factor_recipe, fused_path_refusal
 from .fused_step import fused_step
 from .gradients import GradientSource, ScaledBackward
 from .micro_batches import batch_size as _batch_size
@@ -110,7 +110,8 @@ class AmpTrainState:
             (see ``clipamp_engine.forensics``); ``None`` costs nothing.
         fused: ``None`` (default) runs the fused path whenever it can (see
             ``clipamp_engine.fused``), ``False`` always runs the canonical passes, ``True``
-            raises ``ValueError`` (with the reason) when the fused path cannot run.
+            raises ``ValueError`` (with the reason) when the fused path cannot run. ``pipeline``
+            says which runs, ``fused_recipe`` how (``clipamp_engine.fused.FACTOR_RECIPES``).
         log_every: on the fused path, ``step_deferred`` materialises records (one transfer)
             every ``log_every`` steps; default 1 on CPU (a sync is free there), 50 elsewhere.
     """
@@ -193,6 +194,7 @@ class AmpTrainState:
         if fused and refusal is not None:
             raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
         self.pipeline = "fused" if fused is not False and refusal is None else "default"
+        self.fused_recipe = factor_recipe(self.params) if self.pipeline == "fused" else None
         self.log_every = log_every if log_every is not None else (1 if self.device_type == "cpu" else 50)
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
