@@ -332,9 +332,11 @@ def test_path_is_chosen_automatically():
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 
 
-def test_no_host_sync_between_flushes(monkeypatch):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_no_host_sync_between_flushes(monkeypatch, recipe):
     """By construction: no Python-level tensor→host read runs between two flushes."""
-    model, opt, sched, state = _setup("fp16", None, log_every=5)
+    model, opt, sched, state = _setup("fp16", None, log_every=5, recipe=recipe)
+    assert state.fused_recipe == recipe
     calls = []
     for name in SYNCS:
         orig = getattr(torch.Tensor, name)
