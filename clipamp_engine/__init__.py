@@ -11,7 +11,8 @@ functions. Everything else is imported from its module:
 - ``clipamp_engine.monitors``: ``SkipRateMonitor``, ``ClipRatioMonitor``, ``SkipRateWarning``;
 - ``clipamp_engine.forensics``, ``clipamp_engine.diagnosis``, ``clipamp_engine.records``
   (``SKIP_REASONS``), ``clipamp_engine.scaling`` (``LossScaleFloorWarning``),
-  ``clipamp_engine.step`` (``DTYPES``, ``parse_dtype``), ``clipamp_engine.fused``.
+  ``clipamp_engine.step`` (``DTYPES``, ``parse_dtype``), ``clipamp_engine.fused`` and
+  ``clipamp_engine.fused_step`` (the fused path).
 """
 
 from .calibration import CalibrationError

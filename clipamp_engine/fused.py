@@ -4,10 +4,11 @@ torch's fused optimizers (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=Tr
 ``grad_scale`` and ``found_inf`` tensors (the contract ``GradScaler.step`` uses): the kernel
 divides each gradient by ``grad_scale`` and skips the whole update when ``found_inf == 1``.
 Clipping by the global norm is a scalar too, so with ``pre`` the norm of the *unscaled*
-gradient and ``c = min(1, τ / (pre + 1e-6))`` the optimizer is handed
+gradient and ``c = min(1, τ / (pre + 1e-6))`` the optimizer can be handed
 ``grad_scale = loss_scale / (c · token_factor)`` and gradients are read twice in all: once
 for the norm, once by the optimizer (the canonical recipe reads them three to four times:
-unscale, norm, scale, optimizer).
+unscale, norm, scale, optimizer); where a multiply is faster than the kernel's division, three
+times (see the recipes below).
 
 The skip decision stays on the device (``found_inf = ¬isfinite(pre) ∨ ¬isfinite(loss)``); the
 record of a step is one small device tensor, materialised with the others in one transfer
@@ -26,7 +27,18 @@ What the fused path needs, and what it gives up (otherwise the default path runs
   fp64 run's clip coefficient (the default path clips fp64 gradients in fp64);
 - a non-finite loss still runs backward (its gradients are discarded by the same flag);
 - an LR scheduler other than ``LambdaLR`` costs one sync per step (to step it on taken
-  steps only); ``LambdaLR`` turns every group's ``lr`` into a 0-dim tensor.
+  steps only); ``LambdaLR`` turns every group's ``lr`` into a 0-dim tensor (fp64 on CPU, where
+  the fused kernels read it as a double; fp32 elsewhere).
+
+How the factor ``f = c · token_factor / loss_scale`` reaches the gradients is chosen per device
+type and parameter dtype (``FACTOR_RECIPES``, measured with ``bench/bench_pipeline.py``):
+``"grad_scale"`` hands ``1 / f`` to the optimizer's kernel, which divides each gradient by it;
+``"multiply"`` scales the gradients with one ``_foreach_mul_`` by ``f`` and runs the kernel with
+``found_inf`` only. The second reads the gradients once more, but multiplies where the kernel
+divides, and is the default path's arithmetic: with a power-of-two loss scale and no token
+factor its updates equal the default path's bit for bit (``x / (1/f)`` differs from ``x · f``
+in the last bit, and in bf16 the kernel keeps the quotient in fp32 where the default path rounds
+the clipped gradient to bf16).
 
 References:
     Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740 (loss scaling).
@@ -44,11 +56,16 @@ import torch
 
 from ._torch_compat import fused_kernel_devices, set_last_lr, takes_grad_scale
 from .clip.base import ClipPolicy
+from .norms import scale_grads_
 from .records import SkipLog, StepLog
 
 __all__ = [
+    "DEFAULT_FACTOR_RECIPE",
+    "FACTOR_RECIPES",
     "DeviceLambdaLR",
     "RecordBuffer",
+    "apply_factor_and_step",
+    "factor_recipe",
     "fused_kernel_devices",
     "fused_optimizer_step",
     "fused_path_refusal",
@@ -89,14 +106,56 @@ def global_coefficient(clip: ClipPolicy, pre: torch.Tensor, step: int) -> torch.
     return torch.where(torch.isfinite(pre), coef, torch.ones_like(coef))
 
 
-def fused_optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """One optimizer step that divides gradients by ``grad_scale`` and is skipped if ``found_inf == 1``."""
+def fused_optimizer_step(
+    optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None, found_inf: torch.Tensor
+) -> None:
+    """One optimizer step that divides gradients by ``grad_scale`` (``None``: leaves them) and is
+    skipped if ``found_inf == 1``."""
     optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
     optimizer.found_inf = found_inf  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
         del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+
+
+#: ``(device type, parameter dtype)`` → how the fused path applies its factor (module docstring).
+#: CPU, measured with ``bench/bench_pipeline.py`` (docs/measurements.md): in bf16 the multiply is
+#: faster (the kernel's per-element division and its bf16 write-back of the quotient cost more than
+#: one ``_foreach_mul_``); in fp32 ``grad_scale`` is (the kernel's division costs less than the
+#: multiply's extra pass).
+FACTOR_RECIPES: dict[tuple[str, torch.dtype], str] = {
+    ("cpu", torch.float32): "grad_scale",
+    ("cpu", torch.bfloat16): "multiply",
+}
+#: Where ``FACTOR_RECIPES`` has no entry (CUDA and other accelerators, not measured here): the
+#: kernel's division hides in its memory-bound pass and the multiply's extra read would not.
+DEFAULT_FACTOR_RECIPE = "grad_scale"
+RECIPES = ("grad_scale", "multiply")
+
+
+def factor_recipe(params: Sequence[torch.Tensor]) -> str:
+    """The recipe for ``params``: ``"grad_scale"`` if every (device type, dtype) among them takes it, else
+    ``"multiply"`` (one optimizer call takes one ``grad_scale``; the multiply is right for every dtype)."""
+    chosen = {FACTOR_RECIPES.get((p.device.type, p.dtype), DEFAULT_FACTOR_RECIPE) for p in params}
+    return "grad_scale" if chosen <= {"grad_scale"} else "multiply"
+
+
+def apply_factor_and_step(
+    optimizer: torch.optim.Optimizer,
+    grads: list[torch.Tensor],
+    factor: torch.Tensor,
+    found_inf: torch.Tensor,
+    recipe: str,
+) -> None:
+    """Multiply the gradients by ``factor`` and step, or skip the update if ``found_inf == 1``, by ``recipe``."""
+    if recipe == "multiply":
+        scale_grads_(grads, factor)
+        fused_optimizer_step(optimizer, None, found_inf)
+    elif recipe == "grad_scale":
+        fused_optimizer_step(optimizer, 1.0 / factor, found_inf)
+    else:
+        raise ValueError(f"fused recipe {recipe!r} is not one of {', '.join(RECIPES)}")
 
 
 class DeviceLambdaLR:
@@ -115,9 +174,10 @@ class DeviceLambdaLR:
         self.window = window + 1
         groups = scheduler.optimizer.param_groups
         device = groups[0]["params"][0].device
+        self.dtype = torch.float64 if device.type == "cpu" else torch.float32  # what the fused kernels read
         for g in groups:
             if not isinstance(g["lr"], torch.Tensor):
-                g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
+                g["lr"] = torch.tensor(float(g["lr"]), dtype=self.dtype, device=device)
         self.taken = torch.zeros((), dtype=torch.long, device=device)
         self.sync(scheduler.last_epoch)
 
@@ -128,7 +188,7 @@ class DeviceLambdaLR:
         set_last_lr(s, lrs)
         self.start = taken
         rows = [[base * fn(taken + i) for i in range(self.window)] for base, fn in zip(s.base_lrs, s.lr_lambdas)]
-        self.table = torch.tensor(rows, dtype=torch.float32, device=self.taken.device)
+        self.table = torch.tensor(rows, dtype=self.dtype, device=self.taken.device)
         self.taken.fill_(taken)
         for g, lr in zip(s.optimizer.param_groups, lrs):
             g["lr"].fill_(lr)
@@ -141,7 +201,7 @@ class DeviceLambdaLR:
             g["lr"].copy_(lrs[i, 0])
 
 
-#: Layout of one pending record row (fp32 on the device).
+#: Layout of one pending record row (fp64 on the device, fp32 on MPS: an fp64 LR stays exact).
 ROW = ("lr", "pre", "post", "loss", "tokens", "scale", "skipped", "loss_finite")
 
 
@@ -151,7 +211,7 @@ class RecordBuffer:
     def __init__(self) -> None:
         self.rows: list[torch.Tensor] = []
         self.meta: list[tuple[int, float | None]] = []  # (step, max_norm) known on the host
-        self.host_lr: list[float | None] = []  # a float LR, kept exact (the row holds it in fp32)
+        self.host_lr: list[float | None] = []  # a float LR, kept exact (an MPS row holds it in fp32)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -159,12 +219,13 @@ class RecordBuffer:
     def add(self, step: int, max_norm: float | None, values: Sequence[torch.Tensor | float]) -> None:
         """Queue one row (``ROW`` order); floats become device scalars without a host transfer."""
         device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        wide = torch.float32 if device.type == "mps" else torch.float64
         self.rows.append(
             torch.stack(
                 [
-                    v.to(device).float().reshape(())
+                    v.to(device).to(wide).reshape(())
                     if isinstance(v, torch.Tensor)
-                    else torch.full((), v, device=device)
+                    else torch.full((), v, dtype=wide, device=device)
                     for v in values
                 ]
             )

@@ -6,7 +6,7 @@ update (skips included) → ``zero_grad(set_to_none=True)``.
 
 Two update paths, chosen automatically (``AmpTrainState.pipeline``): with a fused optimizer and
 a global-coefficient clip the unscale and the clip are folded into the optimizer's own pass
-and nothing syncs with the host between flushes (``clipamp_engine.fused``); otherwise the
+and nothing syncs with the host between flushes (``clipamp_engine.fused_step``); otherwise the
 canonical passes run and each step is materialised at once.
 
 References:
@@ -28,14 +28,8 @@ from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
-from .fused import (
-    DeviceLambdaLR,
-    RecordBuffer,
-    fused_optimizer_step,
-    fused_path_refusal,
-    global_coefficient,
-    is_fusable,
-)
+from .fused import DeviceLambdaLR, RecordBuffer, factor_recipe, fused_path_refusal
+from .fused_step import fused_step
 from .gradients import GradientSource, ScaledBackward
 from .micro_batches import batch_size as _batch_size
 from .micro_batches import split as _split
@@ -116,7 +110,8 @@ class AmpTrainState:
             (see ``clipamp_engine.forensics``); ``None`` costs nothing.
         fused: ``None`` (default) runs the fused path whenever it can (see
             ``clipamp_engine.fused``), ``False`` always runs the canonical passes, ``True``
-            raises ``ValueError`` (with the reason) when the fused path cannot run.
+            raises ``ValueError`` (with the reason) when the fused path cannot run. ``pipeline``
+            says which runs, ``fused_recipe`` how (``clipamp_engine.fused.FACTOR_RECIPES``).
         log_every: on the fused path, ``step_deferred`` materialises records (one transfer)
             every ``log_every`` steps; default 1 on CPU (a sync is free there), 50 elsewhere.
     """
@@ -199,6 +194,7 @@ class AmpTrainState:
         if fused and refusal is not None:
             raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
         self.pipeline = "fused" if fused is not False and refusal is None else "default"
+        self.fused_recipe = factor_recipe(self.params) if self.pipeline == "fused" else None
         self.log_every = log_every if log_every is not None else (1 if self.device_type == "cpu" else 50)
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
@@ -270,12 +266,7 @@ class AmpTrainState:
         self.step_count += 1
         try:
             if self.pipeline == "fused":
-                if not is_fusable(self.clip):
-                    raise ValueError(
-                        f"clip mode {self.clip.mode!r} was set after the fused path was chosen and "
-                        "needs the default path: build AmpTrainState with fused=False"
-                    )
-                self._fused_step(inputs, targets)
+                fused_step(self, inputs, targets)
             else:
                 lr = float(self.optimizer.param_groups[0]["lr"])
                 scale = self.scaler.get_scale()  # sync (fp16 on an accelerator only): the scale this step uses
@@ -308,27 +299,6 @@ class AmpTrainState:
 
     def _backward(self, loss: torch.Tensor, x: Any, y: Any) -> None:
         self.gradients.backward(loss, self.scaler, self.model, self.loss_fn, x, y)
-
-    def _forward_backward(self, inputs: Any, targets: Any):
-        """The fused path's forward and scaled backward per micro-batch → ``(loss_acc, tokens, ref)``
-        on the device (no sync: a non-finite loss is caught with the gradients)."""
-        k = self.accumulation_steps
-        total = _batch_size(inputs)
-        loss_acc = tokens = ref = None
-        for x, y in self._micro_batches(inputs, targets):
-            result = self._forward(x, y)
-            if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
-                loss_sum, count = result[0].float(), result[1]
-                if ref is None:
-                    ref = count.float() * k  # provisional normaliser, corrected after accumulation
-                loss = loss_sum / ref
-                loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
-                tokens = count if tokens is None else tokens + count
-            else:  # mean loss: weight each micro-batch by its share of the samples
-                loss = result.float() / (total / _batch_size(y)) if k > 1 else result.float()  # loss / k
-                loss_acc = loss if loss_acc is None else loss_acc + loss
-            self._backward(loss, x, y)
-        return loss_acc, tokens, ref
 
     def _update(self, acc: GlobalBatchLoss, lr: float, scale: float) -> StepLog:
         """The canonical passes after backward: unscale → check → clip → step → schedule → scaler."""
@@ -373,53 +343,6 @@ class AmpTrainState:
             max_norm=self.clip.threshold,
             extra=extra,
         )
-
-    def _fused_step(self, inputs: Any, targets: Any) -> None:
-        lr = self.optimizer.param_groups[0]["lr"]
-        lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr  # the LR this step uses
-        loss_acc, tokens, ref = self._forward_backward(inputs, targets)
-        scale = self.scaler.scale_tensor()
-        self._fused_update(loss_acc, tokens, ref, lr, scale.clone() if scale is not None else 1.0)
-
-    def _fused_update(
-        self,
-        loss_acc: torch.Tensor,
-        tokens: torch.Tensor | None,
-        ref: torch.Tensor | None,
-        lr: float | torch.Tensor,
-        scale: float | torch.Tensor,
-    ) -> None:
-        """Norm of the scaled gradients → skip flag and clip coefficient on the device → one fused
-        optimizer pass that unscales, clips and steps (or skips) → scaler and schedule, no sync."""
-        params = [p for p in self.params if p.grad is not None]
-        grads = grads_of(params)
-        norm = total_norm(grads)
-        factor = torch.ones_like(norm)  # what turns the stored gradient into the unscaled mean
-        if isinstance(scale, torch.Tensor):  # GradScaler's inverse scale, computed the same way
-            factor = scale.to(norm.device).double().reciprocal().float()
-        if tokens is not None and self.accumulation_steps > 1:
-            factor = factor * (ref / tokens.float()).to(norm.device)
-        pre = norm * factor
-        mean_loss = (loss_acc / tokens.float() if tokens is not None else loss_acc).detach().to(norm.device)
-        loss_finite = torch.isfinite(mean_loss)
-        found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
-        coef = global_coefficient(self.clip, pre, self.step_count)
-        fused_optimizer_step(self.optimizer, 1.0 / (factor * coef), found_inf)
-        self.scaler.record_inf_check(self.optimizer, found_inf)
-        self.scaler.update()
-        if self._device_lr is not None:
-            self._device_lr.advance(found_inf)
-        elif self.scheduler is not None and not bool(found_inf):  # sync: only LambdaLR runs on the device
-            self.scheduler.step()
-        self._pending.add(
-            self.step_count,
-            self.clip.threshold,
-            [lr, pre, pre * coef, mean_loss, self._tokens_or_nan(tokens, norm.device), scale, found_inf, loss_finite],
-        )
-
-    @staticmethod
-    def _tokens_or_nan(tokens: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
-        return tokens.float() if tokens is not None else torch.full((), float("nan"), device=device)
 
     def _skip(
         self, reason: str, lr: float, scale: float, acc: GlobalBatchLoss, pre: torch.Tensor | None = None

@@ -1,0 +1,122 @@
+"""The fused path of ``AmpTrainState``: forward, scaled backward and one sync-free update.
+
+``fused_step(state, inputs, targets)`` is one optimizer step on the fused path: the forward and
+scaled backward per micro-batch (a non-finite loss is caught with the gradients, not before
+backward), then ``fused_update``: the norm of the scaled gradients, the skip flag and the clip
+coefficient on the device, one fused optimizer pass that unscales, clips and steps (or skips),
+then the scaler and the schedule; the step's record joins the device rows materialised at the
+next flush (``clipamp_engine.fused.RecordBuffer``). Nothing here syncs with the host, except a
+scheduler other than ``LambdaLR`` (stepped on taken steps only).
+
+References:
+    Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740 (loss scaling).
+    Pascanu, Mikolov, Bengio, arXiv:1211.5063 (global-norm clipping).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .fused import apply_factor_and_step, global_coefficient, is_fusable
+from .micro_batches import batch_size
+from .norms import grads_of, total_norm
+
+if TYPE_CHECKING:
+    from .step import AmpTrainState
+
+__all__ = ["forward_backward", "fused_step", "fused_update"]
+
+
+def fused_step(state: AmpTrainState, inputs: Any, targets: Any) -> None:
+    """One optimizer step on the fused path; its record is left pending in ``state``.
+
+    Raises ``ValueError`` when ``state.clip`` was replaced by a policy that is not one global
+    coefficient after the path was chosen.
+    """
+    if not is_fusable(state.clip):
+        raise ValueError(
+            f"clip mode {state.clip.mode!r} was set after the fused path was chosen and "
+            "needs the default path: build AmpTrainState with fused=False"
+        )
+    loss_acc, tokens, ref = forward_backward(state, inputs, targets)
+    fused_update(state, loss_acc, tokens, ref)
+
+
+def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
+    """The forward and scaled backward per micro-batch → ``(loss_acc, tokens, ref)`` on the device.
+
+    ``loss_acc`` is the mean loss (or, for a ``(loss_sum, token_count)`` loss, the summed loss with
+    ``tokens`` the summed count and ``ref`` the provisional normaliser the backward divided by).
+    No sync: a non-finite loss is caught with the gradients.
+    """
+    k = state.accumulation_steps
+    total = batch_size(inputs)
+    loss_acc = tokens = ref = None
+    for x, y in state._micro_batches(inputs, targets):
+        result = state._forward(x, y)
+        if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
+            loss_sum, count = result[0].float(), result[1]
+            if ref is None:
+                ref = count.float() * k  # provisional normaliser, corrected after accumulation
+            loss = loss_sum / ref
+            loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
+            tokens = count if tokens is None else tokens + count
+        else:  # mean loss: weight each micro-batch by its share of the samples
+            loss = result.float() / (total / batch_size(y)) if k > 1 else result.float()  # loss / k
+            loss_acc = loss if loss_acc is None else loss_acc + loss
+        state._backward(loss, x, y)
+    return loss_acc, tokens, ref
+
+
+def fused_update(
+    state: AmpTrainState,
+    loss_acc: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
+) -> None:
+    """Everything after backward on the fused path, for the gradients now in ``state``'s parameters.
+
+    Norm of the scaled gradients → skip flag and clip coefficient on the device → the fused
+    optimizer pass that unscales, clips and steps (or skips), by ``state.fused_recipe`` (see
+    ``clipamp_engine.fused.FACTOR_RECIPES``) → scaler and schedule, no sync. The
+    record (with the LR and loss scale in force before this update) is left pending in ``state``.
+
+    Args:
+        state: an ``AmpTrainState`` whose ``pipeline`` is ``"fused"``; its ``step_count`` is this step's.
+        loss_acc, tokens, ref: what ``forward_backward`` returned (a mean loss: ``tokens = ref = None``).
+    """
+    lr = state.optimizer.param_groups[0]["lr"]
+    lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr  # the LR this step uses
+    scale = state.scaler.scale_tensor()
+    scale = scale.clone() if scale is not None else 1.0  # the scale this step's backward used
+    params = [p for p in state.params if p.grad is not None]
+    grads = grads_of(params)
+    norm = total_norm(grads)
+    factor = torch.ones_like(norm)  # what turns the stored gradient into the unscaled mean
+    if isinstance(scale, torch.Tensor):  # GradScaler's inverse scale, computed the same way
+        factor = scale.to(norm.device).double().reciprocal().float()
+    if tokens is not None and state.accumulation_steps > 1:
+        factor = factor * (ref / tokens.float()).to(norm.device)
+    pre = norm * factor
+    mean_loss = (loss_acc / tokens.float() if tokens is not None else loss_acc).detach().to(norm.device)
+    loss_finite = torch.isfinite(mean_loss)
+    found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
+    coef = global_coefficient(state.clip, pre, state.step_count)
+    apply_factor_and_step(state.optimizer, grads, factor * coef, found_inf, state.fused_recipe)
+    state.scaler.record_inf_check(state.optimizer, found_inf)
+    state.scaler.update()
+    if state._device_lr is not None:
+        state._device_lr.advance(found_inf)
+    elif state.scheduler is not None and not bool(found_inf):  # sync: only LambdaLR runs on the device
+        state.scheduler.step()
+    state._pending.add(
+        state.step_count,
+        state.clip.threshold,
+        [lr, pre, pre * coef, mean_loss, _tokens_or_nan(tokens, norm.device), scale, found_inf, loss_finite],
+    )
+
+
+def _tokens_or_nan(tokens: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    return tokens.float() if tokens is not None else torch.full((), float("nan"), device=device)
