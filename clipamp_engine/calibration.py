@@ -36,6 +36,12 @@ from .records import StepLog
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
 CONFIDENCE = 0.95
+#: A window's defaults, written only here: steps per window, q of τ = Quantile_q, and the fixed
+#: thresholds whose clipping ratio a summary reports (``CalibrationWindows``, ``NormCalibrator``,
+#: ``CalibratedClip``; the app's ``calibrate.*`` and the recommend CLI read them from these).
+DEFAULT_WINDOW = 100
+DEFAULT_QUANTILE = 0.95
+DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 5.0)
 
 
 def quantile_label(q: float) -> str:
@@ -257,7 +263,10 @@ class NormCalibrator:
     """
 
     def __init__(
-        self, quantile: float = 0.95, candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0), confidence: float = CONFIDENCE
+        self,
+        quantile: float = DEFAULT_QUANTILE,
+        candidates: Sequence[float] = DEFAULT_CANDIDATES,
+        confidence: float = CONFIDENCE,
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
@@ -344,7 +353,9 @@ class CalibrationWindows:
         first: the first window's first step (1: from the start of the run).
     """
 
-    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None, first: int = 1) -> None:
+    def __init__(
+        self, window: int = DEFAULT_WINDOW, every: int = 0, total_steps: int | None = None, first: int = 1
+    ) -> None:
         if not _is_int(window) or window < 2:
             raise ValueError(f"window={window!r} must be an integer >= 2 steps")
         if not _is_int(every) or every < 0 or (every and every < window):

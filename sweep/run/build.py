@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import fields
 from typing import Any
@@ -11,7 +12,8 @@ import torch
 from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from clipamp_engine.forensics import StepForensics
-from sweep.config.schema import ClipConfig, Config, OptimConfig
+from sweep.config.schema import Config, OptimConfig
+from sweep.config.validate import calibrate_start
 from sweep.errors import UserError
 
 
@@ -61,14 +63,22 @@ def build_scheduler(cfg: OptimConfig, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def clip_options(clip: ClipConfig) -> dict[str, Any]:
-    """The options of ``clip.mode`` that the config sets; options of other modes are refused."""
+def clip_options(cfg: Config) -> dict[str, Any]:
+    """The options of ``cfg.clip.mode`` that the config sets; options of other modes are refused.
+    ``clip=calibrated`` reads every option from ``calibrate.*`` (a ``clip.*`` value is refused, naming
+    the ``calibrate`` key to pass instead)."""
+    clip = cfg.clip
     try:
         accepted = clip_mode_options(clip.mode)
     except ValueError:
         raise UserError(f"clip={clip.mode!r} is not one of {', '.join(CLIP_MODES)}") from None
     given = {f.name: getattr(clip, f.name) for f in fields(clip) if f.name != "mode"}
     given = {k: v for k, v in given.items() if v is not None}
+    if clip.mode == "calibrated":
+        for key, value in given.items():
+            fix = f"pass calibrate.{key}={value} instead" if key in accepted else f"drop clip.{key}"
+            raise UserError(f"clip.{key}={value}: clip=calibrated reads its options from calibrate.*; {fix}")
+        return {**dataclasses.asdict(cfg.calibrate), "start": calibrate_start(cfg.calibrate.start)}
     foreign = sorted(set(given) - set(accepted))
     if foreign:
         raise UserError(
@@ -79,26 +89,28 @@ def clip_options(clip: ClipConfig) -> dict[str, Any]:
 
 
 def build_clip_policy(
-    clip: ClipConfig,
+    cfg: Config,
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     total_steps: int | None = None,
 ) -> ClipPolicy:
+    """The clip policy ``cfg.clip`` names, with its options (``calibrate.*`` for ``clip=calibrated``)."""
+    mode = cfg.clip.mode
     try:
         return make_clip_policy(
-            clip.mode, named_params=model, optimizer=optimizer, total_steps=total_steps, **clip_options(clip)
+            mode, named_params=model, optimizer=optimizer, total_steps=total_steps, **clip_options(cfg)
         )
     except ValueError as e:
         if isinstance(e, UserError):
             raise
-        raise UserError(f"clip={clip.mode}: {e}") from None
+        raise UserError(f"clip={mode}: {e}") from None
 
 
 def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: int | None = None) -> AmpTrainState:
     """The engine for ``cfg``: optimizer, LR schedule, the clip policy ``cfg.clip`` describes, scaler."""
     total_steps = total_steps or cfg.steps
     optimizer = build_optimizer(cfg.optim, model)
-    clip = build_clip_policy(cfg.clip, model, optimizer, total_steps)
+    clip = build_clip_policy(cfg, model, optimizer, total_steps)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     amp = cfg.amp
     f = cfg.forensics

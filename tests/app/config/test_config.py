@@ -180,6 +180,25 @@ def test_the_old_band_spelling_is_refused_naming_the_new_key(key, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("clip.window=50", "window"), ("clip.start=auto", "start"), ("+clip.target_clip=[0.01,0.1]", "target_clip")],
+)
+def test_a_calibration_option_under_clip_is_refused_naming_its_calibrate_key(override, key, capsys):
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=train", "clip=calibrated", override])
+    assert e.value.code == 2
+    value = override.split("=", 1)[1]
+    assert capsys.readouterr().err.strip() == (
+        f"error: clip.{key} is now calibrate.{key}: clip=calibrated reads its options from calibrate.*; "
+        f"pass calibrate.{key}={value}"
+    )
+    cfg = compose_cfg("+experiment=train", "clip=calibrated", f"calibrate.{key}={value}")  # and that key works
+    assert str(getattr(cfg.calibrate, key)).replace(" ", "") == value
+
+
 def test_the_band_is_one_key():
     cfg = compose_cfg("+experiment=sweep", "study.target_clip=[0.02,0.1]")
     assert cfg.study.target_clip == [0.02, 0.1] and compose_cfg().study.target_clip == [0.01, 0.2]
