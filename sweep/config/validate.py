@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
@@ -60,6 +61,7 @@ def check_common(cfg: Config) -> None:
         raise UserError(f"optim.lr={cfg.optim.lr} must be > 0")
     if cfg.clip.max_norm is not None and not cfg.clip.max_norm > 0:
         raise UserError(f"clip.max_norm={cfg.clip.max_norm} must be > 0 (use clip=none to disable clipping)")
+    clip_options(cfg)  # options of another mode (or clip.* under clip=calibrated) refused before a run opens
     check_calibrate(cfg)
     check_numbers(cfg)
     if cfg.checkpoint_every < 0:
@@ -109,6 +111,32 @@ def check_numbers(cfg: Config) -> None:
     for key in ("d_model", "n_layer", "n_head", "block_size", "hidden", "in_features", "out_features"):
         if getattr(m, key) < 1:
             raise UserError(f"model.{key}={getattr(m, key)} must be >= 1")
+
+
+def clip_options(cfg: Config) -> dict[str, Any]:
+    """The options of ``cfg.clip.mode`` that the config sets; options of other modes are refused.
+    ``clip=calibrated`` reads every option from ``calibrate.*`` (a ``clip.*`` value is refused, naming
+    the ``calibrate`` key to pass instead)."""
+    clip = cfg.clip
+    try:
+        accepted = clip_mode_options(clip.mode)
+    except ValueError:
+        raise UserError(f"clip={clip.mode!r} is not one of {', '.join(CLIP_MODES)}") from None
+    given = {f.name: getattr(clip, f.name) for f in dataclasses.fields(clip) if f.name != "mode"}
+    given = {k: v for k, v in given.items() if v is not None}
+    if clip.mode == "calibrated":
+        if given:
+            key, value = next(iter(given.items()))
+            fix = f"pass calibrate.{key}={value} instead" if key in accepted else f"drop clip.{key}"
+            raise UserError(f"clip.{key}={value}: clip=calibrated reads its options from calibrate.*; {fix}")
+        return {**dataclasses.asdict(cfg.calibrate), "start": calibrate_start(cfg.calibrate.start)}
+    foreign = sorted(set(given) - set(accepted))
+    if foreign:
+        raise UserError(
+            f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
+            f"its options are {', '.join(accepted) or 'none'}"
+        )
+    return given
 
 
 #: What a null ``calibrate.*`` value means, added to the engine's message about that key.

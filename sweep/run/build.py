@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import fields
-from typing import Any
 
 import torch
 
 from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
-from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from clipamp_engine.forensics import StepForensics
 from sweep.config.schema import Config, OptimConfig
-from sweep.config.validate import calibrate_start
+from sweep.config.validate import clip_options
 from sweep.errors import UserError
 
 
@@ -61,31 +57,6 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 def build_scheduler(cfg: OptimConfig, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
-
-
-def clip_options(cfg: Config) -> dict[str, Any]:
-    """The options of ``cfg.clip.mode`` that the config sets; options of other modes are refused.
-    ``clip=calibrated`` reads every option from ``calibrate.*`` (a ``clip.*`` value is refused, naming
-    the ``calibrate`` key to pass instead)."""
-    clip = cfg.clip
-    try:
-        accepted = clip_mode_options(clip.mode)
-    except ValueError:
-        raise UserError(f"clip={clip.mode!r} is not one of {', '.join(CLIP_MODES)}") from None
-    given = {f.name: getattr(clip, f.name) for f in fields(clip) if f.name != "mode"}
-    given = {k: v for k, v in given.items() if v is not None}
-    if clip.mode == "calibrated":
-        for key, value in given.items():
-            fix = f"pass calibrate.{key}={value} instead" if key in accepted else f"drop clip.{key}"
-            raise UserError(f"clip.{key}={value}: clip=calibrated reads its options from calibrate.*; {fix}")
-        return {**dataclasses.asdict(cfg.calibrate), "start": calibrate_start(cfg.calibrate.start)}
-    foreign = sorted(set(given) - set(accepted))
-    if foreign:
-        raise UserError(
-            f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
-            f"its options are {', '.join(accepted) or 'none'}"
-        )
-    return given
 
 
 def build_clip_policy(

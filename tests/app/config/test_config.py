@@ -112,6 +112,11 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
     (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
     (["+experiment=train", "clip=value", "clip.max_norm=2"], "clip=value does not take clip.max_norm"),
+    (
+        ["+experiment=train", "clip=calibrated", "clip.quantile=0.9"],
+        "error: clip.quantile=0.9: clip=calibrated reads its options from calibrate.*; pass calibrate.quantile=0.9",
+    ),
+    (["+experiment=train", "clip=calibrated", "clip.window=50"], "error: clip.window is now calibrate.window"),
     (["+experiment=calibrate", "stepz=3"], "Could not override 'stepz'"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
@@ -197,6 +202,27 @@ def test_a_calibration_option_under_clip_is_refused_naming_its_calibrate_key(ove
     )
     cfg = compose_cfg("+experiment=train", "clip=calibrated", f"calibrate.{key}={value}")  # and that key works
     assert str(getattr(cfg.calibrate, key)).replace(" ", "") == value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["clip=calibrated", "clip.quantile=0.9"],
+            "clip.quantile=0.9: clip=calibrated reads its options from calibrate.*; "
+            "pass calibrate.quantile=0.9 instead",
+        ),
+        (
+            ["clip=calibrated", "clip.max_norm=1.0"],
+            "clip.max_norm=1.0: clip=calibrated reads its options from calibrate.*; drop clip.max_norm",
+        ),
+        (["clip=zscore", "clip.max_norms=[1.0]"], "clip=zscore does not take clip.max_norms; its options are"),
+    ],
+)
+def test_clip_options_of_another_home_are_refused_before_a_run_opens(args, message):
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", *args))
+    assert str(e.value).startswith(message)
 
 
 def test_the_band_is_one_key():
