@@ -225,6 +225,36 @@ def test_clip_options_of_another_home_are_refused_before_a_run_opens(args, messa
     assert str(e.value).startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["clip=zscore", "clip.alpha=1.5"], "clip.alpha=1.5 must be in (0, 1): pass e.g. clip.alpha=0.97"),
+        (
+            ["clip=norm", "clip.max_norm=-1"],
+            "clip.max_norm=-1.0 must be > 0 (use clip mode 'none' to disable clipping): pass e.g. clip.max_norm=1.0",
+        ),
+        (
+            ["clip=agc", "clip.clip_factor=0"],
+            "clip.clip_factor=0.0 must be a finite number > 0: pass e.g. clip.clip_factor=0.01",
+        ),
+        (
+            ["clip=zscore", "clip.clip_option=x"],
+            "clip.clip_option='x' is not one of adaptive_scaling, mean: pass e.g. clip.clip_option=adaptive_scaling",
+        ),
+        (
+            ["clip=staged", "clip.stages=[[5.0,1.0],[0.0,2.0]]"],
+            "clip.stages=[[5.0, 1.0], [0.0, 2.0]]: start steps must be strictly increasing: "
+            "pass e.g. clip.stages=[[0,1.0]]",
+        ),
+    ],
+)
+def test_the_clip_policy_checks_its_options_named_by_config_key(args, message):
+    """validate() builds the engine's policy of clip.mode: its ValueError is one line in clip.* keys."""
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", *args))
+    assert str(e.value) == message
+
+
 def test_the_band_is_one_key():
     cfg = compose_cfg("+experiment=sweep", "study.target_clip=[0.02,0.1]")
     assert cfg.study.target_clip == [0.02, 0.1] and compose_cfg().study.target_clip == [0.01, 0.2]
