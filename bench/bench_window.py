@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clipamp_engine.calibration import min_window, quantile_ci, quantile_label, window_for_width  # noqa: E402
+from clipamp_engine.calibration import DEFAULT_QUANTILE, min_window, quantile_ci, quantile_label, window_for_width  # noqa: E402
 from clipamp_engine.placement import auto_window_start  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=620)
     ap.add_argument("--csv", type=Path, nargs="+", default=None, help="reuse these steps.csv instead of training")
-    ap.add_argument("--quantile", type=float, default=0.95)
+    ap.add_argument("--quantile", type=float, default=DEFAULT_QUANTILE)
     ap.add_argument("--short", type=int, nargs="+", default=[50], help="short window length(s)")
     ap.add_argument("--long", type=int, default=500)
     ap.add_argument("--figure", type=Path, default=None, help="drawn for the first trace and short length")

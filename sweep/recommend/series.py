@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from clipamp_engine.calibration import CONFIDENCE, min_window, quantile_label
+from clipamp_engine.calibration import CONFIDENCE, DEFAULT_QUANTILE, min_window, quantile_label
 from sweep.errors import UserError
 
 #: Names that hold a norm measured after clipping (clipamp's CSV and MLflow runs).
@@ -174,7 +174,7 @@ def smoothing_note(series: NormSeries, min_points: int = 20) -> str | None:
     )
 
 
-def sampling_note(series: NormSeries, window: int, q: float = 0.95, auto: bool = False) -> str | None:
+def sampling_note(series: NormSeries, window: int, q: float = DEFAULT_QUANTILE, auto: bool = False) -> str | None:
     """What a 1-in-N log does to the window's statistics (module docstring), or ``None`` for N = 1.
     ``q``: the quantile τ is read from; ``auto``: the window placement is ``start=auto``, whose rolling
     median counts logged norms."""
