@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clipamp_engine.calibration import min_window, quantile_ci, window_for_width  # noqa: E402
+from clipamp_engine.calibration import DEFAULT_QUANTILE, min_window, quantile_ci, quantile_label, window_for_width  # noqa: E402
 from clipamp_engine.placement import auto_window_start  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=620)
     ap.add_argument("--csv", type=Path, nargs="+", default=None, help="reuse these steps.csv instead of training")
-    ap.add_argument("--quantile", type=float, default=0.95)
+    ap.add_argument("--quantile", type=float, default=DEFAULT_QUANTILE)
     ap.add_argument("--short", type=int, nargs="+", default=[50], help="short window length(s)")
     ap.add_argument("--long", type=int, default=500)
     ap.add_argument("--figure", type=Path, default=None, help="drawn for the first trace and short length")
@@ -119,7 +119,7 @@ def measure(trace, short_len: int, args, figure: Path | None) -> float:
         (f"{short_len} steps from 1 (start=0)", step1),
     ):
         bounds = f"[{ci.low:.4g}, {ci.high:.4g}]" if ci.bounded else f"[{ci.low:.4g}, no upper bound]"
-        print(f"τ=p{q * 100:g} of {name:28s}: {ci.estimate:.4g}  95% CI {bounds}  (n={ci.n})")
+        print(f"τ={quantile_label(q)} of {name:28s}: {ci.estimate:.4g}  95% CI {bounds}  (n={ci.n})")
     ok = abs(ratio - 1) <= 0.15
     print(
         f"τ({short_len}) / τ({args.long}) = {ratio:.3f}: {'within' if ok else 'NOT within'} 15%"
@@ -139,7 +139,7 @@ def measure(trace, short_len: int, args, figure: Path | None) -> float:
             + (
                 f"a {short_len}-step window's interval is {short.rel_width:.0%} wide"
                 if short.bounded
-                else f"{short_len} norms cannot bound p{q * 100:g} from above (it needs ≥ {min_window(q)})"
+                else f"{short_len} norms cannot bound {quantile_label(q)} from above (it needs ≥ {min_window(q)})"
             )
             + f"; a ±15% interval needs ≈ {needed} norms "
             f"(extrapolated from the {args.long}-step interval, {long_.rel_width:.0%} wide)"
@@ -189,7 +189,7 @@ def plot(trace, s, short_len, args, short, long_, step1, pieces, figure: Path) -
     b.axhspan(long_.low, long_.high, color="tab:blue", alpha=0.15, label=f"τ({args.long}) 95% CI")
     b.axhline(long_.estimate, color="tab:blue", ls="--", lw=1)
     b.set_xlabel("window start step")
-    b.set_ylabel(f"τ = p{args.quantile * 100:g}")
+    b.set_ylabel(f"τ = {quantile_label(args.quantile)}")
     b.legend(fontsize=6, loc="upper left")
     fig.suptitle(
         f"Window efficiency on the default task: τ({short_len}) / τ({args.long}) = "

@@ -7,7 +7,8 @@ functions. Everything else is imported from its module:
 
 - ``clipamp_engine.clip``: every clip policy (``StagedNormClip``, ``PerGroupClip``,
   ``QuantileClip``, ``DPSGDClip``, …), ``CLIP_MODES``, ``clip_mode_options``;
-- ``clipamp_engine.calibration``: ``NormCalibrator``, ``CalibrationWindows``, ``CalibrationSummary``;
+- ``clipamp_engine.calibration``: ``NormCalibrator``, ``CalibrationWindows``, ``CalibrationSummary``,
+  ``quantile_label`` (``p95``: the name of a quantile in summaries and metrics);
 - ``clipamp_engine.monitors``: ``SkipRateMonitor``, ``ClipRatioMonitor``, ``SkipRateWarning``;
 - ``clipamp_engine.forensics``, ``clipamp_engine.diagnosis``, ``clipamp_engine.records``
   (``SKIP_REASONS``), ``clipamp_engine.scaling`` (``LossScaleFloorWarning``),

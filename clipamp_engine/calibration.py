@@ -36,6 +36,23 @@ from .records import StepLog
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
 CONFIDENCE = 0.95
+#: A window's defaults, written only here: steps per window, q of τ = Quantile_q, and the fixed
+#: thresholds whose clipping ratio a summary reports (``CalibrationWindows``, ``NormCalibrator``,
+#: ``CalibratedClip``; the app's ``calibrate.*`` and the recommend CLI read them from these).
+DEFAULT_WINDOW = 100
+DEFAULT_QUANTILE = 0.95
+DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 5.0)
+
+
+def quantile_label(q: float) -> str:
+    """The name of Quantile_q: ``p95`` for 0.95, ``p97.5`` for 0.975, ``p99.9`` for 0.999 (float noise
+    such as 0.07 · 100 = 7.000000000000001 dropped). Summaries key their quantiles and intervals by
+    it; the app's metrics are ``grad_norm_<label>``."""
+    return f"p{q * 100:.10g}"
+
+
+#: The reported quantiles' names: p50, p90, p95, p99.
+QUANTILE_KEYS = tuple(quantile_label(q) for q in REPORTED_QUANTILES)
 
 
 class CalibrationError(ValueError):
@@ -177,7 +194,7 @@ def short_window_warning(ci: QuantileCI) -> str | None:
         return None
     need = min_window(ci.q, ci.confidence)
     return (
-        f"{_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
+        f"{quantile_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
         f"{'upper' if math.isnan(ci.high) else 'lower'} confidence bound (it needs ≥ {need} norms); "
         f"{'it is essentially the window maximum' if ci.q > 0.5 else 'it is essentially the window minimum'}: "
         f"lengthen calibrate.window to ≥ {need} or use a lower calibrate.quantile"
@@ -203,7 +220,7 @@ class CalibrationSummary:
     @property
     def tau_ci(self) -> QuantileCI:
         """The interval of the recommended τ (= Quantile_q of the window)."""
-        return self.cis[_label(self.quantile)]
+        return self.cis[quantile_label(self.quantile)]
 
     @property
     def predicted_clip_ratio(self) -> float:
@@ -236,10 +253,6 @@ class CalibrationSummary:
         return cls(**{**state, "cis": cis})
 
 
-def _label(q: float) -> str:
-    return f"p{q * 100:.4g}"
-
-
 class NormCalibrator:
     """Collects the pre-clip norms of one window and summarises them.
 
@@ -250,7 +263,10 @@ class NormCalibrator:
     """
 
     def __init__(
-        self, quantile: float = 0.95, candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0), confidence: float = CONFIDENCE
+        self,
+        quantile: float = DEFAULT_QUANTILE,
+        candidates: Sequence[float] = DEFAULT_CANDIDATES,
+        confidence: float = CONFIDENCE,
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
@@ -297,16 +313,18 @@ class NormCalibrator:
             )
         qs = list(REPORTED_QUANTILES)
         values = quantiles(self.norms, qs + [self.quantile])
-        named = {_label(q): v for q, v in zip(qs, values)}
+        named = {quantile_label(q): v for q, v in zip(qs, values)}
         named["max"] = max(self.norms)
         tok = {}
         if self.token_norms:
-            tok = {_label(q): v for q, v in zip(qs, quantiles(self.token_norms, qs))}
+            tok = {quantile_label(q): v for q, v in zip(qs, quantiles(self.token_norms, qs))}
             tok["max"] = max(self.token_norms)
         tau = values[-1]
-        thresholds = sorted({*self.candidates, *(named[_label(q)] for q in qs), tau})
-        cis = {_label(q): quantile_ci(self.norms, q, self.confidence) for q in dict.fromkeys(qs + [self.quantile])}
-        warning = short_window_warning(cis[_label(self.quantile)])
+        thresholds = sorted({*self.candidates, *(named[quantile_label(q)] for q in qs), tau})
+        cis = {
+            quantile_label(q): quantile_ci(self.norms, q, self.confidence) for q in dict.fromkeys(qs + [self.quantile])
+        }
+        warning = short_window_warning(cis[quantile_label(self.quantile)])
         return CalibrationSummary(
             start_step=self.steps[0],
             end_step=self.steps[-1],
@@ -335,7 +353,9 @@ class CalibrationWindows:
         first: the first window's first step (1: from the start of the run).
     """
 
-    def __init__(self, window: int = 100, every: int = 0, total_steps: int | None = None, first: int = 1) -> None:
+    def __init__(
+        self, window: int = DEFAULT_WINDOW, every: int = 0, total_steps: int | None = None, first: int = 1
+    ) -> None:
         if not _is_int(window) or window < 2:
             raise ValueError(f"window={window!r} must be an integer >= 2 steps")
         if not _is_int(every) or every < 0 or (every and every < window):

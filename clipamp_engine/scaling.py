@@ -54,6 +54,11 @@ class LossScaler(torch.amp.GradScaler):
         tensors = scale_tensors(self) if self.is_enabled() else None
         return None if tensors is None else tensors[0]
 
+    def floor_flag(self) -> torch.Tensor | bool:
+        """Whether the scale sits at a floor after the latest update, read later without a host sync
+        now: ``False`` here (``GradScaler`` has no floor)."""
+        return False
+
     def poll(self) -> None:
         """Bring host-side state up to date with the device (``AmpTrainState.flush`` calls it); nothing here."""
 
@@ -235,8 +240,16 @@ class HysteresisScaler(LossScaler):
 
     @property
     def at_floor(self) -> bool:
-        """Whether the scale is at ``min_scale``."""
+        """Whether the scale is at ``min_scale`` (reading it syncs when the counters changed)."""
         return bool(self._counter("at_floor"))
+
+    def floor_flag(self) -> torch.Tensor | bool:
+        """``at_floor`` as of the latest update without a host sync: a copy of the device counter
+        (a 0-dim int64 tensor, nonzero at the floor) to read later, e.g. with a flush's records;
+        ``False`` when disabled."""
+        if not self.is_enabled():
+            return False
+        return self._counters[COUNTERS.index("at_floor")].clone()
 
     def poll(self) -> None:
         """Read the counters (one transfer when they changed) and warn if the floor was reached."""

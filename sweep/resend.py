@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from sweep.errors import UserError, fail
+from sweep.errors import UserError, fail, one_line
 from sweep.offline import stay_offline
 from sweep.tracking.outbox import PENDING, read_pending
 from sweep.tracking.tracker import open_client, redact
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         fail(str(e))
     except (ValueError, KeyError, TypeError) as e:
-        fail(f"{pending} cannot be read ({type(e).__name__}: {e}); it is written by a run whose server was away")
+        fail(f"{pending} cannot be read ({one_line(e)}); it is written by a run whose server was away")
     shutil.rmtree(args.folder)
     print(
         f"sent {count} metric values, the artifacts and the end ({status}) of run {box.run_id} to {redact(uri)}; "

@@ -48,9 +48,10 @@ def to_config(node: Any) -> Config:
 def refuse_renamed(overrides: Sequence[str]) -> None:
     """``UserError`` for an override of a key that ``RENAMED`` lists, naming the key to pass instead."""
     for item in overrides:
-        key = item.split("=", 1)[0].lstrip("+~")
+        key, _, value = item.partition("=")
+        key = key.lstrip("+~")
         if key in RENAMED:
-            raise UserError(f"{key} is now {RENAMED[key]}")
+            raise UserError(f"{key} is now {RENAMED[key].replace('{value}', value)}")
 
 
 def as_yaml(cfg: Config) -> str:
@@ -103,6 +104,7 @@ def child_config(cfg: Config, **changes: Any) -> Config:
 
 def with_overrides(cfg: Config, overrides: Sequence[str], key: str) -> Config:
     """``cfg`` with ``KEY=VALUE`` overrides merged through the schema (unknown keys/types refused)."""
+    refuse_renamed(overrides)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(merged)

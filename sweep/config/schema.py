@@ -14,12 +14,11 @@ the engine itself.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from clipamp_engine.band import band_quantile
 from clipamp_engine.calibration import CalibrationWindows
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from clipamp_engine.step import DTYPES
@@ -134,7 +133,8 @@ class ForensicsConfig:
 @dataclass
 class ClipConfig:
     """``clip=MODE`` and the options of every mode: exactly the union of
-    ``clipamp_engine.clip_mode_options(mode)`` over ``CLIP_MODES`` (tested).
+    ``clipamp_engine.clip_mode_options(mode)`` over ``CLIP_MODES`` but ``calibrated`` (tested),
+    whose options are ``calibrate.*`` (``CalibrateConfig``): ``clip=calibrated`` reads them there.
 
     ``conf/clip/MODE.yaml`` lists its mode's options at the engine defaults (tested); the others
     stay null. An option set for a mode that does not take it is refused.
@@ -153,17 +153,9 @@ class ClipConfig:
     exclude_1d: bool | None = None  # agc: leave biases / norm scales unclipped
     max_update_norm: float | None = None  # update: ρ
     decoupled_weight_decay: bool | None = None  # update: null = detect per group
-    quantile: float | None = None  # quantile (AutoClip), calibrated: q of τ = Quantile_q
+    quantile: float | None = None  # quantile (AutoClip): q of the last `history` norms
     history: int | None = None  # quantile
     include_current: bool | None = None  # quantile: the paper's rule (true) or the autoclip package's (false)
-    window: int | None = None  # calibrated: steps per calibration window
-    every: int | None = None  # calibrated: steps between window starts (0: one window)
-    candidates: list[float] | None = None  # calibrated: thresholds whose clipping ratio is reported
-    cap: float | None = None  # calibrated: τ while the first window measures (null: no clipping)
-    start: Any | None = None  # calibrated: first window's start step, or "auto" (after warm-up)
-    validate: int | None = None  # calibrated: held-out steps after each window that check the band
-    target_clip: list[float] | None = None  # calibrated: [low, high] clipping-ratio band
-    confidence: float | None = None  # calibrated: level of the quantile intervals
     alpha: float | None = None  # zscore (ZClip)
     z_thresh: float | None = None  # zscore
     warmup_steps: int | None = None  # zscore
@@ -173,8 +165,8 @@ class ClipConfig:
     seed: int | None = None  # dpsgd: noise RNG seed
 
 
-#: The engine's defaults of ``clip=calibrated`` (``CalibratedClip``): the one place the default window,
-#: quantile, band, … are written; ``calibrate.*`` and ``conf/clip/calibrated.yaml`` (tested) follow them.
+#: The engine's defaults of ``clip=calibrated`` (``CalibratedClip``, whose window, quantile and
+#: candidates are ``clipamp_engine.calibration.DEFAULT_*``): the defaults of ``calibrate.*``.
 CALIBRATED = clip_mode_options("calibrated")
 
 
@@ -187,7 +179,10 @@ def _engine(key: str) -> Any:
 class CalibrateConfig:
     """Calibration windows: record pre-clip norms for ``window`` steps (clipping off, or at
     ``cap``), then clip at τ = Quantile_q(norms), q = ``quantile``; ``every``: repeat windows.
-    What ``+experiment=calibrate`` runs as ``clip=calibrated`` (``calibrated``); defaults: the engine's."""
+
+    The one home of ``clip=calibrated``'s options: exactly ``CalibratedClip``'s (tested), at its
+    defaults. ``+experiment=calibrate`` runs ``clip=calibrated`` with them (``calibrated``), and so
+    does any run given ``clip=calibrated``; the spike's calibrated arm and the sweep's anchor window too."""
 
     window: int = _engine("window")
     quantile: float | None = _engine("quantile")  # null: aim τ at the middle of target_clip (q = 1 − (low + high)/2)
@@ -199,6 +194,7 @@ class CalibrateConfig:
     start: Any = _engine("start")
     validate: int = _engine("validate")  # held-out steps after each window that check τ (0: all while τ is in force)
     target_clip: list[float] = _engine("target_clip")  # the clipping-ratio band τ is judged by
+    confidence: float = _engine("confidence")  # level of the quantile and clipping-ratio intervals
 
 
 @dataclass
@@ -336,11 +332,17 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-#: Keys spelled differently now: an override of one is refused with a line naming its new key.
+#: Keys spelled differently now: an override of one is refused with a line naming its new key
+#: (``{value}``: the value the override gave).
 RENAMED = dict.fromkeys(
     ("study.target_clip_low", "study.target_clip_high"),
     "study.target_clip=[low,high], one band as in calibrate.target_clip: pass e.g. study.target_clip=[0.01,0.2]",
-)
+) | {
+    f"clip.{key}": f"calibrate.{key}: clip=calibrated reads its options from calibrate.*; "
+    f"pass calibrate.{key}={{value}}"
+    for key in CALIBRATED
+    if key != "quantile"  # clip.quantile is clip=quantile's (AutoClip); clip_options refuses it for clip=calibrated
+}
 
 
 def register() -> None:
@@ -354,13 +356,9 @@ def window_ranges(cfg: Config) -> list[range]:
 
 
 def calibrated(cfg: Config) -> Config:
-    """``cfg`` with ``clip=calibrated`` set from ``calibrate.*``: what a calibrate run (or a spike's
-    calibrated arm, or a sweep's anchor window) does, so its logged params say so. Every
-    ``calibrate`` key is a ``clip=calibrated`` option of the same name (tested)."""
+    """``cfg`` with ``clip=calibrated``, which reads its options from ``calibrate.*``: what a calibrate
+    run (or a spike's calibrated arm, or a sweep's anchor window) does, so its logged params say so
+    (``clip.mode=calibrated`` beside ``calibrate.*``)."""
     c = copy.deepcopy(cfg)
-    k = cfg.calibrate
-    options = {f.name: copy.deepcopy(getattr(k, f.name)) for f in fields(CalibrateConfig)}
-    if k.quantile is None:  # null: aim at the band
-        options["quantile"] = band_quantile(k.target_clip)
-    c.clip = ClipConfig(mode="calibrated", **options)
+    c.clip = ClipConfig(mode="calibrated")
     return c

@@ -3,9 +3,9 @@
 Every check raises ``UserError`` with one line naming the value, what is allowed and the fix.
 Choices are checked generically from the schema (``choice`` fields); ``check_common`` holds the
 rest of what every run needs, ``check_study`` / ``check_spike`` what their experiment adds.
-Ranges the engine checks itself (``CalibratedClip`` for ``calibrate.*``, ``HysteresisScaler`` for
-the scaler's ``amp.*``) are not restated: ``engine_check`` builds the object and turns its
-``ValueError`` into a line named by config key.
+Ranges the engine checks itself (the policy of ``clip.mode`` for ``clip.*``, ``CalibratedClip`` for
+``calibrate.*``, ``HysteresisScaler`` for the scaler's ``amp.*``) are not restated: ``engine_check``
+builds the object and turns its ``ValueError`` into a line named by config key.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
@@ -58,8 +59,7 @@ def check_common(cfg: Config) -> None:
         raise UserError(f"data.batch_size={cfg.data.batch_size} must be >= accumulation_steps={cfg.accumulation_steps}")
     if not cfg.optim.lr > 0:
         raise UserError(f"optim.lr={cfg.optim.lr} must be > 0")
-    if cfg.clip.max_norm is not None and not cfg.clip.max_norm > 0:
-        raise UserError(f"clip.max_norm={cfg.clip.max_norm} must be > 0 (use clip=none to disable clipping)")
+    check_clip(cfg)
     check_calibrate(cfg)
     check_numbers(cfg)
     if cfg.checkpoint_every < 0:
@@ -111,6 +111,47 @@ def check_numbers(cfg: Config) -> None:
             raise UserError(f"model.{key}={getattr(m, key)} must be >= 1")
 
 
+def clip_options(cfg: Config) -> dict[str, Any]:
+    """The options of ``cfg.clip.mode`` that the config sets; options of other modes are refused.
+    ``clip=calibrated`` reads every option from ``calibrate.*`` (a ``clip.*`` value is refused, naming
+    the ``calibrate`` key to pass instead)."""
+    clip = cfg.clip
+    try:
+        accepted = clip_mode_options(clip.mode)
+    except ValueError:
+        raise UserError(f"clip={clip.mode!r} is not one of {', '.join(CLIP_MODES)}") from None
+    given = {f.name: getattr(clip, f.name) for f in dataclasses.fields(clip) if f.name != "mode"}
+    given = {k: v for k, v in given.items() if v is not None}
+    if clip.mode == "calibrated":
+        if given:
+            key, value = next(iter(given.items()))
+            fix = f"pass calibrate.{key}={value} instead" if key in accepted else f"drop clip.{key}"
+            raise UserError(f"clip.{key}={value}: clip=calibrated reads its options from calibrate.*; {fix}")
+        return {**dataclasses.asdict(cfg.calibrate), "start": calibrate_start(cfg.calibrate.start)}
+    foreign = sorted(set(given) - set(accepted))
+    if foreign:
+        raise UserError(
+            f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
+            f"its options are {', '.join(accepted) or 'none'}"
+        )
+    return given
+
+
+#: Modes whose options are checked against the model (parameter groups, names): built with it, at run start.
+_NEEDS_MODEL = ("per_group",)
+
+
+def check_clip(cfg: Config) -> None:
+    """``clip.*`` as the engine's policy of ``clip.mode`` takes it (it checks the ranges; options of
+    another mode refused), before a run opens. ``clip=calibrated`` is built from ``calibrate.*`` by
+    ``check_calibrate``."""
+    options, mode = clip_options(cfg), cfg.clip.mode
+    if mode == "calibrated" or mode in _NEEDS_MODEL:
+        return
+    build = lambda: make_clip_policy(mode, total_steps=cfg.steps, **options)  # noqa: E731
+    engine_check(build, "clip", cfg.clip, options, defaults=clip_mode_options(mode))
+
+
 #: What a null ``calibrate.*`` value means, added to the engine's message about that key.
 _NULL_MEANS = {
     "calibrate.quantile": "aim τ at calibrate.target_clip",
@@ -142,11 +183,13 @@ def _options(cls: type) -> list[str]:
     return [n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD]
 
 
-def engine_check(build: Callable[[], object], group: str, node: Any, options: dict[str, Any]) -> None:
+def engine_check(
+    build: Callable[[], object], group: str, node: Any, options: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> None:
     """Build an engine object from ``group``'s ``options`` (``node``: the config group): its ``ValueError``
     becomes a one-line ``UserError`` whose option names are config keys (``window=1`` →
-    ``calibrate.window=1``), ending with the fix: the first key it names that differs from the
-    schema default, at that default."""
+    ``calibrate.window=1``), ending with the fix: the first key it names that differs from its
+    default (``defaults``, else the schema's), at that default."""
     try:
         build()
     except ValueError as e:
@@ -155,10 +198,10 @@ def engine_check(build: Callable[[], object], group: str, node: Any, options: di
         line = re.sub(rf"(?<![\w.])({names})(?= ?(?:=|<=|>=|<|>))", rf"{group}.\1", line)
         line = re.sub(rf"(?<=<= )({names})\b", rf"{group}.\1", line)
         named = re.findall(rf"{group}\.({names})\b", line)
-        defaults = type(node)()
-        changed = [k for k in named if getattr(node, k) != getattr(defaults, k)] or named
+        defaults = defaults if defaults is not None else dataclasses.asdict(type(node)())
+        changed = [k for k in named if getattr(node, k) != defaults.get(k)] or named
         if changed:
-            key, default = f"{group}.{changed[0]}", getattr(defaults, changed[0])
+            key, default = f"{group}.{changed[0]}", defaults.get(changed[0])
             fix, meaning = f"{key}={_shown(default)}", _NULL_MEANS.get(key)
             if meaning:
                 fix += f" ({meaning})" if default is None else f", or null ({meaning})"
@@ -170,8 +213,8 @@ def _shown(value: Any) -> str:
     """A value as an override would spell it (``[0.01,0.05]``, ``null``)."""
     if value is None:
         return "null"
-    if isinstance(value, list):
-        return "[" + ",".join(map(str, value)) + "]"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(_shown, value)) + "]"
     return str(value)
 
 

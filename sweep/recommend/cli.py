@@ -37,14 +37,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", default=None, help="tag / column / metric of the learning rate (default: lr …)")
     ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")
-    ap.add_argument("--window", type=int, default=100, help="steps per calibration window (calibrate.window)")
-    ap.add_argument("--quantile", default="0.95", help="q of τ = Quantile_q, or 'band' (aim at --target-clip)")
-    ap.add_argument("--start", default="auto", help="'auto' (after warm-up) or N steps before the window")
-    ap.add_argument("--every", type=int, default=0, help="steps between window starts (0: one window)")
-    ap.add_argument("--validate", type=int, default=0, help="held-out steps after a window (0: all)")
-    ap.add_argument("--target-clip", type=float, nargs=2, default=[0.01, 0.05], metavar=("LOW", "HIGH"))
-    ap.add_argument("--candidates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 5.0], metavar="TAU")
-    ap.add_argument("--confidence", type=float, default=0.95, help="level of the quantile intervals")
+    o = Options()  # the defaults: CalibratedClip's, but --start auto
+    ap.add_argument("--window", type=int, default=o.window, help="steps per calibration window (calibrate.window)")
+    ap.add_argument("--quantile", default=str(o.quantile), help="q of τ = Quantile_q, or 'band' (aim at --target-clip)")
+    ap.add_argument("--start", default=o.start, help="'auto' (after warm-up) or N steps before the window")
+    ap.add_argument("--every", type=int, default=o.every, help="steps between window starts (0: one window)")
+    ap.add_argument("--validate", type=int, default=o.validate, help="held-out steps after a window (0: all)")
+    ap.add_argument("--target-clip", type=float, nargs=2, default=list(o.target_clip), metavar=("LOW", "HIGH"))
+    ap.add_argument("--candidates", type=float, nargs="+", default=list(o.candidates), metavar="TAU")
+    ap.add_argument("--confidence", type=float, default=o.confidence, help="level of the quantile intervals")
     ap.add_argument("--track", action="store_true", help="also log each recommendation as an MLflow run")
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment for --track")
@@ -64,7 +65,14 @@ def options_from(args: argparse.Namespace) -> Options:
         except ValueError:
             raise UserError(f"--start {args.start}: pass 'auto' or a number of steps >= 0, e.g. --start 200") from None
     return Options(
-        args.window, args.every, quantile, tuple(args.candidates), start, args.validate, tuple(args.target_clip)
+        args.window,
+        args.every,
+        quantile,
+        tuple(args.candidates),
+        start,
+        args.validate,
+        tuple(args.target_clip),
+        args.confidence,
     )
 
 

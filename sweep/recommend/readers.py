@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from clipamp_engine.records import CANONICAL_COLUMNS
-from sweep.errors import UserError
+from sweep.errors import UserError, one_line
 from sweep.recommend.series import NormSeries, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback.
@@ -114,7 +114,7 @@ def read_trainer_state(path: Path, *, norm: str | None = None, lr: str | None = 
         state = json.loads(Path(path).read_text())
         history = state["log_history"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: not a Trainer state with a log_history ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: not a Trainer state with a log_history ({one_line(e)})") from None
     keys = sorted({k for h in history for k in h if k not in ("step", "epoch")})
     name = _need(pick(keys, norm, NORM_NAMES, "key", str(path), "--norm"), keys, "key", str(path), "--norm")
     rows = [h for h in history if name in h and "step" in h]
@@ -147,7 +147,7 @@ def _load_events(run: Path):
     try:
         acc.Reload()
     except Exception as e:  # a torn or foreign file: the reader's own error names it
-        raise UserError(f"{run}: unreadable TensorBoard events ({type(e).__name__}: {e})") from None
+        raise UserError(f"{run}: unreadable TensorBoard events ({one_line(e)})") from None
     return acc
 
 
@@ -196,7 +196,7 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     try:
         df = pd.read_csv(path, sep="\t" if path.suffix == ".tsv" else ",")
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not a readable CSV ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: not a readable CSV ({one_line(e)})") from None
     cols = [str(c) for c in df.columns]
     name = _need(pick(cols, norm, NORM_NAMES, "column", str(path), "--norm"), cols, "column", str(path), "--norm")
     step_name = pick(cols, step, STEP_NAMES, "column", str(path), "--step-column")

@@ -25,7 +25,13 @@ import numpy as np
 import pandas as pd
 
 from clipamp_engine.band import PRETRAINING_BAND
-from clipamp_engine.calibration import CONFIDENCE, CalibrationError
+from clipamp_engine.calibration import (
+    CONFIDENCE,
+    DEFAULT_CANDIDATES,
+    DEFAULT_QUANTILE,
+    DEFAULT_WINDOW,
+    CalibrationError,
+)
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.norms import CLIP_EPS
 from clipamp_engine.records import SkipLog, StepLog
@@ -35,12 +41,13 @@ from sweep.recommend.series import NormSeries
 
 @dataclass(frozen=True)
 class Options:
-    """``CalibratedClip``'s arguments (the runner's ``calibrate.*``), all in training steps."""
+    """``CalibratedClip``'s arguments (the runner's ``calibrate.*``), all in training steps; its defaults
+    but ``start`` (the command's defaults)."""
 
-    window: int = 100
+    window: int = DEFAULT_WINDOW
     every: int = 0
-    quantile: float | None = 0.95  # None: aim at the middle of target_clip
-    candidates: Sequence[float] = (0.5, 1.0, 2.0, 5.0)
+    quantile: float | None = DEFAULT_QUANTILE  # None: aim at the middle of target_clip
+    candidates: Sequence[float] = DEFAULT_CANDIDATES
     start: int | str = "auto"
     validate: int = 0
     target_clip: Sequence[float] = PRETRAINING_BAND

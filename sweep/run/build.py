@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import fields
-from typing import Any
 
 import torch
 
 from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
-from clipamp_engine.clip import CLIP_MODES, clip_mode_options
 from clipamp_engine.forensics import StepForensics
-from sweep.config.schema import ClipConfig, Config, OptimConfig
+from sweep.config.schema import Config, OptimConfig
+from sweep.config.validate import clip_options
 from sweep.errors import UserError
 
 
@@ -61,44 +59,29 @@ def build_scheduler(cfg: OptimConfig, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def clip_options(clip: ClipConfig) -> dict[str, Any]:
-    """The options of ``clip.mode`` that the config sets; options of other modes are refused."""
-    try:
-        accepted = clip_mode_options(clip.mode)
-    except ValueError:
-        raise UserError(f"clip={clip.mode!r} is not one of {', '.join(CLIP_MODES)}") from None
-    given = {f.name: getattr(clip, f.name) for f in fields(clip) if f.name != "mode"}
-    given = {k: v for k, v in given.items() if v is not None}
-    foreign = sorted(set(given) - set(accepted))
-    if foreign:
-        raise UserError(
-            f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
-            f"its options are {', '.join(accepted) or 'none'}"
-        )
-    return given
-
-
 def build_clip_policy(
-    clip: ClipConfig,
+    cfg: Config,
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     total_steps: int | None = None,
 ) -> ClipPolicy:
+    """The clip policy ``cfg.clip`` names, with its options (``calibrate.*`` for ``clip=calibrated``)."""
+    mode = cfg.clip.mode
     try:
         return make_clip_policy(
-            clip.mode, named_params=model, optimizer=optimizer, total_steps=total_steps, **clip_options(clip)
+            mode, named_params=model, optimizer=optimizer, total_steps=total_steps, **clip_options(cfg)
         )
     except ValueError as e:
         if isinstance(e, UserError):
             raise
-        raise UserError(f"clip={clip.mode}: {e}") from None
+        raise UserError(f"clip={mode}: {e}") from None
 
 
 def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: int | None = None) -> AmpTrainState:
     """The engine for ``cfg``: optimizer, LR schedule, the clip policy ``cfg.clip`` describes, scaler."""
     total_steps = total_steps or cfg.steps
     optimizer = build_optimizer(cfg.optim, model)
-    clip = build_clip_policy(cfg.clip, model, optimizer, total_steps)
+    clip = build_clip_policy(cfg, model, optimizer, total_steps)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     amp = cfg.amp
     f = cfg.forensics

@@ -28,8 +28,8 @@ def calibration_payload(clip: CalibratedClip) -> dict[str, Any]:
 
 
 def calibration_metrics(clip: CalibratedClip) -> dict[str, float]:
-    """Placement, the first window's intervals, its prediction and check, and the drift count."""
-    out: dict[str, float] = {}
+    """The quantile τ is, placement, the first window's intervals, its prediction and check, the drift count."""
+    out: dict[str, float] = {"tau_quantile": clip.quantile}  # q of τ = Quantile_q (calibrate.quantile=null: the band's)
     if clip.placement is not None:
         out["window_start"] = float(clip.placement.start)
         if clip.placement.warmup_end is not None:

@@ -20,7 +20,7 @@ import torch
 
 from clipamp_engine import AmpTrainState, total_norm
 from sweep.distributed.launch import Launch
-from sweep.errors import UserError
+from sweep.errors import UserError, one_line
 from sweep.run.diskspace import disk_full
 from sweep.tracking.tracker import sqlite_path
 
@@ -177,7 +177,7 @@ def _read_checkpoint(path: Path, run_id: str) -> dict[str, Any]:
         ok = isinstance(ckpt, dict) and isinstance(ckpt.get("step"), int) and "engine" in ckpt and "rng" in ckpt
         reason = "it holds no clipamp checkpoint"
     except Exception as e:  # truncated, empty or junk bytes: pickle/zip errors of every kind
-        ok, reason = False, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        ok, reason = False, one_line(e, 120)
     if not ok:
         raise UserError(
             f"resume={run_id}: the checkpoint {path} cannot be read ({reason}); the run cannot "

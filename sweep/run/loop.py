@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from clipamp_engine import AmpTrainState, SkipRateExceeded, StepCSVWriter, StepLog
@@ -200,14 +201,16 @@ def run_steps(
     Every ``checkpoint_every`` steps, and when ``stop`` was requested, the pending records are
     flushed and ``checkpoint(step)`` runs at the step boundary; a stop then raises ``RunInterrupted``.
     """
-    pending: deque[tuple[str, Any, bool]] = deque()  # host facts of steps whose record is not out yet
+    # per step whose record is not out yet: its phase, data source and floor flag (a device tensor until the flush)
+    pending: deque[tuple[str, Any, torch.Tensor | bool]] = deque()
     phases: list[str] = []
     with progress_bar(progress, label, every=progress_every) as bar:
         task = bar.add_task(label, total=len(steps), info="")
 
         def emit(logs: list[StepLog]) -> None:
-            for log in logs:
-                phase, source, at_floor = pending.popleft()
+            facts = [pending.popleft() for _ in logs]
+            floors = host_flags([floor for _, _, floor in facts])
+            for log, (phase, source, _), at_floor in zip(logs, facts, floors):
                 _record_step(log, phase, source, at_floor, writer, tracker, records)
                 if on_record is not None:
                     on_record(log)
@@ -219,10 +222,10 @@ def run_steps(
             try:
                 logs = state.step_deferred(batch.inputs, batch.targets)
             except SkipRateExceeded as e:  # the flush that tripped the alarm: keep its rows
-                pending.append((phase_of(step), batch.data_source, state.scaler.at_floor))
+                pending.append((phase_of(step), batch.data_source, state.scaler.floor_flag()))
                 emit(e.records)
                 raise
-            pending.append((phase_of(step), batch.data_source, state.scaler.at_floor))
+            pending.append((phase_of(step), batch.data_source, state.scaler.floor_flag()))
             emit(logs)
             signum = stop.requested() if stop is not None else None  # agreed by every rank under torchrun
             if step == steps[-1]:
@@ -237,6 +240,16 @@ def run_steps(
                 raise RunInterrupted(signum, step)
         emit(state.flush())
     tracker.flush()
+
+
+def host_flags(flags: list[torch.Tensor | bool]) -> list[bool]:
+    """``flags`` (device tensors and bools, e.g. ``HysteresisScaler.floor_flag()`` of several steps) as
+    bools, the tensors read in one transfer."""
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    if not tensors:
+        return [bool(f) for f in flags]
+    values = iter(torch.stack(tensors).tolist())  # sync: the floor flags of a flush's steps, one transfer
+    return [bool(next(values)) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
 
 
 def _show(

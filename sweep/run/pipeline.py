@@ -24,7 +24,7 @@ from clipamp_engine.calibration import CalibrationError, CalibrationSummary
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.distributed.launch import Launch
-from sweep.errors import UserError
+from sweep.errors import UserError, one_line
 from sweep.run.artifacts import logged_params, write_data_artifacts
 from sweep.run.build import build_state
 from sweep.run.calibration import calibration_metrics
@@ -296,7 +296,7 @@ class _ActiveRun:
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise UserError(
                 f"resume={run_id}: the checkpoint does not fit this model and config "
-                f"({type(e).__name__}: {' '.join(str(e).split())[:160]}): start a new run (drop resume=)"
+                f"({one_line(e, 160)}): start a new run (drop resume=)"
             ) from None
         if csv_path is not None:  # rank 0 keeps the records
             self.records.rows = resumed_rows(run_id, csv_path, columns, step)

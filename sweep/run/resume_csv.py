@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from clipamp_engine import StepCSVWriter
-from sweep.errors import UserError
+from sweep.errors import UserError, one_line
 from sweep.run.summary import read_rows
 
 
@@ -24,8 +24,8 @@ def open_steps_csv(
         return StepCSVWriter(path, columns, truncate_after=truncate_after)
     except (ValueError, IndexError, UnicodeDecodeError) as e:
         raise UserError(
-            f"{shown or path} is not a readable steps CSV ({type(e).__name__}: "
-            f"{str(e).replace(str(path), str(shown or path))}); move it away and start a new run (drop resume=)"
+            f"{shown or path} is not a readable steps CSV ({one_line(e).replace(str(path), str(shown or path))}); "
+            f"move it away and start a new run (drop resume=)"
         ) from None
 
 
@@ -47,7 +47,7 @@ def resumed_rows(run_id: str, csv_path: Path, columns: tuple[str, ...], step: in
         raise
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(
-            f"resume={run_id}: {csv_path} has an unreadable row ({type(e).__name__}: {e}); "
+            f"resume={run_id}: {csv_path} has an unreadable row ({one_line(e)}); "
             f"restore the file or start a new run (drop resume=)"
         ) from None
     finally:

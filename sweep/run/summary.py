@@ -13,19 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from clipamp_engine.band import PRETRAINING_BAND, band_quantile
-from clipamp_engine.calibration import REPORTED_QUANTILES, CalibrationSummary, quantiles
+from clipamp_engine.calibration import QUANTILE_KEYS, REPORTED_QUANTILES, CalibrationSummary, quantiles
 from sweep.config.schema import Config
 from sweep.run.loop import RunRecords
-
-
-def quantile_label(q: float) -> str:
-    """``p95`` for q = 0.95: the name of a quantile in metrics (``grad_norm_p95``), tags and tables,
-    spelled as the engine's ``CalibrationSummary.quantiles`` keys."""
-    return f"p{q * 100:.4g}"
-
-
-#: The reported quantiles' names: p50, p90, p95, p99.
-QUANTILE_KEYS = tuple(quantile_label(q) for q in REPORTED_QUANTILES)
 
 
 def window_metrics(summary: CalibrationSummary, first: CalibrationSummary) -> dict[str, float]:

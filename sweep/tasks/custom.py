@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UserError, clip_words, one_line
+from ..errors import UserError, one_line
 from .models import VOCAB
 
 
@@ -137,7 +137,7 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
         except Exception as e:
             raise UserError(
                 f"model._target_={target!r} failed on inputs of shape {tuple(batch.inputs.shape)} "
-                f"({type(e).__name__}: {_first(e)}): {fix}"
+                f"({one_line(e, 200)}): {fix}"
             ) from None
         if not m.loss_target:
             want = (*batch.targets.shape, VOCAB) if batch.targets.dtype == torch.long else tuple(batch.targets.shape)
@@ -168,12 +168,11 @@ def _loss_error(e: BaseException, out: Any, targets: tuple, m: Any, expected: st
     if m.loss_target:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
         return UserError(
-            f"model.loss_target={m.loss_target!r} raised {type(e).__name__}: {_first(e)} (on the model's output "
+            f"model.loss_target={m.loss_target!r} raised {one_line(e, 200)} (on the model's output "
             f"{got} and targets of shape {targets}): fix the loss function"
         )
     return UserError(
-        f"model._target_={m._target_!r}: its output failed in the loss ({type(e).__name__}: {_first(e)}); "
-        f"expected {expected}: {fix}"
+        f"model._target_={m._target_!r}: its output failed in the loss ({one_line(e, 200)}); expected {expected}: {fix}"
     )
 
 
@@ -212,7 +211,7 @@ def check_custom_training(model: nn.Module, loss_fn: Callable, batch: Any, m: An
     except Exception as e:
         raise UserError(
             f"model._target_={target!r} failed in training mode (model.train()) on inputs of shape "
-            f"{tuple(batch.inputs.shape)} ({type(e).__name__}: {_first(e)}): {fix}"
+            f"{tuple(batch.inputs.shape)} ({one_line(e, 200)}): {fix}"
         ) from None
     finally:
         with torch.no_grad():
@@ -222,7 +221,3 @@ def check_custom_training(model: nn.Module, loss_fn: Callable, batch: Any, m: An
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         model.zero_grad(set_to_none=True)
-
-
-def _first(e: BaseException) -> str:
-    return clip_words(str(e), 200)

@@ -151,3 +151,18 @@ def test_update_does_not_read_the_device():
         torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__ = original
     assert reads == []
     assert scaler.get_scale() == 2.0**10 and scaler.state_dict()["_growth_tracker"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::clipamp_engine.scaling.LossScaleFloorWarning")
+def test_floor_flag_is_at_floor_without_a_read():
+    """``floor_flag()`` per step, read only at the end, equals the host rule's ``at_floor`` after each step."""
+    scaler = HysteresisScaler("cpu", init_scale=8.0, hysteresis=2, growth_interval=2, min_scale=1.0)
+    ref = HostRule(8.0, 2.0, 0.5, 2, 2, False, 1.0, 2.0**24)
+    flags, expected = [], []
+    for overflow in [True] * 6 + [False] * 3 + [True, True, False, False, False]:
+        _iteration(scaler, overflow)
+        ref.apply(overflow)
+        flags.append(scaler.floor_flag())
+        expected.append(ref.at_floor)
+    assert [bool(f) for f in flags] == expected and True in expected and expected[-1] is False
+    assert HysteresisScaler("cpu", enabled=False).floor_flag() is False

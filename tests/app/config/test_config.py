@@ -112,6 +112,11 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
     (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
     (["+experiment=train", "clip=value", "clip.max_norm=2"], "clip=value does not take clip.max_norm"),
+    (
+        ["+experiment=train", "clip=calibrated", "clip.quantile=0.9"],
+        "error: clip.quantile=0.9: clip=calibrated reads its options from calibrate.*; pass calibrate.quantile=0.9",
+    ),
+    (["+experiment=train", "clip=calibrated", "clip.window=50"], "error: clip.window is now calibrate.window"),
     (["+experiment=calibrate", "stepz=3"], "Could not override 'stepz'"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
@@ -178,6 +183,76 @@ def test_the_old_band_spelling_is_refused_naming_the_new_key(key, capsys):
         f"error: {key.lstrip('+')} is now study.target_clip=[low,high], one band as in calibrate.target_clip: "
         "pass e.g. study.target_clip=[0.01,0.2]"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("clip.window=50", "window"), ("clip.start=auto", "start"), ("+clip.target_clip=[0.01,0.1]", "target_clip")],
+)
+def test_a_calibration_option_under_clip_is_refused_naming_its_calibrate_key(override, key, capsys):
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=train", "clip=calibrated", override])
+    assert e.value.code == 2
+    value = override.split("=", 1)[1]
+    assert capsys.readouterr().err.strip() == (
+        f"error: clip.{key} is now calibrate.{key}: clip=calibrated reads its options from calibrate.*; "
+        f"pass calibrate.{key}={value}"
+    )
+    cfg = compose_cfg("+experiment=train", "clip=calibrated", f"calibrate.{key}={value}")  # and that key works
+    assert str(getattr(cfg.calibrate, key)).replace(" ", "") == value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["clip=calibrated", "clip.quantile=0.9"],
+            "clip.quantile=0.9: clip=calibrated reads its options from calibrate.*; "
+            "pass calibrate.quantile=0.9 instead",
+        ),
+        (
+            ["clip=calibrated", "clip.max_norm=1.0"],
+            "clip.max_norm=1.0: clip=calibrated reads its options from calibrate.*; drop clip.max_norm",
+        ),
+        (["clip=zscore", "clip.max_norms=[1.0]"], "clip=zscore does not take clip.max_norms; its options are"),
+    ],
+)
+def test_clip_options_of_another_home_are_refused_before_a_run_opens(args, message):
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", *args))
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["clip=zscore", "clip.alpha=1.5"], "clip.alpha=1.5 must be in (0, 1): pass e.g. clip.alpha=0.97"),
+        (
+            ["clip=norm", "clip.max_norm=-1"],
+            "clip.max_norm=-1.0 must be > 0 (use clip mode 'none' to disable clipping): pass e.g. clip.max_norm=1.0",
+        ),
+        (
+            ["clip=agc", "clip.clip_factor=0"],
+            "clip.clip_factor=0.0 must be a finite number > 0: pass e.g. clip.clip_factor=0.01",
+        ),
+        (
+            ["clip=zscore", "clip.clip_option=x"],
+            "clip.clip_option='x' is not one of adaptive_scaling, mean: pass e.g. clip.clip_option=adaptive_scaling",
+        ),
+        (
+            ["clip=staged", "clip.stages=[[5.0,1.0],[0.0,2.0]]"],
+            "clip.stages=[[5.0, 1.0], [0.0, 2.0]]: start steps must be strictly increasing: "
+            "pass e.g. clip.stages=[[0,1.0]]",
+        ),
+    ],
+)
+def test_the_clip_policy_checks_its_options_named_by_config_key(args, message):
+    """validate() builds the engine's policy of clip.mode: its ValueError is one line in clip.* keys."""
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", *args))
+    assert str(e.value) == message
 
 
 def test_the_band_is_one_key():

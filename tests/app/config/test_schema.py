@@ -9,12 +9,14 @@ import pytest
 import torch
 import yaml
 
-from clipamp_engine import make_clip_policy
+from clipamp_engine import CalibratedClip, make_clip_policy
+from clipamp_engine.calibration import DEFAULT_CANDIDATES, DEFAULT_QUANTILE, DEFAULT_WINDOW
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options
+from clipamp_engine.clip.calibrated import RECOMMENDED
 from sweep.config import validate
-from sweep.config.schema import ClipConfig, Config
+from sweep.config.schema import CalibrateConfig, ClipConfig, Config, calibrated
 from sweep.errors import UserError
-from sweep.run.build import clip_options
+from sweep.run.build import build_clip_policy, clip_options
 from tests.app.helpers import CONF, compose_cfg
 
 #: Deliberate app choices that differ from the engine's defaults (behaviour kept from before the
@@ -24,13 +26,19 @@ APP_CHOICES = {("quantile", "quantile"): 0.9, ("staged", "stages"): [[0.0, 2.0],
 GROUPS = ("model", "data", "optim", "amp", "calibrate", "tracking", "study")
 
 
+#: The clip modes whose options are ``clip.*`` (``clip=calibrated``'s are ``calibrate.*``).
+CLIP_GROUP_MODES = sorted(set(CLIP_MODES) - {"calibrated"})
+
+
 def test_clip_config_holds_exactly_the_engine_options():
-    options = {k for mode in CLIP_MODES for k in clip_mode_options(mode)}
+    options = {k for mode in CLIP_GROUP_MODES for k in clip_mode_options(mode)}
     fields = {f.name for f in dataclasses.fields(ClipConfig)} - {"mode"}
     assert fields == options, f"missing from ClipConfig: {options - fields}; not an engine option: {fields - options}"
+    calibrate = {f.name for f in dataclasses.fields(CalibrateConfig)}
+    assert calibrate == set(clip_mode_options("calibrated"))  # calibrate.* is clip=calibrated's one home
 
 
-@pytest.mark.parametrize("mode", sorted(CLIP_MODES))
+@pytest.mark.parametrize("mode", CLIP_GROUP_MODES)
 def test_clip_yaml_lists_every_option_of_its_mode_at_the_engine_default(mode):
     values = yaml.safe_load((CONF / "clip" / f"{mode}.yaml").read_text())
     assert values.pop("mode") == mode
@@ -42,19 +50,20 @@ def test_clip_yaml_lists_every_option_of_its_mode_at_the_engine_default(mode):
         if (mode, key) in APP_CHOICES:
             assert value != defaults[key], f"{mode}.{key} now equals the engine default: drop it from APP_CHOICES"
     cfg = compose_cfg("+experiment=train", f"clip={mode}")
-    assert clip_options(cfg.clip) == {k: v for k, v in values.items() if v is not None}  # nothing dropped
+    assert clip_options(cfg) == {k: v for k, v in values.items() if v is not None}  # nothing dropped
     model = torch.nn.Linear(2, 2)
     make_clip_policy(
-        mode, named_params=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **clip_options(cfg.clip)
+        mode, named_params=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **clip_options(cfg)
     )  # and the engine takes them
 
 
 @pytest.mark.parametrize("mode", sorted(CLIP_MODES))
 def test_every_engine_option_is_reachable_by_override(mode):
+    group = "calibrate" if mode == "calibrated" else "clip"
     for key, default in clip_mode_options(mode).items():
         if isinstance(default, (bool, int, float)) and not isinstance(default, bool):
-            cfg = compose_cfg("+experiment=train", f"clip={mode}", f"clip.{key}={default * 2}")
-            assert clip_options(cfg.clip)[key] == default * 2
+            cfg = compose_cfg("+experiment=train", f"clip={mode}", f"{group}.{key}={default * 2}")
+            assert clip_options(cfg)[key] == default * 2
 
 
 def _schema_default(node: object, key: str):
@@ -108,13 +117,45 @@ def test_choices_are_checked_from_the_schema(override, message):
 
 
 def test_calibrate_defaults_are_the_engines_calibrated_clip():
-    from sweep.config.schema import CalibrateConfig, calibrated
-
     engine = clip_mode_options("calibrated")
-    ours = dataclasses.asdict(CalibrateConfig())
-    assert ours == {k: engine[k] for k in ours}  # every calibrate key is an engine option, at its default
-    cfg = compose_cfg("+experiment=train", "calibrate.window=30", "calibrate.every=60", "calibrate.start=auto")
-    cal = calibrated(cfg).clip
-    assert cal.mode == "calibrated" and {k: getattr(cal, k) for k in ours} == dataclasses.asdict(cfg.calibrate)
-    banded = calibrated(compose_cfg("+experiment=calibrate")).clip  # calibrate.quantile=null: aim at the band
-    assert banded.quantile == pytest.approx(1 - sum(banded.target_clip) / 2)
+    assert dataclasses.asdict(CalibrateConfig()) == engine  # every CalibratedClip option, at its default
+    assert yaml.safe_load((CONF / "clip" / "calibrated.yaml").read_text()) == {"mode": "calibrated"}
+    assert (engine["window"], engine["quantile"], engine["candidates"]) == (
+        DEFAULT_WINDOW,
+        DEFAULT_QUANTILE,
+        list(DEFAULT_CANDIDATES),
+    )
+
+
+def test_clip_calibrated_reads_calibrate():
+    cfg = compose_cfg("+experiment=train", "clip=calibrated", "calibrate.window=30", "calibrate.start=7")
+    options = clip_options(cfg)
+    assert options == {**dataclasses.asdict(cfg.calibrate), "window": 30, "start": 7}
+    policy = build_clip_policy(cfg, total_steps=100)
+    assert (policy.window, policy.start, policy.quantile) == (30, 7, DEFAULT_QUANTILE)
+    # what +experiment=calibrate runs: the same policy, from the experiment's calibrate.*
+    cal = compose_cfg("+experiment=calibrate")
+    assert calibrated(cal).clip == ClipConfig(mode="calibrated")
+    runner = build_clip_policy(calibrated(cal), total_steps=cal.steps)
+    banded = CalibratedClip(**dataclasses.asdict(cal.calibrate), total_steps=cal.steps)
+    assert runner.quantile == banded.quantile == pytest.approx(1 - sum(cal.calibrate.target_clip) / 2)
+
+
+def test_the_calibrate_experiment_states_the_engines_recommended_calibration():
+    """conf/experiment/calibrate.yaml writes the values of RECOMMENDED that differ from CalibratedClip's
+    defaults (Hydra needs literals): together they are RECOMMENDED."""
+    recommended = {k: list(v) if isinstance(v, tuple) else v for k, v in RECOMMENDED.items()}
+    defaults = dataclasses.asdict(CalibrateConfig())
+    stated = yaml.safe_load((CONF / "experiment" / "calibrate.yaml").read_text())["calibrate"]
+    assert stated == {k: v for k, v in recommended.items() if v != defaults[k]}
+    assert dataclasses.asdict(compose_cfg("+experiment=calibrate").calibrate) == recommended
+
+
+@pytest.mark.parametrize(("override", "key"), [("clip.quantile=0.9", "quantile"), ("clip.max_norm=1.0", "max_norm")])
+def test_a_clip_option_under_clip_calibrated_is_refused_naming_its_calibrate_key(override, key):
+    cfg = compose_cfg("+experiment=train", "clip=calibrated", override)
+    value = override.split("=")[1]
+    fix = f"pass calibrate.{key}={value} instead" if key == "quantile" else f"drop clip.{key}"
+    with pytest.raises(UserError) as e:
+        build_clip_policy(cfg)
+    assert str(e.value) == f"clip.{key}={value}: clip=calibrated reads its options from calibrate.*; {fix}"

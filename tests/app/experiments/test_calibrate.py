@@ -59,11 +59,15 @@ def test_run_holds_params_metrics_and_artifacts(calibrated):
     # what the run did: the engine's calibrated policy with these windows, never a fixed clip.max_norm
     assert (
         run.data.params["clip.mode"],
-        run.data.params["clip.window"],
-        run.data.params["clip.quantile"],
+        run.data.params["calibrate.quantile"],
         run.data.params["clip.max_norm"],
         run.data.tags["clip"],
-    ) == ("calibrated", "20", "0.9", "None", "calibrated")
+        m["tau_quantile"],
+    ) == ("calibrated", "0.9", "None", "calibrated", 0.9)
+    # the calibration's settings are logged once, as calibrate.*; no clip.* option is set
+    assert {k: v for k, v in run.data.params.items() if k.startswith("clip.") and v != "None"} == {
+        "clip.mode": "calibrated"
+    }
     assert run.data.tags["dtype"] == "bf16" and run.data.tags["device"] == "cpu"
     names = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"steps.csv", "config.yaml", "quantiles.json", "report.md", "plots"} <= names
@@ -204,8 +208,9 @@ def test_auto_start_validation_and_what_the_run_logs(store):
     clip = result.calibration
     run = MlflowClient(store).get_run(result.run_id)
     m, params = run.data.metrics, run.data.params
-    assert (params["clip.mode"], params["clip.start"], params["clip.max_norm"]) == ("calibrated", "auto", "None")
-    assert params["clip.quantile"] == "0.97" and run.data.tags["clip"] == "calibrated"  # aimed at [1%, 5%]
+    assert (params["clip.mode"], params["calibrate.start"], params["clip.max_norm"]) == ("calibrated", "auto", "None")
+    assert params["calibrate.quantile"] == "None" and run.data.tags["clip"] == "calibrated"
+    assert m["tau_quantile"] == pytest.approx(0.97)  # null: aimed at the middle of [1%, 5%]
     df = pd.read_csv(result.csv_path)
     s = clip.placement.start
     assert clip.placement.warmup_end == 11 and s > clip.placement.warmup_end and m["window_start"] == s

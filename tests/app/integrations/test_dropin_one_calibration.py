@@ -134,7 +134,7 @@ def _answer(policy):
 def test_one_norm_sequence_gives_one_answer_at_every_entry_point(tmp_path):
     cfg = calibrated(compose_cfg("+experiment=calibrate"))
     assert cfg.steps == STEPS
-    runner = through_the_engine(build_clip_policy(cfg.clip, total_steps=cfg.steps))
+    runner = through_the_engine(build_clip_policy(cfg, total_steps=cfg.steps))
     answers = {
         "own loop": _answer(through_the_engine(recommended_calibration(total_steps=STEPS))),
         "hf callback": _answer(through_the_hf_callback()),
@@ -148,7 +148,7 @@ def test_one_norm_sequence_gives_one_answer_at_every_entry_point(tmp_path):
 
 
 def test_the_own_loop_default_is_the_runners_calibrate_experiment():
-    runner = build_clip_policy(calibrated(compose_cfg("+experiment=calibrate")).clip, total_steps=STEPS)
+    runner = build_clip_policy(calibrated(compose_cfg("+experiment=calibrate")), total_steps=STEPS)
     ours = recommended_calibration(total_steps=STEPS)
     keys = ("window", "every", "quantile", "candidates", "cap", "start", "validate", "band", "confidence")
     assert {k: getattr(ours, k) for k in keys} == {k: getattr(runner, k) for k in keys}

@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from clipamp_engine.band import clopper_pearson
-from clipamp_engine.calibration import CalibrationWindows
+from clipamp_engine.calibration import CalibrationWindows, quantile_ci, quantile_label
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.diagnosis import diagnose
 from clipamp_engine.norms import CLIP_EPS
@@ -70,7 +70,7 @@ def test_fixed_start_tau_quantiles_and_band_check_equal_numpy(tmp_path, capsys):
     tau = numpy_tau(steps, norms, 61, 180)
     assert rec.tau == pytest.approx(tau, rel=1e-12, abs=0)
     for q in (0.5, 0.9, 0.99):
-        assert w.quantiles[f"p{q * 100:g}"] == pytest.approx(numpy_tau(steps, norms, 61, 180, q), rel=1e-12)
+        assert w.quantiles[quantile_label(q)] == pytest.approx(numpy_tau(steps, norms, 61, 180, q), rel=1e-12)
     window = np.sort(norms[60:180])
     assert w.candidate_clip_ratios[2.0] == pytest.approx((window > 2.0).mean())
     clipped, taken = realised(steps, norms, 180, tau)  # every later step at τ (validate 0)
@@ -79,6 +79,18 @@ def test_fixed_start_tau_quantiles_and_band_check_equal_numpy(tmp_path, capsys):
     assert (check.realised_low, check.realised_high) == clopper_pearson(clipped, taken)
     assert f"max_grad_norm={tau:.4g}" in out and f"realised {clipped / taken:.1%} ({clipped}/{taken} steps" in out
     assert "Calibration window, steps 61–180 (120 finite, 0 skipped)" in out
+
+
+def test_confidence_sets_the_level_of_the_intervals(tmp_path):
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "grad_norm": norms})
+    args = [str(path), "--start", "60", "--window", "120"]
+    default, lower = parse(args), parse([*args, "--confidence", "0.8"])
+    assert default.clip.confidence == 0.95 and lower.clip.confidence == 0.8
+    ci = lower.clip.summaries[0].tau_ci
+    assert ci == quantile_ci(norms[60:180].tolist(), 0.95, 0.8)
+    wide = default.clip.summaries[0].tau_ci
+    assert wide.low < ci.low <= ci.estimate == wide.estimate  # a lower level: a narrower interval
 
 
 def test_auto_start_places_the_window_as_the_engine_does_after_the_logged_warmup(tmp_path, capsys):

@@ -15,7 +15,7 @@ from tests.app.helpers import compose_cfg
 )
 def test_quantile_convention_is_a_config_key(override, expected):
     cfg = compose_cfg("clip=quantile", *([override] if override else []))
-    policy = build_clip_policy(cfg.clip, torch.nn.Linear(2, 1))
+    policy = build_clip_policy(cfg, torch.nn.Linear(2, 1))
     assert policy.include_current is expected
     # the package's rule clips a spike above every previous norm; the paper's never at q = 1
     policy.quantile = 1.0
@@ -29,4 +29,4 @@ def test_quantile_convention_is_a_config_key(override, expected):
 def test_include_current_is_refused_for_other_modes():
     cfg = compose_cfg("clip=zscore", "clip.include_current=false")
     with pytest.raises(UserError, match="clip.include_current"):
-        build_clip_policy(cfg.clip, torch.nn.Linear(2, 1))
+        build_clip_policy(cfg, torch.nn.Linear(2, 1))

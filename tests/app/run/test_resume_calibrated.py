@@ -50,5 +50,5 @@ def test_resumed_calibrate_run_equals_an_uninterrupted_one(store):
     assert [w.as_dict() for w in resumed.windows] == [w.as_dict() for w in fresh.windows]
     assert len(resumed.windows) == 2 and resumed.metrics == pytest.approx(fresh.metrics, nan_ok=True)
     params = s.client.get_run(resumed.run_id).data.params
-    assert (params["clip.mode"], params["clip.window"], params["clip.every"]) == ("calibrated", "6", "12")
+    assert (params["clip.mode"], params["calibrate.window"], params["calibrate.every"]) == ("calibrated", "6", "12")
     assert params["clip.max_norm"] == "None"  # it never clipped at a fixed 1.0
