@@ -235,9 +235,13 @@ class StudyConfig:
     # The band [low, high] of clipping ratios the pick accepts (constrained: also the trials' constraint);
     # spelled as calibrate.target_clip (study.target_clip_low/high are refused, naming this key).
     target_clip: list[float] = field(default_factory=lambda: [0.01, 0.2])
-    # constrained only (multi-objective studies cannot prune): median pruner on the training loss
+    # constrained only (multi-objective studies cannot prune): a trial whose clipping ratio can no longer
+    # end in target_clip is pruned, else a median pruner on the training loss decides (study/pruning.py)
     pruner: str = choice("median", PRUNERS)
-    prune_warmup: float = 0.3  # fraction of steps a trial always runs before it may be pruned
+    prune_warmup: float = 0.2  # fraction of steps a trial runs before the median pruner may stop it
+    # fraction of steps after which a trial clipping less than target_clip's low edge so far is pruned
+    # (null: never); a trial that can only end above the band is pruned at once
+    prune_below_after: float | None = 0.1
     report_every: int = 10  # steps between trial.report(mean training loss of those steps); each ≈ 1 storage commit
     # torch intra-op threads while the trials run (0: torch's default). 1 suits small CPU tasks on a
     # shared machine or several sweep workers per host: idle-spinning threads of an oversubscribed
