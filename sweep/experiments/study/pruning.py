@@ -11,19 +11,30 @@ loss (``band_verdict``):
   ratio falls as the run goes on and a run already under the band does not climb back into it;
   ``study.prune_below_after=null`` turns this half off.
 
-Otherwise the inner pruner decides on the reported training loss (``MedianPruner``: worse than the median of
-the completed trials at the same step, after ``study.prune_warmup`` of the steps). It compares across dtypes
-on purpose: the pick ranks every dtype by the one eval loss.
+Otherwise the inner pruner decides on the training loss, reported as the mean over each
+``study.report_every`` steps (one value per window of batches; every trial sees the same batches):
+
+- ``wilcoxon`` (default): Optuna's ``WilcoxonPruner``: a one-sided Wilcoxon signed-rank test of the
+  trial's windows against the same windows of the study's best trial (``study.best_trial``: the best
+  feasible completed one, the trial the pick would take today); pruned at p < 0.05. It only stops a
+  trial that is consistently worse than the incumbent, so not a trial that would replace it;
+- ``median``: Optuna's ``MedianPruner``: worse than the completed trials' median at the same step,
+  once one trial per dtype has completed.
+
+Both wait ``study.prune_warmup`` of the steps, and compare across dtypes on purpose: the pick ranks
+every dtype by the one eval loss.
 
 The rule reads the trial's clip counts from its user attribute ``CLIP_COUNTS`` (``[step, taken, clipped]``),
 which the trial writes before it asks ``trial.should_prune()``.
 
-References: Optuna ``BasePruner``/``MedianPruner`` (Akiba et al., KDD 2019); constrained TPE sees the same
-ratios through ``trial.set_constraint`` (Watanabe & Hutter, 2023).
+References: Optuna ``BasePruner``, ``MedianPruner``, ``WilcoxonPruner`` (Akiba et al., KDD 2019; Wilcoxon,
+"Individual comparisons by ranking methods", 1945); constrained TPE sees the same ratios through
+``trial.set_constraint`` (Watanabe & Hutter, 2023).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import optuna
@@ -77,12 +88,27 @@ class BandPruner(optuna.pruners.BasePruner):
         return self.verdict(trial) is not None or self.inner.prune(study, trial)
 
 
+#: The loss pruner's p-value threshold (``WilcoxonPruner``): pruned when worse than the best trial at p < this.
+P_THRESHOLD = 0.05
+
+
 def constrained_pruner(
-    steps: int, n_dtypes: int, band: Sequence[float], warmup: float, below_after: float | None
+    kind: str,
+    steps: int,
+    n_dtypes: int,
+    band: Sequence[float],
+    *,
+    warmup: float,
+    report_every: int,
+    below_after: float | None,
 ) -> BandPruner:
-    """The band rule over a ``MedianPruner`` that waits for one completed trial per dtype and ``warmup``
-    of the steps; ``below_after`` is a fraction of the steps (None: no below-band rule)."""
-    median = optuna.pruners.MedianPruner(
-        n_startup_trials=n_dtypes, n_min_trials=n_dtypes, n_warmup_steps=int(warmup * steps), interval_steps=1
-    )
-    return BandPruner(median, band, steps, None if below_after is None else max(1, int(below_after * steps)))
+    """The band rule over the loss pruner ``kind`` (``wilcoxon`` | ``median``), which waits ``warmup`` of the
+    steps; ``below_after`` is a fraction of the steps (None: no below-band rule)."""
+    if kind == "wilcoxon":
+        reports = max(2, math.ceil(warmup * steps / report_every))  # the test needs two paired windows
+        inner = optuna.pruners.WilcoxonPruner(p_threshold=P_THRESHOLD, n_startup_steps=reports)
+    else:
+        inner = optuna.pruners.MedianPruner(
+            n_startup_trials=n_dtypes, n_min_trials=n_dtypes, n_warmup_steps=int(warmup * steps), interval_steps=1
+        )
+    return BandPruner(inner, band, steps, None if below_after is None else max(1, int(below_after * steps)))

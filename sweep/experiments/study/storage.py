@@ -157,7 +157,15 @@ def make_pruner(cfg: Config):
     s = cfg.study
     if s.mode != "constrained" or s.pruner == "none":
         return optuna.pruners.NopPruner()
-    return constrained_pruner(cfg.steps, len(s.dtypes), s.target_clip, s.prune_warmup, s.prune_below_after)
+    return constrained_pruner(
+        s.pruner,
+        cfg.steps,
+        len(s.dtypes),
+        s.target_clip,
+        warmup=s.prune_warmup,
+        report_every=s.report_every,
+        below_after=s.prune_below_after,
+    )
 
 
 def load_study(cfg: Config, storage, name: str):

@@ -66,11 +66,10 @@ def frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial
     return study.get_trials(deepcopy=False)[trial.number]
 
 
-def test_pruner_prunes_hopeless_trials_and_keeps_a_good_one_on_a_real_study():
+def test_median_pruner_prunes_hopeless_trials_and_keeps_a_good_one_on_a_real_study():
     steps = 100  # median after 20 steps, below-band rule after 10
-    study = optuna.create_study(
-        pruner=constrained_pruner(steps, n_dtypes=1, band=(0.01, 0.2), warmup=0.2, below_after=0.1)
-    )
+    pruner = constrained_pruner("median", steps, 1, (0.01, 0.2), warmup=0.2, report_every=10, below_after=0.1)
+    study = optuna.create_study(pruner=pruner)
     first = report_losses(study, {10: 4.0, 20: 3.0, 30: 2.5})  # completes: the median's reference
     study.tell(first, 2.4)
     good = report_losses(study, {10: 4.1, 20: 2.9, 30: 2.4}, counts=[30, 30, 5])  # in band, ahead
@@ -85,11 +84,46 @@ def test_pruner_prunes_hopeless_trials_and_keeps_a_good_one_on_a_real_study():
     assert below.should_prune() and study.pruner.verdict(frozen(study, below)) == "below"
 
 
+def complete(study: optuna.Study, losses: list[float], value: float, clip_ratio: float) -> None:
+    """A finished trial reporting ``losses`` at steps 5, 10, …, with the constrained study's band constraint."""
+    trial = report_losses(study, dict(zip(range(5, 5 * len(losses) + 1, 5), losses)))
+    trial.set_constraint("clip_ratio_low", 0.01 - clip_ratio)
+    trial.set_constraint("clip_ratio_high", clip_ratio - 0.2)
+    study.tell(trial, value)
+
+
+def test_wilcoxon_pruner_stops_a_trial_consistently_behind_the_best_feasible_one():
+    pruner = constrained_pruner("wilcoxon", 100, 2, (0.01, 0.2), warmup=0.1, report_every=5, below_after=0.1)
+    study = optuna.create_study(pruner=pruner)
+    best = [4.0, 3.5, 3.2, 3.0, 2.9, 2.8]
+    complete(study, best, 2.8, clip_ratio=0.1)  # feasible: the reference
+    complete(study, [v - 0.5 for v in best], 2.3, clip_ratio=0.5)  # lower losses but infeasible: ignored
+    counts = [30, 30, 5]  # in the band: only the loss decides
+    windows = dict(zip(range(5, 31, 5), best))
+    behind = report_losses(study, {k: v + 0.05 for k, v in windows.items()}, counts)
+    assert behind.should_prune()  # worse on all 6 windows: one-sided p = 1/64
+    few = report_losses(study, {k: v + 0.05 for k, v in windows.items() if k <= 15}, counts)
+    assert not few.should_prune()  # worse on 3 windows: p = 1/8, not enough
+    crossing = report_losses(study, {k: v + (0.05 if k <= 10 else -0.05) for k, v in windows.items()}, counts)
+    assert not crossing.should_prune()  # slower start, then ahead: the heavily clipped trials' curve
+    between = report_losses(study, {k: v - 0.01 for k, v in windows.items()}, counts)
+    assert not between.should_prune()  # ahead of the feasible best, behind the infeasible trial
+    fresh = optuna.create_study(pruner=pruner)
+    complete(fresh, best, 2.3, clip_ratio=0.5)
+    alone = report_losses(fresh, {k: v + 0.05 for k, v in windows.items()}, counts)
+    assert not alone.should_prune()  # no feasible trial yet: nothing to be behind
+
+
 def test_pruner_only_for_constrained():
     cfg = compose_cfg("+experiment=sweep", "study=constrained", "steps=100")
     p = storage.make_pruner(cfg)
-    assert isinstance(p, BandPruner) and isinstance(p.inner, optuna.pruners.MedianPruner)
-    assert p.inner._n_warmup_steps == 20 and p.below_after == 10 and p.band == (0.01, 0.2) and p.steps == 100
+    assert isinstance(p, BandPruner) and isinstance(p.inner, optuna.pruners.WilcoxonPruner)
+    assert p.inner._n_startup_steps == 2 and p.inner._p_threshold == 0.05  # 0.1 × 100 steps = 2 windows of 5
+    assert p.below_after == 10 and p.band == (0.01, 0.2) and p.steps == 100
+    median = storage.make_pruner(
+        compose_cfg("+experiment=sweep", "study=constrained", "steps=100", "study.pruner=median")
+    )
+    assert isinstance(median.inner, optuna.pruners.MedianPruner) and median.inner._n_warmup_steps == 10
     off = compose_cfg("+experiment=sweep", "study=constrained", "steps=100", "study.prune_below_after=null")
     assert storage.make_pruner(off).below_after is None
     assert isinstance(storage.make_pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
