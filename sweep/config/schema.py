@@ -31,7 +31,7 @@ ATTENTION = ("auto", "sdpa", "eager")  # sweep.tasks.models.ATTENTION
 DATA_NAMES = ("stdlib", "text", "synthetic", "hf")
 STUDY_MODES = ("pareto", "constrained", "entangle")
 SAMPLERS = ("tpe", "random", "nsga2")
-PRUNERS = ("median", "none")
+PRUNERS = ("wilcoxon", "median", "none")
 STRATEGIES = ("auto", "none", "ddp", "fsdp2")
 
 
@@ -233,10 +233,15 @@ class StudyConfig:
     # The band [low, high] of clipping ratios the pick accepts (constrained: also the trials' constraint);
     # spelled as calibrate.target_clip (study.target_clip_low/high are refused, naming this key).
     target_clip: list[float] = field(default_factory=lambda: [0.01, 0.2])
-    # constrained only (multi-objective studies cannot prune): median pruner on the training loss
-    pruner: str = choice("median", PRUNERS)
-    prune_warmup: float = 0.3  # fraction of steps a trial always runs before it may be pruned
-    report_every: int = 10  # steps between trial.report(mean training loss of those steps); each ≈ 1 storage commit
+    # constrained only (multi-objective studies cannot prune): a trial whose clipping ratio can no longer
+    # end in target_clip is pruned, else a pruner on the training loss decides (study/pruning.py):
+    # wilcoxon (significantly worse than the best feasible trial) or median (than the completed median)
+    pruner: str = choice("wilcoxon", PRUNERS)
+    prune_warmup: float = 0.1  # fraction of steps a trial runs before the loss pruner may stop it
+    # fraction of steps after which a trial clipping less than target_clip's low edge so far is pruned
+    # (null: never); a trial that can only end above the band is pruned at once
+    prune_below_after: float | None = 0.1
+    report_every: int = 5  # steps between trial.report(mean training loss of those steps); each ≈ 1 storage commit
     # torch intra-op threads while the trials run (0: torch's default). 1 suits small CPU tasks on a
     # shared machine or several sweep workers per host: idle-spinning threads of an oversubscribed
     # CPU made the default sweep up to 6x slower here; 2 threads were only ~20% faster when idle.

@@ -248,6 +248,10 @@ def check_study(cfg: Config) -> None:
         )
     if not 0.0 <= s.prune_warmup < 1.0:
         raise UserError(f"study.prune_warmup={s.prune_warmup} must be in [0, 1)")
+    if s.prune_below_after is not None and not 0.0 <= s.prune_below_after < 1.0:
+        raise UserError(
+            f"study.prune_below_after={s.prune_below_after} must be in [0, 1) or null (no below-band pruning)"
+        )
     for key, low in (("report_every", 1), ("threads", 0), ("startup_trials", 0)):
         if getattr(s, key) < low:
             raise UserError(

@@ -11,8 +11,9 @@ Modes (``study=pareto`` | ``study=constrained``):
 - ``pareto``: two objectives, minimise (eval loss, clipping ratio); the parent run holds the Pareto
   front. Multi-objective studies cannot prune.
 - ``constrained``: one objective, eval loss; ``trial.set_constraint`` keeps the clipping ratio in
-  ``study.target_clip=[low, high]`` (TPE/NSGA-II read the constraints); the mean training loss
-  is reported every ``report_every`` steps and a ``MedianPruner`` stops trials that fall behind.
+  ``study.target_clip=[low, high]`` (TPE/NSGA-II read the constraints); a trial whose clipping
+  ratio can no longer end in the band is pruned, else the mean training loss is reported every
+  ``report_every`` steps and a ``MedianPruner`` stops trials that fall behind (``pruning``).
 
 Every invocation first enqueues one trial per dtype in ``study.dtypes`` (only the dtype is fixed;
 the sampler draws ``max_norm``, or it is the anchor's p95 the first time), so both dtypes are
@@ -32,8 +33,8 @@ The pick: ``sweep.pick.pick_trial``, by the rules of ``sweep.pick.PICK_RULES``.
 Workers: several invocations may share a study (``workers``): set-up runs under a study lock, and a
 dead worker's trials and runs are recovered by the next one (at once on the same host).
 
-Modules: ``storage`` (where the study lives, its name, sampler, pruner), ``workers`` (liveness,
-recovery, the set-up lock), ``space``
-(the max_norm range and the dtype trials enqueued first), ``trial`` (one trial), ``progress``
-(the live display), ``result`` (the trials table), ``sweep`` (``run_sweep``, the entry point).
+Modules: ``storage`` (where the study lives, its name, sampler, pruner), ``pruning`` (the
+constrained study's pruner), ``workers`` (liveness, recovery, the set-up lock), ``space`` (the
+max_norm range and the dtype trials enqueued first), ``trial`` (one trial), ``progress`` (the live
+display), ``result`` (the trials table), ``sweep`` (``run_sweep``, the entry point).
 """

@@ -14,6 +14,7 @@ import optuna
 
 from sweep.config.schema import Config
 from sweep.errors import UserError
+from sweep.experiments.study.pruning import constrained_pruner
 from sweep.tracking.tracker import redact, redact_text, sqlite_path
 
 STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql")
@@ -152,14 +153,18 @@ def make_sampler(cfg: Config, seed: int):
 
 
 def make_pruner(cfg: Config):
+    """``study=constrained``: the clipping-band rule over a median pruner (``pruning``); else no pruning."""
     s = cfg.study
     if s.mode != "constrained" or s.pruner == "none":
         return optuna.pruners.NopPruner()
-    return optuna.pruners.MedianPruner(
-        n_startup_trials=len(s.dtypes),
-        n_min_trials=len(s.dtypes),
-        n_warmup_steps=int(s.prune_warmup * cfg.steps),
-        interval_steps=1,
+    return constrained_pruner(
+        s.pruner,
+        cfg.steps,
+        len(s.dtypes),
+        s.target_clip,
+        warmup=s.prune_warmup,
+        report_every=s.report_every,
+        below_after=s.prune_below_after,
     )
 
 

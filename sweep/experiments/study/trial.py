@@ -1,8 +1,8 @@
 """One trial of a study: suggest (dtype, max_norm), train it as a child run, tell Optuna how it ended.
 
-Pruned → PRUNED in Optuna, its child run KILLED with tag ``pruned=true`` and its ratios over the
-steps it ran; an exception → FAIL / FAILED with tag ``error`` (the sweep goes on); a user mistake
-or Ctrl-C → FAIL, and the sweep stops.
+Pruned → PRUNED in Optuna, its child run KILLED with tags ``pruned=true`` and ``pruned_by`` (the
+reason) and its ratios over the steps it ran; an exception → FAIL / FAILED with tag ``error`` (the
+sweep goes on); a user mistake or Ctrl-C → FAIL, and the sweep stops.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from sweep.config.convert import child_config
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.experiments.study.progress import TrialProgress
+from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict
 from sweep.experiments.study.trial_launch import run_job
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
@@ -72,6 +73,9 @@ class _Watch:
         self.prunable = s.mode == "constrained" and s.pruner != "none"
         self.records = RunRecords()  # the steps this trial ran, also when it is stopped early
         self.window: list[float] = []
+        self.taken = self.clipped = 0
+        pruner = ctx.study.pruner
+        self.band = pruner if self.prunable and isinstance(pruner, BandPruner) else None
         self.beat = time.monotonic()
         ctx.storage.record_heartbeat(trial._trial_id)  # ask/tell has no heartbeat thread: beat from the loop
 
@@ -85,16 +89,30 @@ class _Watch:
         ctx.ui.step(log.step)
         if not self.prunable:
             return
+        if not log.skipped:
+            self.taken += 1
+            self.clipped += bool(log.clipped)
         if math.isfinite(log.loss):
             self.window.append(float(log.loss))
-        if log.step % s.report_every == 0 and self.window:
-            t = time.perf_counter()
+        t = time.perf_counter()
+        verdict = self.band and band_verdict(
+            log.step, self.taken, self.clipped, ctx.cfg.steps, self.band.band, self.band.below_after
+        )
+        if verdict:  # the clipping ratio can no longer end in the band: tell the pruner the counts, ask it
+            self.trial.set_user_attr(CLIP_COUNTS, [log.step, self.taken, self.clipped])
+            self.ask(log.step, t, f"clipping ratio {self.clipped}/{self.taken}: ends {verdict} the band")
+        elif log.step % s.report_every == 0 and self.window:
             self.trial.report(sum(self.window) / len(self.window), log.step)
             self.window.clear()
-            prune = self.trial.should_prune()
-            ctx.counters.prune_overhead += time.perf_counter() - t
-            if prune:
-                raise Pruned(f"trial {self.trial.number} pruned at step {log.step}")
+            self.ask(log.step, t, "training loss")
+
+    def ask(self, step: int, t0: float, reason: str) -> None:
+        """``trial.should_prune()``; True raises ``Pruned`` (its reason kept in user attr ``pruned_by``)."""
+        prune = self.trial.should_prune()
+        self.ctx.counters.prune_overhead += time.perf_counter() - t0
+        if prune:
+            self.trial.set_user_attr("pruned_by", reason)
+            raise Pruned(f"trial {self.trial.number} pruned at step {step}: {reason}")
 
     def constrain(self, clip_ratio: float) -> None:
         """Constrained mode: the clipping ratio must lie in the target band (``trial.set_constraint``)."""
@@ -171,17 +189,22 @@ def _train(ctx: TrialContext, trial, cfg: Config, spec: RunSpec, hooks: RunHooks
 
 def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
     part, ran = watch.partial_metrics(), len(watch.records.rows)
+    by = str(trial.user_attrs.get("pruned_by", "pruner"))
     watch.constrain(part["clip_ratio"])
     run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
     set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id or ""})
     if run_id:
         end_child(
-            ctx.store, run_id, "KILLED", {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran)}, part
+            ctx.store,
+            run_id,
+            "KILLED",
+            {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran), "pruned_by": by},
+            part,
         )
     ctx.study.tell(trial, state=TrialState.PRUNED)
     ctx.counters.pruned += 1
     ctx.counters.seconds_saved += (ctx.cfg.steps - ran) * wall / max(1, ran)
-    ctx.ui.end_trial(trial.number, "PRUNED", f"pruned at step {ran}, train loss {part['final_loss']:.4g}")
+    ctx.ui.end_trial(trial.number, "PRUNED", f"pruned at step {ran} ({by}), train loss {part['final_loss']:.4g}")
 
 
 def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: float, e: Exception) -> None:

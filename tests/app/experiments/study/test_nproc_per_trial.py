@@ -29,7 +29,7 @@ from tests.app.experiments.study.test_sweep import children, optuna_study, sweep
         (
             ["study.nproc_per_trial=2", "study=constrained"],
             "study.nproc_per_trial=2: a trial runs as a torchrun job whose steps the sweep process does not see, so "
-            "study.pruner=median cannot stop it; pass study.pruner=none (or study.nproc_per_trial=1)",
+            "study.pruner=wilcoxon cannot stop it; pass study.pruner=none (or study.nproc_per_trial=1)",
         ),
         (["study.nproc_per_trial=3"], "data.batch_size=4 does not split over study.nproc_per_trial=3 ranks"),
         (["study.nproc_per_trial=2", "study=entangle"], "study.nproc_per_trial=2: study=entangle runs its grid"),

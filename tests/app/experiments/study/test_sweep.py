@@ -213,17 +213,6 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
     assert q == pytest.approx({k: anchor[k] for k in space.QUANTILE_KEYS})
 
 
-def test_pruner_only_for_constrained():
-    cfg = compose_cfg("+experiment=sweep", "study=constrained", "steps=100")
-    p = storage.make_pruner(cfg)
-    assert isinstance(p, optuna.pruners.MedianPruner) and p._n_warmup_steps == 30
-    assert isinstance(storage.make_pruner(compose_cfg("+experiment=sweep", "study=pareto")), optuna.pruners.NopPruner)
-    assert isinstance(
-        storage.make_pruner(compose_cfg("+experiment=sweep", "study=constrained", "study.pruner=none")),
-        optuna.pruners.NopPruner,
-    )
-
-
 def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
     W, FAIL = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.FAIL
     study = optuna.create_study(directions=["minimize", "minimize"])

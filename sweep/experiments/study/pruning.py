@@ -1,0 +1,114 @@
+"""The constrained study's pruner: Optuna's ``MedianPruner`` on the training loss, behind a clipping-band rule.
+
+A trial of ``study=constrained`` is picked only if its clipping ratio ends in ``study.target_clip=[low,
+high]`` (``sweep.pick.PICK_RULES``), so a trial whose ratio can no longer end there is pruned whatever its
+loss (``band_verdict``):
+
+- above the band: the clipped steps so far already exceed ``high`` × every step the run can take, even if
+  none of the remaining steps clips: the final ratio is above ``high`` for certain;
+- below the band: after ``study.prune_below_after`` of its steps, the ratio so far is under ``low``. With a
+  fixed threshold, gradient norms are largest early in a run (initial loss, LR warm-up), so the realised
+  ratio falls as the run goes on and a run already under the band does not climb back into it;
+  ``study.prune_below_after=null`` turns this half off.
+
+Otherwise the inner pruner decides on the training loss, reported as the mean over each
+``study.report_every`` steps (one value per window of batches; every trial sees the same batches):
+
+- ``wilcoxon`` (default): Optuna's ``WilcoxonPruner``: a one-sided Wilcoxon signed-rank test of the
+  trial's windows against the same windows of the study's best trial (``study.best_trial``: the best
+  feasible completed one, the trial the pick would take today); pruned at p < 0.05. It only stops a
+  trial that is consistently worse than the incumbent, so not a trial that would replace it;
+- ``median``: Optuna's ``MedianPruner``: worse than the completed trials' median at the same step,
+  once one trial per dtype has completed.
+
+Both wait ``study.prune_warmup`` of the steps, and compare across dtypes on purpose: the pick ranks
+every dtype by the one eval loss.
+
+The rule reads the trial's clip counts from its user attribute ``CLIP_COUNTS`` (``[step, taken, clipped]``),
+which the trial writes before it asks ``trial.should_prune()``.
+
+References: Optuna ``BasePruner``, ``MedianPruner``, ``WilcoxonPruner`` (Akiba et al., KDD 2019; Wilcoxon,
+"Individual comparisons by ranking methods", 1945); constrained TPE sees the same ratios through
+``trial.set_constraint`` (Watanabe & Hutter, 2023).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import optuna
+
+#: The trial user attribute holding ``[step, taken, clipped]``: steps run, steps taken (not skipped), clipped.
+CLIP_COUNTS = "clip_counts"
+
+
+def band_verdict(
+    step: int,
+    taken: int,
+    clipped: int,
+    steps: int,
+    band: Sequence[float],
+    below_after: int | None,
+) -> str | None:
+    """``"above"`` / ``"below"`` when a trial's clipping ratio can no longer end in ``band``, else None.
+
+    Args:
+        step: steps the trial has run (skipped ones included), of ``steps``.
+        taken: steps taken (not skipped) so far; the ratio is clipped / taken.
+        clipped: taken steps that were clipped.
+        steps: the trial's full length.
+        band: ``[low, high]``.
+        below_after: the step from which a ratio so far under ``low`` prunes (None: never).
+    """
+    low, high = band
+    if clipped > high * (taken + steps - step):  # even with no clip from here on, the ratio ends above high
+        return "above"
+    if below_after is not None and step >= below_after and taken and clipped < low * taken:
+        return "below"
+    return None
+
+
+class BandPruner(optuna.pruners.BasePruner):
+    """Prune when ``band_verdict`` says the trial's clipping ratio cannot end in the band, else ask ``inner``."""
+
+    def __init__(
+        self, inner: optuna.pruners.BasePruner, band: Sequence[float], steps: int, below_after: int | None
+    ) -> None:
+        self.inner, self.band, self.steps, self.below_after = inner, tuple(band), steps, below_after
+
+    def verdict(self, trial: optuna.trial.FrozenTrial) -> str | None:
+        counts = trial.user_attrs.get(CLIP_COUNTS)
+        if not counts:
+            return None
+        step, taken, clipped = counts
+        return band_verdict(step, taken, clipped, self.steps, self.band, self.below_after)
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return self.verdict(trial) is not None or self.inner.prune(study, trial)
+
+
+#: The loss pruner's p-value threshold (``WilcoxonPruner``): pruned when worse than the best trial at p < this.
+P_THRESHOLD = 0.05
+
+
+def constrained_pruner(
+    kind: str,
+    steps: int,
+    n_dtypes: int,
+    band: Sequence[float],
+    *,
+    warmup: float,
+    report_every: int,
+    below_after: float | None,
+) -> BandPruner:
+    """The band rule over the loss pruner ``kind`` (``wilcoxon`` | ``median``), which waits ``warmup`` of the
+    steps; ``below_after`` is a fraction of the steps (None: no below-band rule)."""
+    if kind == "wilcoxon":
+        reports = max(2, math.ceil(warmup * steps / report_every))  # the test needs two paired windows
+        inner = optuna.pruners.WilcoxonPruner(p_threshold=P_THRESHOLD, n_startup_steps=reports)
+    else:
+        inner = optuna.pruners.MedianPruner(
+            n_startup_trials=n_dtypes, n_min_trials=n_dtypes, n_warmup_steps=int(warmup * steps), interval_steps=1
+        )
+    return BandPruner(inner, band, steps, None if below_after is None else max(1, int(below_after * steps)))
