@@ -1,4 +1,4 @@
-"""The constrained study's pruner: Optuna's ``MedianPruner`` on the training loss, behind a clipping-band rule.
+"""The constrained study's pruner: Optuna's loss pruners (``WilcoxonPruner``, ``MedianPruner``) behind a band rule.
 
 A trial of ``study=constrained`` is picked only if its clipping ratio ends in ``study.target_clip=[low,
 high]`` (``sweep.pick.PICK_RULES``), so a trial whose ratio can no longer end there is pruned whatever its
@@ -8,8 +8,9 @@ loss (``band_verdict``):
   none of the remaining steps clips: the final ratio is above ``high`` for certain;
 - below the band: after ``study.prune_below_after`` of its steps, the ratio so far is under ``low``. With a
   fixed threshold, gradient norms are largest early in a run (initial loss, LR warm-up), so the realised
-  ratio falls as the run goes on and a run already under the band does not climb back into it;
-  ``study.prune_below_after=null`` turns this half off.
+  ratio falls as the run goes on and a run already under the band does not climb back into it. This half
+  is an assumption, not a certainty: norms that rise late (they do as a cosine LR decays, Defazio et al.,
+  arXiv:2506.02285) can lift a ratio back into the band; ``study.prune_below_after=null`` turns it off.
 
 Otherwise the inner pruner decides on the training loss, reported as the mean over each
 ``study.report_every`` steps (one value per window of batches; every trial sees the same batches):
