@@ -9,7 +9,7 @@ loss (``band_verdict``):
 - below the band: after ``study.prune_below_after`` of its steps, the ratio so far is under ``low``. With a
   fixed threshold, gradient norms are largest early in a run (initial loss, LR warm-up), so the realised
   ratio falls as the run goes on and a run already under the band does not climb back into it. This half
-  is an assumption, not a certainty: norms that rise late (they do as a cosine LR decays, Defazio et al.,
+  is an assumption, not a certainty: norms that rise late (they do as a cosine LR decays, Defazio,
   arXiv:2506.02285) can lift a ratio back into the band; ``study.prune_below_after=null`` turns it off.
 
 Otherwise the inner pruner decides on the training loss, reported as the mean over each
