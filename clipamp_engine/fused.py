@@ -128,7 +128,7 @@ FACTOR_RECIPES: dict[tuple[str, torch.dtype], str] = {
     ("cpu", torch.float32): "grad_scale",
     ("cpu", torch.bfloat16): "multiply",
 }
-#: Where ``FACTOR_RECIPES`` has no entry (CUDA and other accelerators, not measured here): the
+#: Where ``FACTOR_RECIPES`` has no entry (CUDA and other accelerators, until a bench run there chooses): the
 #: kernel's division hides in its memory-bound pass and the multiply's extra read would not.
 DEFAULT_FACTOR_RECIPE = "grad_scale"
 RECIPES = ("grad_scale", "multiply")

@@ -37,8 +37,8 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 
 
 def use_eager(q: torch.Tensor, attention: str) -> bool:
-    """``auto``: the explicit form for bf16 on CPU, where its forward and backward cost ~3x less than the
-    fused kernel's (``bench/bench_calibrate.py`` prints both); ``F.scaled_dot_product_attention`` elsewhere."""
+    """``auto``: the explicit form for bf16 on CPU, where it is cheaper than the fused kernel's backward
+    (``bench/bench_calibrate.py`` measures both); ``F.scaled_dot_product_attention`` elsewhere."""
     if attention == "auto":
         return q.device.type == "cpu" and q.dtype == torch.bfloat16
     return attention == "eager"
