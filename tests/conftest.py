@@ -1,7 +1,11 @@
-"""Fixtures shared by the app and reliability suites: a temporary MLflow store (see helpers.py for the rest)."""
+"""Fixtures shared by the app and reliability suites: a temporary MLflow store, the SIGTERM handler kept, a
+dead pid (see helpers.py for the rest)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +28,19 @@ def store(tmp_path, store_template, monkeypatch):
     """A fresh sqlite store at tmp_path/mlruns/mlflow.db (the default location for cwd=tmp_path); its URI."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return store_in(tmp_path, store_template)
+
+
+@pytest.fixture
+def sigterm_restored():
+    """The SIGTERM handler as it was before the test (the run installs its own)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from sweep.pick import Pick
+from sweep.pick import TABLE_COLUMNS, Pick
 from sweep.report.format import fmt, frame_markdown, pct, ui_command
 from sweep.report.plots import plot_sweep
 
@@ -16,20 +16,8 @@ if TYPE_CHECKING:
     from sweep.results.study import SweepResult
     from sweep.tracking.tracker import RunTracker
 
-SWEEP_COLUMNS = (
-    "trial",
-    "state",
-    "dtype",
-    "max_norm",
-    "eval_loss",
-    "clip_ratio",
-    "skip_ratio",
-    "final_loss",
-    "steps_run",
-    "in_band",
-    "pareto",
-    "run_id",
-)
+#: The trials table's columns (``sweep.pick.TABLE_COLUMNS``) a report shows: all but the bookkeeping ones.
+SWEEP_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in ("wall_s", "parent_run_id"))
 _SHORT = {
     "trial": "#",
     "state": "state",

@@ -139,14 +139,7 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
                 f"model._target_={target!r} failed on inputs of shape {tuple(batch.inputs.shape)} "
                 f"({one_line(e, 200)}): {fix}"
             ) from None
-        if not m.loss_target:
-            want = (*batch.targets.shape, VOCAB) if batch.targets.dtype == torch.long else tuple(batch.targets.shape)
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
-            if got != want:
-                raise UserError(
-                    f"model._target_={target!r} returned {got} for inputs of shape "
-                    f"{tuple(batch.inputs.shape)}; expected {expected} = {want}: {fix}"
-                )
+        _refuse_wrong_shape(out, batch, m, expected, fix)
         loss = loss_fn(out, batch.targets)
         total = loss[0] if isinstance(loss, tuple) else loss
         if not (isinstance(total, torch.Tensor) and total.numel() == 1 and total.is_floating_point()):
@@ -163,10 +156,30 @@ def check_custom_output(model: nn.Module, loss_fn: Callable, batch: Any, m: Any,
     check_custom_training(model, loss_fn, batch, m, expected, fix)
 
 
+def _shape_of(out: Any) -> tuple | str:
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+
+
+def _refuse_wrong_shape(out: Any, batch: Any, m: Any, expected: str, fix: str, training: bool = False) -> None:
+    """Without a ``model.loss_target`` the output must be logits ``[*targets, VOCAB]`` (byte targets) or
+    have the targets' shape; ``training``: the check of the training-mode forward."""
+    if m.loss_target:
+        return
+    targets = batch.targets
+    want = (*targets.shape, VOCAB) if targets.dtype == torch.long else tuple(targets.shape)
+    got = _shape_of(out)
+    if got != want:
+        mode, again = (" in training mode (model.train())", " as in eval mode") if training else ("", "")
+        raise UserError(
+            f"model._target_={m._target_!r} returned {got}{mode} for inputs of shape "
+            f"{tuple(batch.inputs.shape)}; expected {expected} = {want}{again}: {fix}"
+        )
+
+
 def _loss_error(e: BaseException, out: Any, targets: tuple, m: Any, expected: str, fix: str) -> UserError:
     """The loss raised: a ``model.loss_target``'s own error is the loss function's, else the output's."""
     if m.loss_target:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        got = _shape_of(out)
         return UserError(
             f"model.loss_target={m.loss_target!r} raised {one_line(e, 200)} (on the model's output "
             f"{got} and targets of shape {targets}): fix the loss function"
@@ -188,16 +201,7 @@ def check_custom_training(model: nn.Module, loss_fn: Callable, batch: Any, m: An
     try:
         with torch.enable_grad():
             out = model(batch.inputs)
-            if not m.loss_target:
-                want = (
-                    (*batch.targets.shape, VOCAB) if batch.targets.dtype == torch.long else tuple(batch.targets.shape)
-                )
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
-                if got != want:
-                    raise UserError(
-                        f"model._target_={target!r} returned {got} in training mode (model.train()) for inputs of "
-                        f"shape {tuple(batch.inputs.shape)}; expected {expected} = {want} as in eval mode: {fix}"
-                    )
+            _refuse_wrong_shape(out, batch, m, expected, fix, training=True)
             loss = loss_fn(out, batch.targets)
             total = loss[0] if isinstance(loss, tuple) else loss
         if isinstance(total, torch.Tensor) and not total.requires_grad:

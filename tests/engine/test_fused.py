@@ -332,11 +332,8 @@ def test_path_is_chosen_automatically():
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_no_host_sync_between_flushes(monkeypatch, recipe):
-    """By construction: no Python-level tensor→host read runs between two flushes."""
-    model, opt, sched, state = _setup("fp16", None, log_every=5, recipe=recipe)
-    assert state.fused_recipe == recipe
+def _host_reads_per_step(monkeypatch, state, model, steps=10):
+    """Per step of ``state.step_deferred``: (records it flushed, the tensor→host reads it made), and the records."""
     calls = []
     for name in SYNCS:
         orig = getattr(torch.Tensor, name)
@@ -344,12 +341,21 @@ def test_no_host_sync_between_flushes(monkeypatch, recipe):
             torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1]
         )
     per_step, records = [], []
-    for i in range(10):
+    for i in range(steps):
         out = state.step_deferred(*_script(i, model))
         per_step.append((len(out), list(calls)))
         records += out
         calls.clear()
     monkeypatch.undo()
+    return per_step, records
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_no_host_sync_between_flushes(monkeypatch, recipe):
+    """By construction: no Python-level tensor→host read runs between two flushes."""
+    model, opt, sched, state = _setup("fp16", None, log_every=5, recipe=recipe)
+    assert state.fused_recipe == recipe
+    per_step, records = _host_reads_per_step(monkeypatch, state, model)
     assert [n for n, _ in per_step] == [0, 0, 0, 0, 5] * 2
     assert [c for n, c in per_step if n == 0] == [[]] * 8  # no sync at all between flushes
     assert [c for n, c in per_step if n == 5] == [["tolist"]] * 2  # one transfer per flush
@@ -361,19 +367,7 @@ def test_hysteresis_scaler_has_no_host_sync_between_flushes(monkeypatch):
     """fp16 with the device-side hysteresis rule: nothing reaches the host between flushes; a flush
     is the records' transfer and the scaler's counters (its floor warning)."""
     model, opt, sched, state = _setup("fp16", None, log_every=5, scaler_cls=HysteresisScaler)
-    calls = []
-    for name in SYNCS:
-        orig = getattr(torch.Tensor, name)
-        monkeypatch.setattr(
-            torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1]
-        )
-    per_step, records = [], []
-    for i in range(10):
-        out = state.step_deferred(*_script(i, model))
-        per_step.append((len(out), list(calls)))
-        records += out
-        calls.clear()
-    monkeypatch.undo()
+    per_step, records = _host_reads_per_step(monkeypatch, state, model)
     assert [n for n, _ in per_step] == [0, 0, 0, 0, 5] * 2
     assert [c for n, c in per_step if n == 0] == [[]] * 8
     assert [c for n, c in per_step if n == 5] == [["tolist", "tolist"]] * 2

@@ -4,7 +4,6 @@ and only one peer does."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -14,22 +13,9 @@ import torch.distributed as dist
 from sweep.distributed.rank_failure import diagnose
 
 
-@pytest.fixture
-def sigterm_restored():
-    previous = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, previous)
-
-
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
-def test_rank_1_reports_a_silently_dead_rank_0(sigterm_restored):
+def test_rank_1_reports_a_silently_dead_rank_0(sigterm_restored, dead_pid):
     store = dist.HashStore()
-    pids = {0: _dead_pid(), 1: os.getpid(), 2: os.getpid()}
+    pids = {0: dead_pid, 1: os.getpid(), 2: os.getpid()}
     for rank, pid in pids.items():
         store.set(f"pid/{rank}", f"{os.uname().nodename}:{pid}")
     broken = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")

@@ -34,7 +34,7 @@ from rich.console import Console
 from sweep.config.convert import child_config, flat_params
 from sweep.config.schema import ClipConfig, Config
 from sweep.errors import UserError
-from sweep.experiments.study.space import QUANTILE_KEYS, window_quantiles
+from sweep.experiments.study.space import QUANTILE_KEYS, open_parent_run, window_quantiles
 from sweep.report.entangle import NONE, plot_entangle
 from sweep.report.format import ui_command
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
@@ -231,20 +231,8 @@ def run_entangle(cfg: Config, store: Store, console: Console | None = None) -> V
     """The anchor window, the grid of child runs, then the verdict, tables and figure in the parent run."""
     console = console or Console()
     check_entangle(cfg)
-    parent = RunTracker(
-        store.client,
-        store.experiment_id,
-        f"entangle-{cfg.model.name}-{cfg.steps}steps",
-        flush_every=cfg.tracking.flush_every,
-        tags={
-            **store.tags,
-            "run": "sweep",
-            "sweep_role": "entangle",
-            "study_mode": "entangle",
-            "model": cfg.model.name,
-            "data": cfg.data.name,
-            "device": cfg.device,
-        },
+    parent = open_parent_run(
+        cfg, store, f"entangle-{cfg.model.name}-{cfg.steps}steps", "entangle", study_mode="entangle"
     )
     status, threads, t0 = "FAILED", torch.get_num_threads(), time.perf_counter()
     try:

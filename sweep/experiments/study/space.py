@@ -15,7 +15,7 @@ from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.summary import QUANTILE_KEYS
-from sweep.tracking.tracker import Store
+from sweep.tracking.tracker import RunTracker, Store
 
 
 def resolve_anchor(
@@ -110,3 +110,16 @@ def enqueue_dtypes(study, dtypes: list[str], anchor: dict[str, float] | None) ->
         ):
             params["max_norm"] = anchor["p95"]
         study.enqueue_trial(params)
+
+
+def open_parent_run(cfg: Config, store: Store, name: str, role: str, **tags: str) -> RunTracker:
+    """A study's parent MLflow run ``name``: tagged ``run=sweep``, ``sweep_role=role``, the task (model,
+    data, device) and ``tags``; its children are the trials."""
+    task = {"model": cfg.model.name, "data": cfg.data.name, "device": cfg.device}
+    return RunTracker(
+        store.client,
+        store.experiment_id,
+        name,
+        flush_every=cfg.tracking.flush_every,
+        tags={**store.tags, "run": "sweep", "sweep_role": role, **tags, **task},
+    )

@@ -15,7 +15,7 @@ from rich.console import Console
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.experiments.study.progress import TrialProgress
-from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, resolve_anchor
+from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, open_parent_run, resolve_anchor
 from sweep.experiments.study.storage import (
     default_storage,
     load_study,
@@ -74,22 +74,8 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = load_study(cfg, storage, name)
-    parent = RunTracker(
-        store.client,
-        store.experiment_id,
-        f"sweep-{name}",
-        flush_every=cfg.tracking.flush_every,
-        tags={
-            **store.tags,
-            "run": "sweep",
-            "sweep_role": "parent",
-            "study": name,
-            "study_mode": s.mode,
-            "optuna_storage": shown_storage,
-            "model": cfg.model.name,
-            "data": cfg.data.name,
-            "device": cfg.device,
-        },
+    parent = open_parent_run(
+        cfg, store, f"sweep-{name}", "parent", study=name, study_mode=s.mode, optuna_storage=shown_storage
     )
     try:
         worker = hold_worker(store, parent)

@@ -53,19 +53,6 @@ KEPT = "the run ended {}, steps.csv keeps steps 1–6; resume=true continues fro
 # -- the diagnosis (no process group) ------------------------------------------------------------
 
 
-@pytest.fixture
-def sigterm_restored():
-    previous = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, previous)
-
-
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
 def _store(pids: dict[int, int]) -> dist.Store:
     store = dist.HashStore()
     for rank, pid in pids.items():
@@ -87,13 +74,13 @@ def test_own_failure_is_recorded_and_reported_by_rank_0(sigterm_restored):
     assert peer.report(0) == f"rank 1 of 2 failed: RuntimeError: bad value; {KEPT.format('FAILED')}"
 
 
-def test_a_failing_rank_reports_itself_when_rank_0_is_gone(sigterm_restored):
-    store = _store({0: _dead_pid(), 1: os.getpid()})
+def test_a_failing_rank_reports_itself_when_rank_0_is_gone(sigterm_restored, dead_pid):
+    store = _store({0: dead_pid, 1: os.getpid()})
     assert diagnose(ValueError("x"), store, rank=1, world=2).report(1) == "rank 1 of 2 failed: ValueError: x"
 
 
-def test_a_silently_dead_rank_is_named_and_the_run_ends_killed(sigterm_restored):
-    store = _store({0: os.getpid(), 1: os.getpid(), 2: _dead_pid()})
+def test_a_silently_dead_rank_is_named_and_the_run_ends_killed(sigterm_restored, dead_pid):
+    store = _store({0: os.getpid(), 1: os.getpid(), 2: dead_pid})
     failure = diagnose(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), store, 0, 3)
     assert (failure.rank, failure.cause, failure.status) == (2, None, "KILLED")
     failure.kept(None, None)
