@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
 from tests.app.helpers import REPO, TINY
+from tests.mlflow_server import MlflowServer
 from tests.reliability.helpers import finish, start_cli
 
 pytestmark = pytest.mark.slow  # real servers, real runs
@@ -38,51 +36,12 @@ RUN = [
 ]
 
 
-class Server:
-    """``mlflow server`` on a fixed port and folder, started and killed at will."""
-
-    def __init__(self, root: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.root, self.uri, self.proc = root, f"http://127.0.0.1:{self.port}", None
-
-    def start(self) -> None:
-        mlflow = Path(sys.executable).with_name("mlflow")
-        self.proc = subprocess.Popen(
-            [
-                str(mlflow),
-                "server",
-                "--backend-store-uri",
-                f"sqlite:///{self.root}/db.sqlite",
-                "--artifacts-destination",
-                str(self.root / "artifacts"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--workers",
-                "1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(self.uri + "/health", timeout=1).read()
-                return
-            except OSError:
-                time.sleep(0.5)
-        pytest.fail("mlflow server did not start within 120 s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers: a crash, no goodbye
-            self.proc.wait()
+def _server(root: Path) -> MlflowServer:
+    """``mlflow server`` on a fixed port and folder (sqlite store, served artifacts), started and killed at will."""
+    return MlflowServer(f"sqlite:///{root}/db.sqlite", root, artifacts=root / "artifacts")
 
 
-def _start_run(tmp_path: Path, server: Server, *extra: str):
+def _start_run(tmp_path: Path, server: MlflowServer, *extra: str):
     """Start a run on ``server``; the process and the steps.csv path it printed first."""
     proc = start_cli(*RUN, f"tracking.uri={server.uri}", *extra, cwd=tmp_path)
     line = proc.stdout.readline()
@@ -115,7 +74,7 @@ def _warnings(stderr: str) -> list[str]:
 def test_runs_outlive_their_tracking_server(tmp_path):
     """Two runs on one server killed mid-run: one waits at its end until the server is back (and completes
     on it), the other does not wait (its folder keeps what was not sent, and sweep.resend sends it)."""
-    server = Server(tmp_path / "server")
+    server = _server(tmp_path / "server")
     server.start()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO)

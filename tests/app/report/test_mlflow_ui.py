@@ -11,12 +11,7 @@ from __future__ import annotations
 import html
 import os
 import re
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,15 +19,10 @@ from mlflow import MlflowClient
 
 from sweep import app
 from tests.app.helpers import TINY, compose_cfg
+from tests.mlflow_server import MlflowServer
 from tests.system import system_program
 
 pytestmark = pytest.mark.slow  # a calibrate run, an MLflow server and a browser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chromium() -> str:
@@ -62,49 +52,18 @@ def _visible_text(dom: str) -> str:
 
 @pytest.fixture
 def server(tmp_path):
-    """``mlflow server`` on the test's store (one worker, no job runner), stopped with its children."""
-    port = _free_port()
-    store = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("mlflow")),
-            "server",
-            "--backend-store-uri",
-            store,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    """``mlflow server`` on the test's store, stopped with its children; not yet awaited."""
+    srv = MlflowServer(f"sqlite:///{tmp_path}/mlruns/mlflow.db", tmp_path)
+    srv.start(wait_s=None)
     try:
-        yield store, port
+        yield srv
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-
-
-def _wait(port: int) -> None:
-    for _ in range(480):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail("mlflow server did not answer within 240 s")
+        srv.stop()
 
 
 def test_printed_link_shows_the_recommended_tau_and_p95(tmp_path, store, server, capsys):
     chromium = _chromium()
-    uri, port = server
+    uri, port = server.store, server.port
     assert uri == store
     cfg = compose_cfg("+experiment=calibrate", *TINY, "steps=40", "calibrate.window=20", f"tracking.uri={uri}")
     result = app.run(cfg, ["+experiment=calibrate"])
@@ -112,7 +71,7 @@ def test_printed_link_shows_the_recommended_tau_and_p95(tmp_path, store, server,
     link = re.search(r"→ (http://127\.0\.0\.1:5000/\S+)", printed).group(1).replace(":5000/", f":{port}/")
     run = MlflowClient(uri).get_run(result.run_id)
     tau, p95 = run.data.metrics["recommended_max_norm"], run.data.metrics["grad_norm_p95"]
-    _wait(port)
+    server.wait(240)
 
     text = _visible_text(_browser(chromium, link, "--dump-dom"))
     screens = Path(os.environ.get("CLIPAMP_UI_SCREENS") or tmp_path)

@@ -2,66 +2,26 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import pytest
 from mlflow import MlflowClient
 
 from sweep import app
 from sweep.report.format import ui_command
 from tests.app.helpers import TINY, compose_cfg
+from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    port = _free_port()
-    mlflow = Path(sys.executable).with_name("mlflow")
-    proc = subprocess.Popen(
-        [
-            str(mlflow),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{root}/db.sqlite",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    uri = f"http://127.0.0.1:{port}"
+    srv = MlflowServer(f"sqlite:///{root}/db.sqlite", root, artifacts=root / "artifacts")
+    srv.start()
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(uri + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not start within 120 s")
-        yield uri, root
+        yield srv.uri, root
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        srv.stop()
 
 
 def test_run_tracked_on_a_server_uploads_its_artifacts(server):
