@@ -17,6 +17,7 @@ from torch import nn
 
 from clipamp_engine import HysteresisScaler
 from clipamp_engine.scaling import FP32_MAX, LossScaleFloorWarning
+from tests.engine.scaler_steps import iteration
 
 
 class HostRule:
@@ -66,15 +67,6 @@ class HostRule:
         return (self.hysteresis_left, self.overflows, self.overflow_streak, self.backoffs, self.at_floor)
 
 
-def _iteration(scaler, overflow: bool) -> None:
-    p = nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.0)
-    scaler.scale((p * (math.inf if overflow else 1.0)).sum()).backward()
-    scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-
-
 SETTINGS = [
     # init, growth, backoff, interval, hysteresis, consecutive, min, max
     (2.0**16, 2.0, 0.5, 3, 1, False, 1.0, 2.0**24),
@@ -109,7 +101,7 @@ def test_device_rule_equals_the_host_rule_bit_for_bit(settings, p_overflow):
         refused_before_backward = overflow and i % 7 == 3  # back_off(): the same rule, before backward
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ours.back_off() if refused_before_backward else _iteration(ours, overflow)
+            ours.back_off() if refused_before_backward else iteration(ours, overflow)
             ref.apply(overflow)
             got = torch.tensor(ours.get_scale(), dtype=torch.float32)
         warned += sum(issubclass(w.category, LossScaleFloorWarning) for w in caught)
@@ -124,7 +116,7 @@ def test_device_rule_equals_the_host_rule_bit_for_bit(settings, p_overflow):
 def test_floor_warning_arrives_at_the_next_read_once_per_arrival():
     scaler = HysteresisScaler("cpu", init_scale=4.0, hysteresis=1, min_scale=1.0)
     for _ in range(3):  # 4 → 2 → 1 (arrival) → 1: nothing read in between
-        _iteration(scaler, True)
+        iteration(scaler, True)
     with pytest.warns(LossScaleFloorWarning, match=r"floor min_scale=1 \(3 overflows so far\)"):
         scaler.poll()
     with warnings.catch_warnings():
@@ -160,7 +152,7 @@ def test_floor_flag_is_at_floor_without_a_read():
     ref = HostRule(8.0, 2.0, 0.5, 2, 2, False, 1.0, 2.0**24)
     flags, expected = [], []
     for overflow in [True] * 6 + [False] * 3 + [True, True, False, False, False]:
-        _iteration(scaler, overflow)
+        iteration(scaler, overflow)
         ref.apply(overflow)
         flags.append(scaler.floor_flag())
         expected.append(ref.at_floor)

@@ -19,20 +19,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from clipamp_engine import HysteresisScaler
-
-
-def _iteration(scaler, overflow: bool) -> float:
-    """One real iteration (scale → backward → unscale_ → step → update); the scale after it."""
-    p = nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.0)
-    scaler.scale((p * (math.inf if overflow else 1.0)).sum()).backward()
-    scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    return scaler.get_scale()
+from tests.engine.scaler_steps import scale_after
 
 
 class _DeepSpeedScaler:
@@ -80,15 +69,15 @@ def test_growth_that_would_overflow_fp32_is_refused_like_gradscaler(max_scale):
     ours = HysteresisScaler("cpu", init_scale=1e38, growth_factor=16.0, growth_interval=1, max_scale=max_scale)
     ref = torch.amp.GradScaler("cpu", init_scale=1e38, growth_factor=16.0, growth_interval=1)
     for _ in range(3):
-        got, want = _iteration(ours, False), _iteration(ref, False)
+        got, want = scale_after(ours, False), scale_after(ref, False)
         assert math.isfinite(got) and got == want == float(torch.tensor(1e38, dtype=torch.float32))
 
 
 def test_growth_up_to_the_fp32_edge_then_refused_like_gradscaler():
     ours = HysteresisScaler("cpu", init_scale=2.0**120, growth_interval=2, max_scale=math.inf, hysteresis=1)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**120, growth_interval=2)
-    got = [_iteration(ours, False) for _ in range(24)]
-    want = [_iteration(ref, False) for _ in range(24)]
+    got = [scale_after(ours, False) for _ in range(24)]
+    want = [scale_after(ref, False) for _ in range(24)]
     assert got == want and max(got) == 2.0**127 and all(math.isfinite(s) for s in got)
 
 
@@ -101,7 +90,7 @@ def test_without_hysteresis_the_scale_follows_gradscaler_step_for_step(growth_in
     ours = HysteresisScaler("cpu", **kw, hysteresis=1, min_scale=2.0**-24, max_scale=math.inf)
     ref = torch.amp.GradScaler("cpu", **kw)
     flags = _overflows(80, 0.15, seed=growth_interval)
-    assert [_iteration(ours, f) for f in flags] == [_iteration(ref, f) for f in flags]
+    assert [scale_after(ours, f) for f in flags] == [scale_after(ref, f) for f in flags]
 
 
 @pytest.mark.parametrize("window", [1, 2, 5])
@@ -116,8 +105,8 @@ def test_first_growth_comes_one_clean_step_before_deepspeeds(window):
     series = {
         name: [step(f) for f in flags]
         for name, step in [
-            ("ours", lambda f: _iteration(ours, f)),
-            ("torch", lambda f: _iteration(ref, f)),
+            ("ours", lambda f: scale_after(ours, f)),
+            ("torch", lambda f: scale_after(ref, f)),
             ("deepspeed", ds.update_scale),
         ]
     }
@@ -146,7 +135,7 @@ def test_overflow_rule_is_deepspeeds_with_gradscalers_growth_count(hysteresis, c
     oracle = _DeepSpeedScaler(2.0**20, 4, 1.0, hysteresis, consecutive, stable_offset=0)
     deepspeed = _DeepSpeedScaler(2.0**20, 4, 1.0, hysteresis, consecutive, stable_offset=1)
     flags = _overflows(120, 0.2, seed=hysteresis + 10 * consecutive)
-    got = [_iteration(ours, f) for f in flags]
+    got = [scale_after(ours, f) for f in flags]
     assert got == [oracle.update_scale(f) for f in flags]
     assert got != [deepspeed.update_scale(f) for f in flags]  # the growth count is what differs
     assert min(got) > 1.0 and len(set(got)) > 3  # the sequence backs off and grows, never at the floor
