@@ -20,23 +20,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, also when run by path from elsewhere
+
+from bench_startup import cpu_seconds as child_seconds
 
 CALIBRATE = ["-m", "sweep", "+experiment=calibrate"]
 STARTUP = ["-m", "sweep", "+experiment=train", "steps=2"]
 
 
 def cpu_seconds(args: list[str], cwd: str, repo: str, threads: int | None = None) -> float:
+    """CPU seconds of one child run from checkout ``repo`` (``threads``: its ``OMP_NUM_THREADS``)."""
     env = {**os.environ, "PYTHONPATH": repo, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     env.pop("MLFLOW_TRACKING_URI", None)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, *args], cwd=cwd, env=env, check=True, capture_output=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return child_seconds(args, cwd, env)[0]
 
 
 def main() -> None:
