@@ -160,6 +160,10 @@ def cli() -> None:
     stay_offline()  # before MLflow, transformers or datasets is imported
     sys.argv[1:] = hide_argv(sys.argv[1:])  # before Hydra can write or echo a password
     precheck(sys.argv[1:])
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank ends without interpreter teardown
+        from sweep.distributed.rank_exit import run_then_leave
+
+        run_then_leave(main)
     main()
 
 

@@ -144,10 +144,10 @@ class Launch:
 
     def close(self, together: bool = False) -> None:
         """Leave the process group. ``together``: first wait at a barrier until every rank has finished,
-        so that no rank tears its end of the connections down while rank 0 still ends the run (a gloo
-        rank that left early aborted at exit once in some 70 runs here; PyTorch's own distributed
-        tests put a barrier before ``destroy_process_group`` against such flakes, pytorch#11391). A
-        rank that failed meanwhile breaks the barrier: its own report says so, this one just leaves."""
+        so that no rank tears its end of the connections down while rank 0 still ends the run, as
+        PyTorch's own distributed tests do before ``destroy_process_group`` (pytorch#11391); the
+        process then ends without interpreter teardown (``rank_exit``). A rank that failed meanwhile
+        breaks the barrier: its own report says so, this one just leaves."""
         if not (self.distributed and dist.is_initialized()):
             return
         if together:

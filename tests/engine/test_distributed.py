@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import sys
 import traceback
 
 import pytest
@@ -263,6 +265,9 @@ def _worker(rank, world, init_file, out_dir, names):
             except Exception:
                 pass  # the peer failed and left: nothing to wait for
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown, where a gloo rank can still abort (see sweep.distributed.rank_exit)
 
 
 def _spawn(tmp_path, names) -> list[dict]:

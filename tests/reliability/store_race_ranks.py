@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from sweep.distributed.rank_exit import run_then_leave
 from sweep.tracking import store as store_module
 from tests.reliability.helpers import open_and_log
 
@@ -34,4 +35,5 @@ def main(root: Path, reps: int, without_lock: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), "--without-lock" in sys.argv)
+    # as the app's ranks end
+    run_then_leave(lambda: main(Path(sys.argv[1]), int(sys.argv[2]), "--without-lock" in sys.argv))

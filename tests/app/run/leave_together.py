@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from sweep.distributed.launch import start
+from sweep.distributed.rank_exit import run_then_leave
 
 
 def main(out: Path, mode: str) -> None:
@@ -34,4 +35,4 @@ def main(out: Path, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    run_then_leave(lambda: main(Path(sys.argv[1]), sys.argv[2]))  # as the app's ranks end

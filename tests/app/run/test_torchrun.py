@@ -26,7 +26,12 @@ from sweep.errors import UserError
 from sweep.tasks.build import Batch
 from tests.app.helpers import TINY
 
-ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PYTHONUNBUFFERED": "1"}
+#: PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, which says in what phase it died
+ENV = {
+    **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONFAULTHANDLER": "1",
+}
 STEPS = 48  # room for SIGTERM to reach the ranks through torchrun before the run ends
 # fp32 so that 2 ranks and 1 process agree to rounding; a constant LR so that a resumed run (whose
 # first launch had steps=100000) follows the same schedule as an uninterrupted one

@@ -1,0 +1,78 @@
+"""A process under torchrun ends as Python would end it, less the teardown (``rank_exit.run_then_leave``).
+
+Each case runs one small program twice in a fresh interpreter: once as plain Python runs it (the
+reference), once through ``run_then_leave``. Exit status, stdout and stderr must be the same,
+including output still buffered in a pipe, a non-daemon thread that finishes after ``main`` and an
+``atexit`` handler, except for the one line a module-level object prints when the interpreter
+tears down, which only the reference may print.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.app.helpers import REPO
+
+PROGRAM = textwrap.dedent(
+    """
+    import atexit, sys, threading, time
+
+    class Teardown:
+        def __del__(self):
+            print("teardown ran")
+
+    KEPT = Teardown()  # freed only when the interpreter tears its modules down
+
+    def late():
+        time.sleep(0.3)
+        print("thread finished")
+
+    def main():
+        atexit.register(lambda: print("atexit ran"))
+        threading.Thread(target=late).start()
+        print("main ran")  # stdout is a pipe: block-buffered, not yet written
+        {ending}
+
+    if sys.argv[1] == "leave":
+        from sweep.distributed.rank_exit import run_then_leave
+        run_then_leave(main)
+    else:
+        main()
+    """
+)
+
+ENDINGS = {
+    "return": "return",
+    "exit 2": "sys.exit(2)",
+    "exit None": "sys.exit(None)",
+    "exit message": "sys.exit('bad value: steps=-1')",
+    "raise": "raise RuntimeError('injected')",
+    "Ctrl-C": "raise KeyboardInterrupt",
+}
+
+
+def _run(ending: str, how: str) -> subprocess.CompletedProcess:
+    program = PROGRAM.format(ending=ENDINGS[ending])
+    return subprocess.run([sys.executable, "-c", program, how], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_leaving_is_python_s_own_ending_without_the_teardown(ending):
+    reference, left = _run(ending, "plain"), _run(ending, "leave")
+    assert "teardown ran" in reference.stdout  # the check below can fail: plain Python does tear down
+    assert left.returncode == reference.returncode
+    assert left.stdout == reference.stdout.replace("teardown ran\n", "")
+    assert left.stdout.splitlines() == ["main ran", "thread finished", "atexit ran"]
+    # a traceback's last line (the error), or a message; the frames above it differ by run_then_leave's own
+    assert left.stderr.splitlines()[-1:] == reference.stderr.splitlines()[-1:]
+
+
+def test_the_statuses_are_the_ones_python_gives():
+    statuses = {ending: _run(ending, "leave").returncode for ending in ENDINGS}
+    assert statuses == {"return": 0, "exit 2": 2, "exit None": 0, "exit message": 1, "raise": 1, "Ctrl-C": -2}
+    assert "bad value: steps=-1" in _run("exit message", "leave").stderr
+    assert "RuntimeError: injected" in _run("raise", "leave").stderr
