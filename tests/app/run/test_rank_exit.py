@@ -4,18 +4,20 @@ Each case runs one small program twice in a fresh interpreter: once as plain Pyt
 reference), once through ``run_then_leave``. Exit status, stdout and stderr must be the same,
 including output still buffered in a pipe, a non-daemon thread that finishes after ``main`` and an
 ``atexit`` handler, except for the one line a module-level object prints when the interpreter
-tears down, which only the reference may print.
+tears down, which only the reference may print. End to end, the app run in torchrun's environment
+ends that way too, and outside torchrun as plain Python.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests.app.helpers import REPO
+from tests.app.helpers import REPO, TINY
 
 PROGRAM = textwrap.dedent(
     """
@@ -76,3 +78,50 @@ def test_the_statuses_are_the_ones_python_gives():
     assert statuses == {"return": 0, "exit 2": 2, "exit None": 0, "exit message": 1, "raise": 1, "Ctrl-C": -2}
     assert "bad value: steps=-1" in _run("exit message", "leave").stderr
     assert "RuntimeError: injected" in _run("raise", "leave").stderr
+
+
+CLI = textwrap.dedent(
+    """
+    import sys
+
+    class Teardown:
+        def __del__(self):
+            print("teardown ran")
+
+    KEPT = Teardown()
+    sys.argv = ["clipamp", *sys.argv[1:]]
+    from sweep.__main__ import cli
+
+    cli()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_the_app_under_torchrun_ends_without_teardown(tmp_path, torchrun):
+    # torchrun's environment with one process: the app runs as one process, through run_then_leave
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if torchrun:
+        env.update(TORCHELASTIC_RUN_ID="test", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "+experiment=calibrate",
+            *TINY,
+            "steps=8",
+            "calibrate.window=4",
+            "calibrate.start=0",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Recommended clip.max_norm=" in res.stdout
+    assert ("teardown ran" in res.stdout) is not torchrun
