@@ -1,18 +1,19 @@
 """How a process under torchrun ends: its exit status, without the interpreter's teardown.
 
-A rank that has left the process group (``Launch.close``) still holds gloo's C++ threads: the
-group's worker and TCP-loop threads outlive ``destroy_process_group``, whose C++ object is still
-referenced when Python starts to tear itself down. Rarely, a rank then aborts *after* its last line
-of Python ran (``terminate called without an active exception``, SIGABRT, no Python frame on any
-thread): torchrun reports a finished job as failed and stops the other ranks. A two-process gloo
-script with nothing of clipamp in it (DDP steps, ``barrier``, ``destroy_process_group``, exit)
-does it too; the same class of abort in interpreter finalisation is described in pytorch#179291.
+A rank that has left the process group (``Launch.close``) can still have a gloo worker thread
+finishing its last collective: ``wait()`` returns on the main thread when the work completes, and
+the worker destroys the work object a moment later. The work's saved thread-local state holds a
+Python object, so that destructor takes the GIL; if the main thread has meanwhile entered
+interpreter finalisation, CPython ends the worker thread there (``PyThread_exit_thread``), the
+forced unwind meets a ``noexcept`` destructor, and the process aborts after the run has finished
+(``terminate called without an active exception``, SIGABRT): torchrun then reports the job as
+failed and stops the other ranks. pytorch#179291 describes the same race.
 
 So a process under torchrun ends as ``multiprocessing`` ends the children it forks: it waits for
 its other Python threads, runs the exit handlers (``atexit``: MLflow's, logging's), flushes
-stdout and stderr, and leaves with ``os._exit(status)``. What that skips is the teardown of
-modules and C++ static objects, where the abort happens; no file the run writes is open by then
-(steps.csv, checkpoints and the MLflow store close themselves when the run ends).
+stdout and stderr, and leaves with ``os._exit(status)``, without finalisation. Meanwhile the main
+thread releases the GIL as usual, so a worker can finish its destructor. No file the run writes
+is open by then (steps.csv, checkpoints and the MLflow store close themselves when the run ends).
 """
 
 from __future__ import annotations

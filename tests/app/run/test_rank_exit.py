@@ -15,7 +15,9 @@ import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
+from mlflow import MlflowClient
 
 from tests.app.helpers import REPO, TINY
 
@@ -97,13 +99,10 @@ CLI = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("torchrun", [False, True])
-def test_the_app_under_torchrun_ends_without_teardown(tmp_path, torchrun):
-    # torchrun's environment with one process: the app runs as one process, through run_then_leave
+def _app(tmp_path, torchrun: bool) -> tuple[subprocess.CompletedProcess, pd.DataFrame, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TORCHELASTIC_RUN_ID")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    if torchrun:
+    if torchrun:  # torchrun's environment with one process: the app runs as one process
         env.update(TORCHELASTIC_RUN_ID="test", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     res = subprocess.run(
         [
@@ -123,5 +122,19 @@ def test_the_app_under_torchrun_ends_without_teardown(tmp_path, torchrun):
         timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "Recommended clip.max_norm=" in res.stdout
-    assert ("teardown ran" in res.stdout) is not torchrun
+    csv = next(line.split(": ", 1)[1].strip() for line in res.stdout.splitlines() if line.startswith("steps.csv: "))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
+    return res, pd.read_csv(csv), {"status": run.info.status, **run.data.metrics}
+
+
+@pytest.mark.slow
+def test_the_app_in_torchrun_s_environment_ends_without_teardown_and_keeps_everything(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "torchrun").mkdir()
+    plain, plain_rows, plain_run = _app(tmp_path / "plain", torchrun=False)
+    left, rows, run = _app(tmp_path / "torchrun", torchrun=True)
+    assert "teardown ran" in plain.stdout and "teardown ran" not in left.stdout
+    assert len(rows) == 8
+    pd.testing.assert_frame_equal(rows, plain_rows)  # every step, as one process writes them
+    assert run == plain_run and run["status"] == "FINISHED"  # every summary metric, and the run ended
