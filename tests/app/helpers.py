@@ -40,6 +40,11 @@ def compose_cfg(*overrides: str):
     return to_config(cfg)
 
 
+def csv_of(stdout: str) -> Path:
+    """The path of the run's steps.csv, from the ``steps.csv: PATH`` line the app prints."""
+    return Path(next(l for l in stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1].strip())
+
+
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full_env.update(env or {})

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from tests.app.helpers import TINY
+from tests.app.helpers import TINY, csv_of
 
 pytestmark = pytest.mark.slow  # end to end: real runs through the app
 
@@ -86,8 +86,7 @@ def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sto
         return  # one bitwise comparison is enough: both signals take the same path
     fresh = _cli(tmp_path, f"steps={n + 6}")  # the same run, never interrupted
     assert fresh.returncode == 0, fresh.stderr
-    fresh_csv = Path(next(l for l in fresh.stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1])
-    resumed, control = pd.read_csv(csv), pd.read_csv(fresh_csv)
+    resumed, control = pd.read_csv(csv), pd.read_csv(csv_of(fresh.stdout))
     assert resumed["loss"].tolist() == control["loss"].tolist()  # bitwise the same trajectory
     assert resumed["grad_l2_pre_clip"].tolist() == control["grad_l2_pre_clip"].tolist()
 

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from tests.app.helpers import REPO, TINY
+from tests.app.helpers import REPO, TINY, csv_of
 
 PROGRAM = textwrap.dedent(
     """
@@ -122,10 +122,9 @@ def _app(tmp_path, torchrun: bool) -> tuple[subprocess.CompletedProcess, pd.Data
         timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    csv = next(line.split(": ", 1)[1].strip() for line in res.stdout.splitlines() if line.startswith("steps.csv: "))
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
-    return res, pd.read_csv(csv), {"status": run.info.status, **run.data.metrics}
+    return res, pd.read_csv(csv_of(res.stdout)), {"status": run.info.status, **run.data.metrics}
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from mlflow import MlflowClient
 
 from sweep.distributed.rank_failure import RankFailed, diagnose, register
-from tests.app.helpers import REPO
+from tests.app.helpers import REPO, csv_of
 
 ENV = {
     **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
@@ -108,10 +108,6 @@ def test_register_records_host_and_pid():
 # -- end to end ------------------------------------------------------------------------------------
 
 
-def _csv_of(stdout: str) -> Path:
-    return Path(next(l for l in stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1].strip())
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> pd.DataFrame:
     tmp = tmp_path_factory.mktemp("one")
@@ -119,7 +115,7 @@ def one_process(tmp_path_factory) -> pd.DataFrame:
         [sys.executable, "-m", "sweep", *RUN], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    return pd.read_csv(_csv_of(res.stdout))
+    return pd.read_csv(csv_of(res.stdout))
 
 
 def _fail_rank_1(tmp: Path, how: str) -> tuple[subprocess.CompletedProcess, Path, str]:
@@ -138,7 +134,7 @@ def _fail_rank_1(tmp: Path, how: str) -> tuple[subprocess.CompletedProcess, Path
         if l.strip().startswith('File "') and "site-packages" not in l and "<frozen" not in l
     ]
     assert ours == [], "a traceback from our code"
-    csv = _csv_of(res.stdout)
+    csv = csv_of(res.stdout)
     return res, csv, csv.parts[-3]
 
 

@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from sweep.distributed.launch import Launch, resolve_strategy
 from sweep.errors import UserError
 from sweep.tasks.build import Batch
-from tests.app.helpers import TINY
+from tests.app.helpers import TINY, csv_of
 
 #: PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, which says in what phase it died
 ENV = {
@@ -108,10 +108,6 @@ def test_ranks_share_each_global_batch_in_order():
 # -- end to end ---------------------------------------------------------------------------------
 
 
-def _csv_of(stdout: str) -> Path:
-    return Path(next(l for l in stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1].strip())
-
-
 def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     res = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -151,7 +147,7 @@ def _kill_and_resume(tmp: Path, *extra: str) -> tuple[pd.DataFrame, str, subproc
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> pd.DataFrame:
     tmp = tmp_path_factory.mktemp("one")
-    return pd.read_csv(_csv_of(_run([sys.executable, "-m", "sweep", *RUN, f"steps={STEPS}"], tmp).stdout))
+    return pd.read_csv(csv_of(_run([sys.executable, "-m", "sweep", *RUN, f"steps={STEPS}"], tmp).stdout))
 
 
 #: 2 ranks sum each gradient in another order than one process: every step agrees to rtol 1e-5 over the
@@ -175,7 +171,7 @@ def test_calibrate_under_torchrun_is_the_one_process_run(tmp_path, one_process):
     # a fresh directory: rank 0 alone creates and migrates the MLflow store
     res = _run([*TORCHRUN, *RUN, f"steps={STEPS}"], tmp_path)
     assert res.stdout.count("steps.csv: ") == 1 and res.stdout.count("Recommended clip.max_norm=") == 1
-    rows = pd.read_csv(_csv_of(res.stdout))
+    rows = pd.read_csv(csv_of(res.stdout))
     _assert_same_run(rows, one_process)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
