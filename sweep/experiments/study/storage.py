@@ -62,9 +62,9 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
         # SQLAlchemy >= 2.1 maps a bare postgresql:// to psycopg 3; use the psycopg2 we ship
         url = parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
     try:
-        return optuna.storages.RDBStorage(
+        storage = optuna.storages.RDBStorage(
             url,
-            engine_kwargs={"pool_pre_ping": True} if scheme != "sqlite" else None,
+            engine_kwargs={"pool_pre_ping": True} if scheme != "sqlite" else {"connect_args": {"timeout": 60}},
             heartbeat_interval=heartbeat_interval,
             grace_period=grace_period,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
@@ -72,6 +72,33 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
     except Exception as e:
         reason = redact_text(" ".join(str(e).split()))[:200]
         raise UserError(f"study.storage={shown!r} cannot be opened ({type(e).__name__}: {reason}): {fix}") from None
+    if scheme == "sqlite":
+        serialize_sqlite(storage.engine)
+    return storage
+
+
+def serialize_sqlite(engine) -> None:
+    """Make every transaction on a sqlite ``engine`` a real one that takes the write lock first.
+
+    Python's sqlite3 driver begins a transaction only before a write, so the read half of Optuna's
+    compare-and-set of a trial's state runs outside any transaction (and ``SELECT … FOR UPDATE`` is a
+    no-op on sqlite). Workers on one study can then both read an enqueued trial as WAITING, both set
+    it RUNNING in ``Study.ask`` and run it twice, and the second one's ``tell`` fails with
+    ``UpdateFinishedTrialError``. SQLAlchemy's recipe for pysqlite transactions: the driver begins
+    nothing, the engine emits ``BEGIN IMMEDIATE``, so the workers' transactions run one after another
+    (each waits up to the connection's 60 s timeout for the lock).
+    """
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _driver_begins_nothing(dbapi_connection, _record) -> None:
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_with_the_write_lock(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # the connections Optuna opened to create its tables predate the listeners
 
 
 def _refuse_tracking_store(shown: str, parsed, tracking_uri: str | None, fix: str) -> None:
