@@ -2,8 +2,7 @@
 
 Four processes open one sqlite study as the app does, start together and pop its 40 enqueued trials,
 ten each. Every worker must end cleanly, and every trial must run exactly once, with the parameters
-it was enqueued with, and end COMPLETE. Without ``serialize_sqlite`` this test failed 3 times in 3:
-twice a worker crashed with ``UpdateFinishedTrialError``, once trial 0 ran in all four workers.
+it was enqueued with, and end COMPLETE (without ``serialize_sqlite``: docs/measurements.md).
 """
 
 from __future__ import annotations
