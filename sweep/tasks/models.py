@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sweep.config.schema import ATTENTION
+
 VOCAB = 256
-
-
-ATTENTION = ("auto", "sdpa", "eager")
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:

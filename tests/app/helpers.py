@@ -40,6 +40,13 @@ def compose_cfg(*overrides: str):
     return to_config(cfg)
 
 
+def repo_pythonpath(env: dict | None = None) -> str:
+    """``PYTHONPATH`` for a child process that imports this tree's ``sweep`` and ``tests``: the checkout
+    first, then ``env``'s own (default: this process's environment)."""
+    env = os.environ if env is None else env
+    return os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+
+
 def csv_of(stdout: str) -> Path:
     """The path of the run's steps.csv, from the ``steps.csv: PATH`` line the app prints."""
     return Path(next(l for l in stdout.splitlines() if l.startswith("steps.csv: ")).split(": ", 1)[1].strip())

@@ -67,18 +67,10 @@ def test_a_command_naming_a_missing_choice_fails(tmp_path):
         check(inv)
 
 
-def test_a_bench_flag_that_does_not_exist_fails(tmp_path):
+@pytest.mark.parametrize("program", ["bench/bench_startup.py", "-m sweep.report"], ids=["bench", "report"])
+def test_a_flag_that_does_not_exist_fails(tmp_path, program):
     page = tmp_path / "p.md"
-    page.write_text("```bash\n.venv/bin/python bench/bench_startup.py --no-such-flag\n```\n")
-    (inv,) = invocations(page)
-    with pytest.raises(SystemExit) as e:
-        check(inv)
-    assert e.value.code == 2
-
-
-def test_a_report_flag_that_does_not_exist_fails(tmp_path):
-    page = tmp_path / "p.md"
-    page.write_text("```bash\n.venv/bin/python -m sweep.report --no-such-flag\n```\n")
+    page.write_text(f"```bash\n.venv/bin/python {program} --no-such-flag\n```\n")
     (inv,) = invocations(page)
     with pytest.raises(SystemExit) as e:
         check(inv)

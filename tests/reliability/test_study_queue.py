@@ -18,7 +18,7 @@ import optuna
 import pytest
 
 from sweep.experiments.study.storage import open_storage
-from tests.app.helpers import REPO
+from tests.app.helpers import repo_pythonpath
 
 pytestmark = pytest.mark.slow  # real worker processes
 
@@ -31,7 +31,7 @@ def test_workers_started_together_pop_each_enqueued_trial_once(tmp_path):
     study = optuna.create_study(study_name="queue", storage=open_storage(url))
     for i in range(WORKERS * EACH):
         study.enqueue_trial({"x": float(i)})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     start = time.time() + 8  # every worker has imported and opened the storage by then
     procs = [
         subprocess.Popen(

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from tests.app.helpers import REPO, TINY, csv_of
+from tests.app.helpers import REPO, TINY, csv_of, repo_pythonpath
 
 PROGRAM = textwrap.dedent(
     """
@@ -101,7 +101,7 @@ CLI = textwrap.dedent(
 
 def _app(tmp_path, torchrun: bool) -> tuple[subprocess.CompletedProcess, pd.DataFrame, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TORCHELASTIC_RUN_ID")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = repo_pythonpath(env)
     if torchrun:  # torchrun's environment with one process: the app runs as one process
         env.update(TORCHELASTIC_RUN_ID="test", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     res = subprocess.run(

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from mlflow import MlflowClient
 
 from sweep.distributed.rank_failure import RankFailed, diagnose, register
-from tests.app.helpers import REPO, csv_of
+from tests.app.helpers import csv_of, repo_pythonpath
 
 ENV = {
     **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
     "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    "PYTHONPATH": repo_pythonpath(),
 }
 STEPS = 12
 RUN = [
