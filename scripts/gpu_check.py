@@ -1,19 +1,23 @@
 """The CUDA check behind ``scripts/gpu_check``: install, then each phase under its own timeout.
 
     python scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--profile gpu|smoke] [--python PY] [--only a,b]
+                                [--wheels DIR] [--venv DIR] [--install]
 
-Phases (docs/cuda.md): ``install`` (a ``.venv-gpu`` with torch's CUDA build and the project),
-``tests`` (``pytest -m cuda`` over ``tests/cuda`` and the engine's fused-path tests; figures from
-``record_property`` in the JUnit XML), the app runs ``calibrate_bf16``, ``calibrate_fp16`` and
-``sweep`` (concurrent with the tests: their figures are thresholds and ratios, not times), then
-the timed benches, alone on the device: ``pipeline_50M``,
-``pipeline_1B``, ``step_fp16``, ``step_bf16``. A phase that fails, or runs out of its time, is recorded
-with its error in the JSON and the next one runs; one overall deadline (``--budget``) bounds them all.
-Writes ``gpu_check.json``, ``summary.txt`` and one log per phase under ``--out``; exits 0 when
-every phase run succeeded, 1 otherwise.
+Phases (docs/cuda.md): ``install`` (a ``.venv-gpu`` over the machine's own CUDA torch with
+``scripts/gpu_requirements.txt`` from the registry or, offline, from a wheelhouse; else torch's
+CUDA build and the project from the registry), ``tests`` (``pytest -m cuda`` over ``tests/cuda``
+and the engine's fused-path tests; figures from ``record_property`` in the JUnit XML), the app runs
+``calibrate_bf16``, ``calibrate_fp16`` and ``sweep`` (concurrent with the tests: their figures are
+thresholds and ratios, not times), then the timed benches, alone on the device: ``pipeline_50M``,
+``pipeline_1B``, ``step_fp16``, ``step_bf16``. A phase that fails, or runs out of its time, is
+recorded with its error in the JSON and the next one runs; one overall deadline (``--budget``)
+bounds them all. Writes three files under ``--out``: ``gpu_check.json``, ``summary.txt`` and
+``gpu_check_files.tar.gz`` (the logs, the JUnit XML, the benches' JSON, the MLflow stores; loose in
+``--work``). Exits 0 when every phase run succeeded, 1 otherwise.
 
 ``--profile smoke`` runs every phase at toy sizes on whatever device the interpreter has, without
-installing anything: it checks this driver, not the device.
+installing anything (with ``--install``, after the install phase, which then accepts a CPU torch):
+it checks this driver, not the device.
 
 Standard library only: it runs before anything is installed.
 """
@@ -23,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -36,6 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-gpu"
 TORCH = "torch==2.13.0"  # on the default registry, Linux x86_64: the CUDA build
+#: A system torch at least this new and built for CUDA is used as it is: the oldest release the
+#: suite has passed on (docs/cuda.md).
+MIN_SYSTEM_TORCH = (2, 11)
+REQUIREMENTS = REPO / "scripts" / "gpu_requirements.txt"
 UV_TOOL = Path(tempfile.gettempdir()) / "clipamp-gpu-check-uv"
 
 #: The app's model and data at a GPU size: the GPT-2-small shape with a byte vocabulary (85M params).
@@ -100,17 +110,29 @@ METRICS = (
 
 
 class Check:
-    """The JSON being built: written after every phase, so a killed check still leaves its figures."""
+    """The JSON being built: written after every phase, so a killed check still leaves its figures.
 
-    def __init__(self, out: Path, budget: float, profile: str) -> None:
+    ``out`` receives three files: ``gpu_check.json``, ``summary.txt`` and ``gpu_check_files.tar.gz``
+    (every log, the JUnit XML, the benches' JSON and the app runs' MLflow stores, rewritten after
+    each phase). The loose files live in ``work``, emptied first.
+    """
+
+    BUNDLE = "gpu_check_files.tar.gz"
+    BUNDLE_MAX = 15 * 2**20  # past this, the bundle leaves the MLflow stores out (their figures are in the JSON)
+
+    def __init__(self, out: Path, budget: float, profile: str, work: Path | None = None) -> None:
         self.out, self.t0, self.budget = out, time.monotonic(), budget
+        self.work = work or out / "work"
         self.data: dict = {
             "profile": profile,
             "budget_s": budget,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "python": sys.executable,
         }
         self.data["phases"] = {}
         out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -118,10 +140,22 @@ class Check:
     def record(self, name: str, result: dict) -> None:
         self.data["phases"][name] = result
         self.save()
+        self.bundle()
 
     def save(self) -> None:
         self.data["elapsed_s"] = round(time.monotonic() - self.t0, 1)
         (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1, default=str))
+
+    def bundle(self) -> Path:
+        path = self.out / self.BUNDLE
+        for skip in ((), ("app",)):
+            with tarfile.open(path, "w:gz") as tar:
+                for item in sorted(self.work.iterdir()):
+                    if item.name not in skip:
+                        tar.add(item, arcname=item.name)
+            if path.stat().st_size <= self.BUNDLE_MAX:
+                break
+        return path
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -148,7 +182,7 @@ def run_phases(check: Check, jobs: dict[str, tuple[list[str], Path, dict]]) -> d
             results[name] = {"status": "not run", "error": "no time left in the check's budget"}
             continue
         cwd.mkdir(parents=True, exist_ok=True)
-        log = check.out / f"{name}.log"
+        log = check.work / f"{name}.log"
         with log.open("w") as f:
             f.write("$ " + " ".join(argv) + "\n")
             f.flush()
@@ -246,50 +280,103 @@ def _pip_config() -> str:
     return p.stdout
 
 
-def _make_venv(system_site: bool, uv: list[str] | None, log: Path) -> None:
-    flags = ["--system-site-packages"] if system_site else []
-    if _sh([sys.executable, "-m", "venv", *flags, str(VENV)], log, 60) != 0 and uv is not None:
-        _sh(["rm", "-rf", str(VENV)], log, 30)  # venv without ensurepip (python3-venv missing) leaves a husk
-        _sh([*uv, "venv", *flags, "--python", sys.executable, str(VENV)], log, 60, uv_env(_pip_config()))
+def _make_venv(venv: Path, uv: list[str] | None, log: Path) -> None:
+    if _sh([sys.executable, "-m", "venv", str(venv)], log, 60) != 0 and uv is not None:
+        _sh(["rm", "-rf", str(venv)], log, 30)  # venv without ensurepip (python3-venv missing) leaves a husk
+        _sh([*uv, "venv", "--python", sys.executable, str(venv)], log, 60, uv_env(_pip_config()))
 
 
-def install(check: Check) -> tuple[dict, str | None]:
-    """A ``.venv-gpu`` whose torch sees the GPU and which imports the project; its python, or None.
+def torch_at_least(version: str, floor: tuple[int, int] = MIN_SYSTEM_TORCH) -> bool:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return bool(m) and (int(m[1]), int(m[2])) >= floor
 
-    Reuses a ready ``.venv-gpu``; reuses the system's torch (``--system-site-packages``) when it is a
-    CUDA 2.13 build; otherwise installs ``torch==2.13.0`` from the default registry, with uv
-    (parallel downloads of the CUDA wheels) and pip as the fallback.
+
+def system_site_dirs() -> list[str]:
+    """This interpreter's site directories (a venv's own, where it is one), in sys.path order."""
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+
+
+def venv_over_system(venv: Path, log: Path) -> str | None:
+    """A venv without pip whose ``sys.path`` ends with this interpreter's site directories, so it
+    imports the system's torch (and what else is there) behind what gets installed into it; its python.
+
+    ``--system-site-packages`` is not enough when this interpreter is itself a venv: it adds the base
+    interpreter's site directory, not this one's.
     """
-    t0, log = time.monotonic(), check.out / "install.log"
+    if _sh([sys.executable, "-m", "venv", "--without-pip", str(venv)], log, 60) != 0:
+        return None
+    py = str(venv / "bin" / "python")
+    purelib = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
+    ).stdout.strip()
+    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in system_site_dirs())
+    (Path(purelib) / "_clipamp_system_site.pth").write_text(lines)
+    return py
+
+
+def default_wheelhouse() -> Path | None:
+    """``$GPU_CHECK_WHEELS``, else ``./.whl`` if it holds wheels (``scripts/gpu_wheels.py`` fills it)."""
+    path = Path(os.environ.get("GPU_CHECK_WHEELS") or REPO / ".whl")
+    return path if path.is_dir() and any(path.glob("*.whl")) else None
+
+
+def install(
+    check: Check, venv: Path = VENV, wheels: Path | None = None, need_cuda: bool = True
+) -> tuple[dict, str | None]:
+    """A venv (``.venv-gpu``) whose torch sees the GPU and which imports the project: the phases' python.
+
+    Reuses a ready ``.venv-gpu``. When this interpreter has torch ≥ 2.11 built for CUDA, uses that
+    torch: a venv over the system's site directories gets what ``scripts/gpu_requirements.txt``
+    finds missing there, from the wheelhouse ``wheels`` with ``--no-index`` when one is given, else
+    from the registry, and the project runs from the checkout. Otherwise installs ``torch==2.13.0``
+    (the CUDA build on the default registry) and the project, with uv (parallel downloads) and pip
+    as the fallback. ``need_cuda=False`` accepts a torch without CUDA (the smoke profile's install).
+
+    The phase fails when pip fails or the venv does not import the app; its python is still returned
+    whenever that venv's torch works, so the phases that need less (the benches) still run.
+    """
+    t0, log = time.monotonic(), check.work / "install.log"
     log.write_text("")
     deadline = t0 + min(LIMITS["install"], check.left() - 60)
-    py = str(VENV / "bin" / "python")
+    py = str(venv / "bin" / "python")
     mods = ("clipamp_engine", "sweep", "mlflow", "optuna", "hydra", "pytest")
-    result: dict = {"system_python": sys.version.split()[0], "system_torch": _probe(sys.executable)}
-    ready = Path(py).exists() and _probe(py, *mods)
-    if ready and ready[2]:
-        result |= {"status": "ok", "how": "reused .venv-gpu"}
+    system = _probe(sys.executable)
+    result: dict = {"system_python": sys.version.split()[0], "system_torch": system}
+    result["wheelhouse"] = f"{wheels} ({len(list(wheels.glob('*.whl')))} wheels)" if wheels else None
+    usable = lambda probe: bool(probe and (probe[2] or not need_cuda))  # noqa: E731
+    rc = 0
+    if usable(Path(py).exists() and _probe(py, *mods)):
+        result["how"] = f"reused {venv.name}"
+    elif usable(system) and torch_at_least(system[0]):
+        _sh(["rm", "-rf", str(venv)], log, 30)
+        py = venv_over_system(venv, log) or py
+        source = ["--no-index", "--find-links", str(wheels)] if wheels else []
+        pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--disable-pip-version-check"]
+        where = f"from {wheels.name}/ (--no-index)" if wheels else "from the registry"
+        result["how"] = f"system torch {system[0]} reused; pip {where}"
+        rc = _sh([*pip, *source, "-r", str(REQUIREMENTS)], log, deadline - time.monotonic())
     else:
-        system = result["system_torch"]
-        reuse = bool(system and system[2] and system[0].startswith("2.13."))
         uv = _uv(log, deadline - time.monotonic())
         if not Path(py).exists():
-            _make_venv(reuse, uv, log)
-        want = ["-e", str(REPO), "pytest>=8"] if reuse else [TORCH, "-e", str(REPO), "pytest>=8"]
+            _make_venv(venv, uv, log)
+        want = [TORCH, "-e", str(REPO), "pytest>=8"]
         tools = [("pip", [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"], None)]
-        if uv is not None:  # pip first when reusing the system's torch: pip sees system site-packages
-            uv_install = ("uv", [*uv, "pip", "install", "--python", py], uv_env(_pip_config()))
-            tools.insert(len(tools) if reuse else 0, uv_install)
+        if uv is not None:
+            tools.insert(0, ("uv", [*uv, "pip", "install", "--python", py], uv_env(_pip_config())))
         for how, cmd, env in tools:
-            result["how"] = how + (" (system torch reused)" if reuse else "")
-            if _sh([*cmd, *want], log, deadline - time.monotonic(), env) == 0:
+            result["how"] = how
+            rc = _sh([*cmd, *want], log, deadline - time.monotonic(), env)
+            if rc == 0:
                 break
-        ready = _probe(py, *mods)
-        result["status"] = "ok" if ready and ready[2] else "failed"
-    result |= {"seconds": round(time.monotonic() - t0, 1), "log": log.name, "torch": ready}
+    ready = _probe(py, *mods)
+    torch_only = ready or _probe(py)
+    result["status"] = "ok" if rc == 0 and usable(ready) else "failed"
+    result |= {"seconds": round(time.monotonic() - t0, 1), "log": log.name, "torch": torch_only}
     if result["status"] != "ok":
-        result["error"] = ("torch installed but sees no CUDA device\n" if ready else "") + _tail(log)
-    return result, py if result["status"] == "ok" else None
+        why = "torch sees no CUDA device\n" if torch_only and not usable(torch_only) else ""
+        why += "" if ready else f"the venv does not import {', '.join(mods)}\n" if torch_only else ""
+        result["error"] = why + _tail(log)
+    return result, py if usable(torch_only) else None
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -368,9 +455,9 @@ def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env |= {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     dev, task = profile["device"], GPU_TASK if profile["device"] == "cuda" else SMOKE_TASK
-    app = check.out / "app"
+    app = check.work / "app"
     concurrent, timed = {}, {}
-    junit = check.out / "tests.xml"
+    junit = check.work / "tests.xml"
     tests = ["tests/cuda", "tests/engine/test_fused.py"]  # -m cuda: every test marked cuda in them
     concurrent["tests"] = [py, "-m", "pytest", "-m", "cuda", *tests, "-q", "-rA", "-p", "no:cacheprovider"]
     concurrent["tests"] += ["--junitxml", str(junit)]
@@ -383,7 +470,7 @@ def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict
         concurrent[name] += [store, "progress_every=100"]
     for size in ("50M", "1B"):
         bench = [py, "bench/bench_pipeline.py", "--device", dev, *profile[f"pipeline_{size}"]]
-        timed[f"pipeline_{size}"] = [*bench, "--json", str(check.out / f"pipeline_{size}.json")]
+        timed[f"pipeline_{size}"] = [*bench, "--json", str(check.work / f"pipeline_{size}.json")]
     for dtype in ("fp16", "bf16"):
         bench = [
             py,
@@ -396,7 +483,7 @@ def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict
             "--deferred",
             *profile["step"],
         ]
-        timed[f"step_{dtype}"] = [*bench, "--json", str(check.out / f"step_{dtype}.json")]
+        timed[f"step_{dtype}"] = [*bench, "--json", str(check.work / f"step_{dtype}.json")]
 
     def where(name: str) -> Path:
         return app / name if name in ("calibrate_bf16", "calibrate_fp16", "sweep") else REPO
@@ -406,7 +493,7 @@ def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict
 
 
 def figures_of(check: Check, name: str) -> dict:
-    out = check.out
+    out = check.work
     if name == "tests":
         return junit_figures(out / "tests.xml")
     if name.startswith(("pipeline_", "step_")):
@@ -424,16 +511,20 @@ def main() -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
     ap.add_argument("--python", default=None, help="use this interpreter as is (no install phase)")
     ap.add_argument("--only", default="", help="comma-separated phases to run (default: all)")
+    ap.add_argument("--wheels", type=Path, default=default_wheelhouse(), help="install from this wheelhouse, offline")
+    ap.add_argument("--venv", type=Path, default=VENV, help="the venv the install phase makes (default .venv-gpu)")
+    ap.add_argument("--install", action="store_true", help="run the install phase with --profile smoke too")
+    ap.add_argument("--work", type=Path, default=REPO / ".gpu_check_work", help="the loose logs (emptied first)")
     args = ap.parse_args()
     only = {p for p in args.only.split(",") if p}
     unknown = only - set(PHASES)
     if unknown:
         ap.error(f"--only: unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
-    check = Check(args.out.resolve(), args.budget, args.profile)
+    check = Check(args.out.resolve(), args.budget, args.profile, args.work.resolve())
     check.data["nvidia_smi"] = _nvidia_smi()
-    py = args.python or (sys.executable if args.profile == "smoke" else None)
+    py = args.python or (sys.executable if args.profile == "smoke" and not args.install else None)
     if py is None:
-        result, py = install(check)
+        result, py = install(check, args.venv, args.wheels, need_cuda=PROFILES[args.profile]["device"] == "cuda")
         check.record("install", result)
     if py is None:
         for name in PHASES[1:]:
@@ -449,7 +540,8 @@ def main() -> int:
     summary = format_summary(check.data)
     (check.out / "summary.txt").write_text(summary + "\n")
     print(summary)
-    print(f"figures: {check.out / 'gpu_check.json'}; logs: {check.out}")
+    check.bundle()
+    print(f"figures: {check.out / 'gpu_check.json'}; logs: {check.out / check.BUNDLE} (and {check.work})")
     return 0 if all(r.get("status") == "ok" for r in check.data["phases"].values()) else 1
 
 

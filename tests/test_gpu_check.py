@@ -7,11 +7,18 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +77,9 @@ def test_a_phase_past_the_budget_is_not_run(tmp_path):
 
 def test_a_phase_that_did_not_run_makes_the_exit_status_1(tmp_path):
     argv = [sys.executable, "scripts/gpu_check.py", "--profile", "smoke", "--out", str(tmp_path), "--only", "tests"]
-    p = subprocess.run([*argv, "--budget", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [*argv, "--budget", "3", "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1 and p.stderr == ""
     assert "tests           not run" in p.stdout
     head = json.loads((tmp_path / "gpu_check.json").read_text())["headline"]
@@ -138,14 +147,23 @@ def test_junit_figures_read_outcomes_messages_and_properties(tmp_path):
 @pytest.mark.slow
 def test_smoke_profile_runs_every_phase_and_its_figures_agree_with_the_logs(tmp_path):
     """The driver at toy sizes on this CPU: the cuda tests all skip (none counted as passing), the
-    calibrate figure read from the MLflow store is the τ the run printed, the benches' JSON arrives."""
+    calibrate figure read from the MLflow store is the τ the run printed, the benches' JSON arrives,
+    and the out folder holds three files, the logs and stores bundled in one."""
     only = "tests,calibrate_fp16,pipeline_50M,step_bf16"
-    argv = [sys.executable, "scripts/gpu_check.py", "--profile", "smoke", "--out", str(tmp_path), "--only", only]
+    out = tmp_path / "out"
+    argv = [sys.executable, "scripts/gpu_check.py", "--profile", "smoke", "--out", str(out), "--only", only]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    argv += ["--work", str(tmp_path / "work")]
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
-    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert sorted(f.name for f in out.iterdir()) == ["gpu_check.json", "gpu_check_files.tar.gz", "summary.txt"]
+    with tarfile.open(out / "gpu_check_files.tar.gz") as tar:
+        bundled = set(tar.getnames())
+        log = tar.extractfile("calibrate_fp16.log").read().decode()
+    assert {"tests.xml", "pipeline_50M.json", "step_bf16.json", "app/calibrate_fp16/mlflow.db"} <= bundled
+    assert {f"{name}.log" for name in only.split(",")} <= bundled
+    data = json.loads((out / "gpu_check.json").read_text())
     phases = data["phases"]
     assert {n: r["status"] for n, r in phases.items()} == dict.fromkeys(only.split(","), "ok")
 
@@ -157,7 +175,7 @@ def test_smoke_profile_runs_every_phase_and_its_figures_agree_with_the_logs(tmp_
     }
 
     (run,) = phases["calibrate_fp16"]["figures"]["runs"]
-    printed = re.search(r"Recommended clip.max_norm=([0-9.]+)", (tmp_path / "calibrate_fp16.log").read_text())
+    printed = re.search(r"Recommended clip.max_norm=([0-9.]+)", log)
     assert run["dtype"] == "fp16" and run["status"] == "FINISHED"
     assert f"{run['recommended_max_norm']:.4g}" == f"{float(printed.group(1)):.4g}"
     assert run["scale"]["first"] == 65536.0 and 0 <= run["skip_ratio"] <= 1
@@ -170,5 +188,130 @@ def test_smoke_profile_runs_every_phase_and_its_figures_agree_with_the_logs(tmp_
     assert head["calibrate_fp16"]["recommended_max_norm"] == run["recommended_max_norm"]
     assert head["pipeline_50M"]["fp32"]["canonical_over_fused"] == pipeline["fp32"]["ratios"]["b/d"]
     assert head["step_bf16_engine_over_canonical"] == phases["step_bf16"]["figures"]["ratio_paired"]
-    summary = (tmp_path / "summary.txt").read_text()
+    summary = (out / "summary.txt").read_text()
     assert summary.splitlines()[0].startswith("gpu_check (smoke)") and p.stdout.startswith(summary)
+
+
+# -- installing on a machine that has torch and no registry ---------------------------------------
+def _wheel(folder: Path, name: str, version: str, size: int = 0, requires: tuple[str, ...] = ()) -> Path:
+    """A pure-Python wheel pip installs: one module, METADATA, WHEEL, RECORD; ``size`` bytes of padding."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n" + "#" * size)
+        z.writestr(f"{info}/METADATA", meta)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def _wheels_script():
+    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_needs_pyprojects_runtime_with_pyprojects_bounds():
+    """scripts/gpu_requirements.txt is pyproject.toml's dependencies with the same bounds, less torch
+    (the machine's own) and what no phase imports; mlflow-skinny stands for mlflow."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ours = {canonicalize_name(r.name): r.specifier for r in map(Requirement, project["dependencies"])}
+    ours |= {canonicalize_name(r.name): r.specifier for r in map(Requirement, project["optional-dependencies"]["dev"])}
+    lines = (ROOT / "scripts" / "gpu_requirements.txt").read_text().splitlines()
+    check = {canonicalize_name(r.name): r.specifier for r in (Requirement(ln) for ln in lines if ln and ln[0] != "#")}
+    assert check.pop("mlflow-skinny") == ours["mlflow"]
+    assert check.pop("sqlalchemy") == check.pop("alembic") == SpecifierSet()  # the sqlite store's, mlflow's bounds
+    assert check == {name: ours[name] for name in check}
+    not_needed = {"torch", "transformers", "tokenizers", "datasets", "safetensors", "accelerate", "tensorboard"}
+    runtime = {canonicalize_name(Requirement(d).name) for d in project["dependencies"]}
+    assert runtime - not_needed - {"mlflow"} == set(check) - {"pytest"}
+
+
+def test_the_wheelhouse_leaves_out_only_large_wheels_the_machine_has_at_a_fitting_version(tmp_path, monkeypatch):
+    w = _wheels_script()
+    req = tmp_path / "requirements.txt"
+    req.write_text("# comment\nappdep>=2\n")
+    monkeypatch.setattr(w, "REQUIREMENTS", req)
+    big = 1_200_000
+    wheels = [
+        _wheel(tmp_path, "appdep", "2.0", requires=("held_ok", "held_old>=3", 'held_py39; python_version < "3.10"')),
+        _wheel(tmp_path, "held_ok", "1.0", size=big),  # the machine has 1.5: nothing asks more
+        _wheel(tmp_path, "held_old", "3.1", size=big),  # the machine has 2.9: appdep needs >= 3
+        _wheel(tmp_path, "held_unversioned", "1.0", size=big),
+        _wheel(tmp_path, "held_small", "1.0"),
+        _wheel(tmp_path, "held_py39", "1.0", size=big),  # a requirement for another Python: not counted
+        _wheel(tmp_path, "not_held", "1.0", size=big),
+    ]
+    have = tmp_path / "have.txt"
+    have.write_text(
+        "# the machine\nheld-ok==1.5\nHeld_Old==2.9\nheld.unversioned @ file:///wheels/h.whl\n"
+        "held-small==1.0\nheld-py39==0.1\n-e git+https://example.org/x.git#egg=not_held\n"
+    )
+    out = w.leave_out(wheels, w.read_have(have), keep_under=1.0, env=w.target_env("3.12"))
+    assert sorted(p.name.split("-")[0] for p in out) == ["held_ok", "held_py39", "held_unversioned"]
+
+
+@pytest.mark.slow
+def test_install_uses_the_systems_torch_and_takes_the_rest_from_the_wheelhouse_offline(tmp_path, monkeypatch):
+    """This interpreter plays the CUDA machine's: its torch is used where it is, a missing project
+    comes from the wheelhouse with no index, and a project the wheelhouse lacks fails the phase with
+    pip's message while the venv is still handed to the phases."""
+    import torch
+
+    g = _driver()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "clipamp_probe_dep", "1.0")
+    req = tmp_path / "requirements.txt"
+    req.write_text("clipamp-probe-dep>=1\npytest>=8\n")
+    monkeypatch.setattr(g, "REQUIREMENTS", req)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # an index contact would fail
+    check = g.Check(tmp_path / "out", budget=300, profile="smoke")
+    result, py = g.install(check, tmp_path / "venv", wheels, need_cuda=False)
+    assert result["status"] == "ok", result
+    assert result["how"] == f"system torch {torch.__version__} reused; pip from wheels/ (--no-index)"
+    assert py == str(tmp_path / "venv" / "bin" / "python") and result["torch"][0] == torch.__version__
+    code = "import clipamp_probe_dep, torch; print(clipamp_probe_dep.__file__); print(torch.__file__)"
+    dep, torch_file = subprocess.run([py, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert Path(dep).is_relative_to(tmp_path / "venv") and torch_file == torch.__file__
+
+    req.write_text("clipamp-probe-dep>=1\nclipamp-probe-missing\n")
+    result, py = g.install(check, tmp_path / "venv2", wheels, need_cuda=False)
+    assert result["status"] == "failed" and py == str(tmp_path / "venv2" / "bin" / "python")
+    assert "No matching distribution found for clipamp-probe-missing" in result["error"]
+
+
+def test_the_wrapper_runs_the_python_that_has_torch(tmp_path):
+    """With a GPU listed, a python3 that has torch and a python3.12 that has not, the driver runs
+    under the one with torch (a CUDA image's own), whatever the order of the names."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake (UUID: GPU-0)'\n")
+    (bin_ / "nvidia-smi").chmod(0o755)
+    bare = shutil.which("python3.11", path="/usr/bin") or shutil.which("python3", path="/usr/bin")
+    assert bare and subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode != 0
+    (bin_ / "python3.12").symlink_to(bare)  # a versioned base interpreter beside the image's python3
+    (bin_ / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a link would lose the venv
+    (bin_ / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="0")
+    argv = [
+        "bash",
+        "scripts/gpu_check",
+        "--profile",
+        "smoke",
+        "--only",
+        "tests",
+        "--budget",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--work",
+        str(tmp_path / "work"),
+    ]
+    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "tests           not run" in p.stdout, p.stdout + p.stderr
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["python"] == sys.executable
