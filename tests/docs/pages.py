@@ -76,7 +76,8 @@ def shell_lines(text: str) -> Iterator[tuple[int, str]]:
 
 
 def invocations(page: Path) -> Iterator[Invocation]:
-    """Every call of ``clipamp``, ``python -m sweep|sweep.report|clipamp_engine.demo``, ``bench/*.py`` on a page."""
+    """Every call of ``clipamp``, ``python -m sweep|sweep.report|clipamp_engine.demo``, ``bench/*.py``,
+    ``scripts/*.py`` and ``bash scripts/gpu_check`` on a page."""
     for line, command in shell_lines(page.read_text()):
         try:
             tokens = shlex.split(command, comments=True)
@@ -108,8 +109,11 @@ def _program(tokens: list[str]) -> tuple[str, list[str]] | None:
         return "sweep", tokens[1:]
     if Path(tokens[0]).name == "clipamp-recommend":
         return "sweep.recommend", tokens[1:]
-    if Path(tokens[0]).name.startswith("python") and len(tokens) > 1 and re.fullmatch(r"bench/\w+\.py", tokens[1]):
-        return tokens[1], tokens[2:]  # a benchmark script
+    script = len(tokens) > 1 and re.fullmatch(r"(bench|scripts)/\w+\.py", tokens[1])
+    if Path(tokens[0]).name.startswith("python") and script:
+        return tokens[1], tokens[2:]  # a benchmark or a script
+    if tokens[:2] == ["bash", "scripts/gpu_check"]:
+        return "scripts/gpu_check.py", tokens[2:]  # the wrapper hands its arguments to the driver
     if "-m" in tokens[:-1] and (Path(tokens[0]).name.startswith("python") or tokens[0] == "torchrun"):
         i = tokens.index("-m")
         if tokens[i + 1] in ("sweep", "sweep.report", "sweep.recommend", "clipamp_engine.demo"):

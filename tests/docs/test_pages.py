@@ -19,8 +19,9 @@ ALL = [inv for page in pages() for inv in invocations(page)]
 
 
 def check(inv) -> None:
-    """One invocation: its overrides compose (app), or its arguments parse (report, recommend, demo, benches)."""
-    if inv.program.startswith("bench/"):
+    """One invocation: its overrides compose (app), or its arguments parse (report, recommend, demo,
+    benches, scripts)."""
+    if inv.program.startswith(("bench/", "scripts/")):
         bench = runpy.run_path(str(ROOT / inv.program), run_name="bench")
         with mock.patch.object(sys, "argv", [inv.program, *inv.args]):
             parses(lambda _argv: bench["main"](), list(inv.args))
@@ -67,7 +68,9 @@ def test_a_command_naming_a_missing_choice_fails(tmp_path):
         check(inv)
 
 
-@pytest.mark.parametrize("program", ["bench/bench_startup.py", "-m sweep.report"], ids=["bench", "report"])
+@pytest.mark.parametrize(
+    "program", ["bench/bench_startup.py", "scripts/gpu_wheels.py", "-m sweep.report"], ids=["bench", "script", "report"]
+)
 def test_a_flag_that_does_not_exist_fails(tmp_path, program):
     page = tmp_path / "p.md"
     page.write_text(f"```bash\n.venv/bin/python {program} --no-such-flag\n```\n")
