@@ -315,3 +315,29 @@ def test_the_wrapper_runs_the_python_that_has_torch(tmp_path):
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "tests           not run" in p.stdout, p.stdout + p.stderr
     assert json.loads((tmp_path / "gpu_check.json").read_text())["python"] == sys.executable
+
+
+def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
+    """What the check runs on a GPU, checked here: each app run's overrides compose into the typed
+    config at the GPU size (85M parameters), and each bench's arguments parse."""
+    import runpy
+    from unittest import mock
+
+    from tests.app.helpers import compose_cfg
+    from tests.docs.pages import parses
+
+    g = _driver()
+    check = g.Check(tmp_path, budget=60, profile="gpu")
+    concurrent, timed = g.jobs_for(check, sys.executable, g.PROFILES["gpu"], only=set())
+    assert set(concurrent) | set(timed) == set(g.PHASES) - {"install"}
+    for name in ("calibrate_bf16", "calibrate_fp16", "sweep"):
+        argv = concurrent[name][0]
+        assert argv[1:3] == ["-m", "sweep"]
+        cfg = compose_cfg(*argv[3:])
+        assert cfg.device == "cuda" and cfg.model.d_model == 768 and cfg.data.seq_len == 512
+        assert cfg.tracking.uri == f"sqlite:///{tmp_path / 'work' / 'app' / name / 'mlflow.db'}"
+    for name, (argv, _, _) in timed.items():
+        main = runpy.run_path(str(ROOT / argv[1]), run_name="bench")["main"]
+        with mock.patch.object(sys, "argv", argv[1:]):
+            parses(lambda _argv, main=main: main(), argv[2:])
+        assert argv[argv.index("--device") + 1] == "cuda", name
