@@ -454,6 +454,7 @@ def console_lines(log: Path, *prefixes: str) -> list[str]:
 def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env |= {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # a CUDA image's own pytest plugins stay out of the tests
     dev, task = profile["device"], GPU_TASK if profile["device"] == "cuda" else SMOKE_TASK
     app = check.work / "app"
     concurrent, timed = {}, {}
