@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -292,11 +291,12 @@ def test_the_wrapper_runs_the_python_that_has_torch(tmp_path):
     bin_.mkdir()
     (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake (UUID: GPU-0)'\n")
     (bin_ / "nvidia-smi").chmod(0o755)
-    bare = shutil.which("python3.11", path="/usr/bin") or shutil.which("python3", path="/usr/bin")
-    assert bare and subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode != 0
-    (bin_ / "python3.12").symlink_to(bare)  # a versioned base interpreter beside the image's python3
-    (bin_ / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a link would lose the venv
-    (bin_ / "python3").chmod(0o755)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    bare = tmp_path / "bare" / "bin" / "python"  # the base interpreter, without torch
+    assert subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode != 0
+    for name, python in (("python3.12", bare), ("python3", sys.executable)):  # python3: the image's, with torch
+        (bin_ / name).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')  # a link would lose the venv
+        (bin_ / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="0")
     argv = [
         "bash",
