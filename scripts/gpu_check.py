@@ -369,14 +369,18 @@ def install(
             if rc == 0:
                 break
     ready = _probe(py, *mods)
-    torch_only = ready or _probe(py)
+    torch_probe = ready or _probe(py)
     result["status"] = "ok" if rc == 0 and usable(ready) else "failed"
-    result |= {"seconds": round(time.monotonic() - t0, 1), "log": log.name, "torch": torch_only}
+    result |= {"seconds": round(time.monotonic() - t0, 1), "log": log.name, "torch": torch_probe}
     if result["status"] != "ok":
-        why = "torch sees no CUDA device\n" if torch_only and not usable(torch_only) else ""
-        why += "" if ready else f"the venv does not import {', '.join(mods)}\n" if torch_only else ""
+        if not torch_probe:
+            why = "the venv's python does not import torch\n"
+        elif not usable(torch_probe):
+            why = "torch sees no CUDA device\n"
+        else:
+            why = "" if ready else f"the venv does not import all of {', '.join(mods)}\n"
         result["error"] = why + _tail(log)
-    return result, py if usable(torch_only) else None
+    return result, py if usable(torch_probe) else None
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -521,7 +525,10 @@ def main() -> int:
     unknown = only - set(PHASES)
     if unknown:
         ap.error(f"--only: unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
-    check = Check(args.out.resolve(), args.budget, args.profile, args.work.resolve())
+    work = args.work.resolve()
+    if work in (REPO, *REPO.parents, args.out.resolve()):
+        ap.error(f"--work {args.work}: the check empties it first, so it must not be the checkout, above it or --out")
+    check = Check(args.out.resolve(), args.budget, args.profile, work)
     check.data["nvidia_smi"] = _nvidia_smi()
     py = args.python or (sys.executable if args.profile == "smoke" and not args.install else None)
     if py is None:

@@ -341,3 +341,19 @@ def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
         with mock.patch.object(sys, "argv", argv[1:]):
             parses(lambda _argv, main=main: main(), argv[2:])
         assert argv[argv.index("--device") + 1] == "cuda", name
+
+
+@pytest.mark.parametrize("where", ["checkout", "out"])
+def test_a_work_folder_it_would_empty_wrongly_is_refused(tmp_path, where):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.txt").write_text("figures from an earlier check")
+    work = ROOT if where == "checkout" else out
+    argv = [sys.executable, "scripts/gpu_check.py", "--profile", "smoke", "--out", str(out), "--work", str(work)]
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.splitlines()[-1] == (
+        f"gpu_check.py: error: --work {work}: the check empties it first, so it must not be the checkout, "
+        "above it or --out"
+    )
+    assert (out / "kept.txt").read_text() == "figures from an earlier check" and (ROOT / "pyproject.toml").exists()
