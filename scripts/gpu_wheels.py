@@ -102,6 +102,8 @@ def main() -> int:
     args = ap.parse_args()
     if not re.fullmatch(r"3\.\d+", args.python_version):
         ap.error(f"--python-version: expected X.Y such as 3.12, got {args.python_version!r}")
+    if args.have and not args.have.is_file():
+        ap.error(f"--have {args.have}: no such file (write the machine's `pip list --format=freeze` there)")
     args.dir.mkdir(parents=True, exist_ok=True)
     abi = "cp" + args.python_version.replace(".", "")
     try:
@@ -111,7 +113,7 @@ def main() -> int:
         links = ["--find-links", str(args.dir), "-d", str(args.dir)]
         pip("download", "-q", "--only-binary=:all:", *links, *target, "-r", str(REQUIREMENTS))
     except subprocess.CalledProcessError as e:
-        print(f"gpu_wheels: pip failed ({' '.join(e.cmd[3:5])}); nothing left out", file=sys.stderr)
+        print(f"gpu_wheels: pip {e.cmd[3]} failed (exit {e.returncode}), see above; nothing left out", file=sys.stderr)
         return 1
     wheels = sorted(args.dir.glob("*.whl"))
     if args.have:

@@ -357,3 +357,20 @@ def test_a_work_folder_it_would_empty_wrongly_is_refused(tmp_path, where):
         "above it or --out"
     )
     assert (out / "kept.txt").read_text() == "figures from an earlier check" and (ROOT / "pyproject.toml").exists()
+
+
+def test_the_wheelhouse_script_names_a_missing_have_file_and_a_failing_pip(tmp_path):
+    """A --have file that is not there is refused before any download; pip failing (here: no index,
+    nothing to find) ends with one line naming pip's step, after pip's own message."""
+    script = [sys.executable, "scripts/gpu_wheels.py", str(tmp_path / "whl")]
+    p = subprocess.run([*script, "--have", str(tmp_path / "nope.txt")], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and not (tmp_path / "whl").exists()
+    assert p.stderr.splitlines()[-1] == (
+        f"gpu_wheels.py: error: --have {tmp_path / 'nope.txt'}: no such file "
+        "(write the machine's `pip list --format=freeze` there)"
+    )
+    (tmp_path / "empty").mkdir()
+    offline = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path / "empty"))
+    p = subprocess.run(script, cwd=ROOT, env=offline, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "No matching distribution found for antlr4-python3-runtime==4.9.3" in p.stderr
+    assert p.stderr.splitlines()[-1] == "gpu_wheels: pip wheel failed (exit 1), see above; nothing left out"
