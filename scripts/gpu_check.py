@@ -344,8 +344,8 @@ def install(
     result: dict = {"system_python": sys.version.split()[0], "system_torch": system}
     result["wheelhouse"] = f"{wheels} ({len(list(wheels.glob('*.whl')))} wheels)" if wheels else None
     usable = lambda probe: bool(probe and (probe[2] or not need_cuda))  # noqa: E731
-    rc = 0
-    if usable(Path(py).exists() and _probe(py, *mods)):
+    rc, ready = 0, Path(py).exists() and _probe(py, *mods)
+    if usable(ready):
         result["how"] = f"reused {venv.name}"
     elif usable(system) and torch_at_least(system[0]):
         _sh(["rm", "-rf", str(venv)], log, 30)
@@ -368,7 +368,8 @@ def install(
             rc = _sh([*cmd, *want], log, deadline - time.monotonic(), env)
             if rc == 0:
                 break
-    ready = _probe(py, *mods)
+    if not usable(ready):  # not reused: probe the venv as installed
+        ready = _probe(py, *mods)
     torch_probe = ready or _probe(py)
     result["status"] = "ok" if rc == 0 and usable(ready) else "failed"
     result |= {"seconds": round(time.monotonic() - t0, 1), "log": log.name, "torch": torch_probe}

@@ -22,8 +22,9 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _driver():
-    spec = importlib.util.spec_from_file_location("gpu_check_driver", ROOT / "scripts" / "gpu_check.py")
+def _script(name: str = "gpu_check"):
+    """``scripts/NAME.py`` loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -39,7 +40,7 @@ def test_without_a_cuda_device_it_prints_one_line_and_exits_0(tmp_path):
 
 
 def test_a_failing_or_overrunning_phase_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
-    g = _driver()
+    g = _script()
     monkeypatch.setitem(g.LIMITS, "tests", 1)
     check = g.Check(tmp_path, budget=60, profile="smoke")
     py = sys.executable
@@ -68,7 +69,7 @@ def test_a_failing_or_overrunning_phase_is_recorded_and_the_next_one_runs(tmp_pa
 
 
 def test_a_phase_past_the_budget_is_not_run(tmp_path):
-    g = _driver()
+    g = _script()
     check = g.Check(tmp_path, budget=3, profile="smoke")
     results = g.run_phases(check, {"tests": ([sys.executable, "-c", "pass"], tmp_path, dict(os.environ))})
     assert results == {"tests": {"status": "not run", "error": "no time left in the check's budget"}}
@@ -86,7 +87,7 @@ def test_a_phase_that_did_not_run_makes_the_exit_status_1(tmp_path):
 
 
 def test_uv_gets_pips_registry_settings(monkeypatch):
-    g = _driver()
+    g = _script()
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
     config = "global.index-url='https://ignored.example/simple'\n:env:.find-links='/opt/wheels'\nglobal.timeout='60'\n"
@@ -100,7 +101,7 @@ def test_scale_trace_counts_backoffs_and_growths_from_the_store(store):
     """The fp16 figures come from the run's MLflow store: latest metrics and the scaler_scale history."""
     from mlflow import MlflowClient
 
-    g = _driver()
+    g = _script()
     client = MlflowClient(store)
     exp = client.create_experiment("x")
     run = client.create_run(exp, run_name="calibrate-gpt-fp16", tags={"dtype": "fp16"}).info.run_id
@@ -126,7 +127,7 @@ def test_scale_trace_counts_backoffs_and_growths_from_the_store(store):
 
 @pytest.mark.slow
 def test_junit_figures_read_outcomes_messages_and_properties(tmp_path):
-    g = _driver()
+    g = _script()
     (tmp_path / "test_x.py").write_text(
         "import pytest\n"
         "def test_ok(record_property):\n    record_property('syncs', 3)\n"
@@ -207,13 +208,6 @@ def _wheel(folder: Path, name: str, version: str, size: int = 0, requires: tuple
     return path
 
 
-def _wheels_script():
-    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_check_needs_pyprojects_runtime_with_pyprojects_bounds():
     """scripts/gpu_requirements.txt is pyproject.toml's dependencies with the same bounds, less torch
     (the machine's own) and what no phase imports; mlflow-skinny stands for mlflow."""
@@ -231,7 +225,7 @@ def test_the_check_needs_pyprojects_runtime_with_pyprojects_bounds():
 
 
 def test_the_wheelhouse_leaves_out_only_large_wheels_the_machine_has_at_a_fitting_version(tmp_path, monkeypatch):
-    w = _wheels_script()
+    w = _script("gpu_wheels")
     req = tmp_path / "requirements.txt"
     req.write_text("# comment\nappdep>=2\n")
     monkeypatch.setattr(w, "REQUIREMENTS", req)
@@ -261,7 +255,7 @@ def test_install_uses_the_systems_torch_and_takes_the_rest_from_the_wheelhouse_o
     pip's message while the venv is still handed to the phases."""
     import torch
 
-    g = _driver()
+    g = _script()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "clipamp_probe_dep", "1.0")
@@ -320,13 +314,10 @@ def test_the_wrapper_runs_the_python_that_has_torch(tmp_path):
 def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
     """What the check runs on a GPU, checked here: each app run's overrides compose into the typed
     config at the GPU size (85M parameters), and each bench's arguments parse."""
-    import runpy
-    from unittest import mock
-
     from tests.app.helpers import compose_cfg
-    from tests.docs.pages import parses
+    from tests.docs.pages import script_parses
 
-    g = _driver()
+    g = _script()
     check = g.Check(tmp_path, budget=60, profile="gpu")
     concurrent, timed = g.jobs_for(check, sys.executable, g.PROFILES["gpu"], only=set())
     assert set(concurrent) | set(timed) == set(g.PHASES) - {"install"}
@@ -337,9 +328,7 @@ def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
         assert cfg.device == "cuda" and cfg.model.d_model == 768 and cfg.data.seq_len == 512
         assert cfg.tracking.uri == f"sqlite:///{tmp_path / 'work' / 'app' / name / 'mlflow.db'}"
     for name, (argv, _, _) in timed.items():
-        main = runpy.run_path(str(ROOT / argv[1]), run_name="bench")["main"]
-        with mock.patch.object(sys, "argv", argv[1:]):
-            parses(lambda _argv, main=main: main(), argv[2:])
+        script_parses(argv[1], argv[2:])
         assert argv[argv.index("--device") + 1] == "cuda", name
 
 

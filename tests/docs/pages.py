@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import runpy
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +43,7 @@ class Invocation:
 
     page: Path
     line: int
-    program: str  # "sweep", "sweep.report", "sweep.recommend" or "clipamp_engine.demo"
+    program: str  # "sweep", "sweep.report", "sweep.recommend", "clipamp_engine.demo", "bench/….py", "scripts/….py"
     args: tuple[str, ...]
 
     def where(self) -> str:
@@ -161,6 +163,13 @@ def parses(main, argv: list[str]) -> None:
         except _Parsed:
             return
     raise AssertionError(f"{argv} did not reach argument parsing")
+
+
+def script_parses(program: str, args: list[str]) -> None:
+    """A ``bench/`` or ``scripts/`` file's ``main()`` (which reads ``sys.argv``) parses ``args``."""
+    main = runpy.run_path(str(ROOT / program), run_name="bench")["main"]
+    with mock.patch.object(sys, "argv", [program, *args]):
+        parses(lambda _argv: main(), list(args))
 
 
 def broken_links(page: Path) -> list[str]:

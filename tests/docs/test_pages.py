@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from unittest import mock
 
 import pytest
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from tests.app.helpers import compose_cfg
-from tests.docs.pages import ROOT, broken_links, invocations, overrides, pages, parses, runnable_snippets
+from tests.docs.pages import ROOT, broken_links, invocations, overrides, pages, parses, runnable_snippets, script_parses
 
 ALL = [inv for page in pages() for inv in invocations(page)]
 
@@ -22,9 +21,7 @@ def check(inv) -> None:
     """One invocation: its overrides compose (app), or its arguments parse (report, recommend, demo,
     benches, scripts)."""
     if inv.program.startswith(("bench/", "scripts/")):
-        bench = runpy.run_path(str(ROOT / inv.program), run_name="bench")
-        with mock.patch.object(sys, "argv", [inv.program, *inv.args]):
-            parses(lambda _argv: bench["main"](), list(inv.args))
+        script_parses(inv.program, list(inv.args))
     elif inv.program == "sweep":
         compose_cfg(*overrides(inv.args))
     elif inv.program == "sweep.report":
@@ -109,7 +106,6 @@ def test_runnable_snippets_run(page, line, code, tmp_path, monkeypatch):
 
 def _fresh_accelerate_state() -> None:
     """accelerate keeps one process-wide state; a new interpreter starts without it."""
-    import sys
 
     if "accelerate.state" in sys.modules:
         sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
