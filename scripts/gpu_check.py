@@ -351,7 +351,9 @@ def install(
         _sh(["rm", "-rf", str(venv)], log, 30)
         py = venv_over_system(venv, log) or py
         source = ["--no-index", "--find-links", str(wheels)] if wheels else []
-        pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--disable-pip-version-check"]
+        # The system's pip, imported through the .pth, installs into the venv (its sys.prefix); unlike
+        # ``pip --python`` this needs no pip ≥ 22.3.
+        pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         where = f"from {wheels.name}/ (--no-index)" if wheels else "from the registry"
         result["how"] = f"system torch {system[0]} reused; pip {where}"
         rc = _sh([*pip, *source, "-r", str(REQUIREMENTS)], log, deadline - time.monotonic())
@@ -574,6 +576,7 @@ def headline(phases: dict) -> dict:
                 "canonical_foreach_over_fused": f["ratios"]["a/d"],
                 "fused_over_floor": f["ratios"]["d/c"],
                 "fused_gbs": (f.get("achieved_gbs") or {}).get("d"),
+                "copy_gbs": f.get("copy_gbs"),
                 "peak_gbs": f.get("peak_gbs"),
             }
             for v, f in variants.items()
@@ -623,8 +626,9 @@ def _phase_line(name: str, r: dict) -> str:
         parts = []
         for v, fig in f["variants"].items():
             gbs = (fig.get("achieved_gbs") or {}).get("d")
-            peak = fig.get("peak_gbs")
-            bw = f", (d) {gbs:.0f} GB/s" + (f" = {gbs / peak:.0%} of peak" if peak else "") if gbs else ""
+            ceilings = [(n, fig.get(f"{n}_gbs")) for n in ("copy", "peak") if fig.get(f"{n}_gbs")]
+            of = ", ".join(f"{gbs / c:.0%} of {n}" for n, c in ceilings) if gbs else ""
+            bw = f", (d) {gbs:.0f} GB/s" + (f" = {of}" if of else "") if gbs else ""
             ratios = fig["ratios"]
             parts.append(
                 f"{v}: canonical/fused {ratios['b/d']:.2f}x (with foreach AdamW {ratios['a/d']:.2f}x), "

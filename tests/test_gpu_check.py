@@ -126,6 +126,40 @@ def test_scale_trace_counts_backoffs_and_growths_from_the_store(store):
 
 
 @pytest.mark.slow
+def test_bandwidth_is_read_against_the_measured_copy_and_the_datasheet_peak():
+    """The bench's line and the summary's give each arm's GB/s as a share of the measured copy
+    bandwidth and of the peak, and leave out a ceiling that is not known."""
+    spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "bench" / "bench_pipeline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gbs = {"c": 3870.0, "d": 3440.0}
+    assert bench.bandwidth_line(gbs, 4300.0, 4916.0) == (
+        "(c) 3870 GB/s = 90% of copy 4300, 79% of peak 4916   (d) 3440 GB/s = 80% of copy 4300, 70% of peak 4916"
+    )
+    assert (
+        bench.bandwidth_line(gbs, 4300.0, None) == "(c) 3870 GB/s = 90% of copy 4300   (d) 3440 GB/s = 80% of copy 4300"
+    )
+    assert bench.bandwidth_line(gbs, None, None) == "(c) 3870 GB/s   (d) 3440 GB/s"
+    copy = bench.copy_gbs("cpu", nbytes=2**22, reps=3)  # the same code as on CUDA, bar the synchronize
+    assert 0 < copy < float("inf")
+
+    check = _script()
+    ratios = {"a/d": 1.5, "b/d": 1.25, "d/c": 1.1}
+    fig = {"ratios": ratios, "achieved_gbs": gbs, "copy_gbs": 4300.0, "peak_gbs": 4916.0}
+    line = check._phase_line("pipeline_1B", {"status": "ok", "figures": {"variants": {"bf16": fig}}})
+    want = "bf16: canonical/fused 1.25x (with foreach AdamW 1.50x), fused/floor 1.10, (d) 3440 GB/s"
+    assert want + " = 80% of copy, 70% of peak" in line
+    head = check.headline({"pipeline_1B": {"status": "ok", "figures": {"variants": {"bf16": fig}}}})
+    assert head["pipeline_1B"]["bf16"] == {
+        "canonical_over_fused": 1.25,
+        "canonical_foreach_over_fused": 1.5,
+        "fused_over_floor": 1.1,
+        "fused_gbs": 3440.0,
+        "copy_gbs": 4300.0,
+        "peak_gbs": 4916.0,
+    }
+
+
 def test_junit_figures_read_outcomes_messages_and_properties(tmp_path):
     g = _script()
     (tmp_path / "test_x.py").write_text(
