@@ -24,8 +24,9 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   ``trainer.gradient_clip_val = None`` for the fit (restored at its end) so that Lightning does
   not clip again.
 - Manual optimization: ``on_before_optimizer_step`` runs inside ``opt.step()``, after your
-  ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` (the τ you clip at,
-  with ``apply=True``) and do not call ``self.clip_gradients`` yourself.
+  ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` and do not call
+  ``self.clip_gradients`` yourself: the callback clips at it as that call would (throughout with
+  ``apply=False``, until the window closes with ``apply=True``).
 - Loss: the ``loss`` of ``training_step``'s output, summed over the accumulated micro-batches
   (Lightning divides each by ``accumulate_grad_batches``): their mean. Norm-based clipping only
   (``gradient_clip_algorithm="norm"``).

@@ -110,3 +110,60 @@ def test_apply_true_clips_at_the_users_tau_then_at_the_calibrated_one(tmp_path):
     assert tau == pytest.approx(df["grad_l2_pre_clip"][:window].quantile(0.95), rel=1e-9)
     assert df["max_norm"].tolist() == [tau0] * window + [tau] * (steps - window)
     assert df["phase"].tolist() == ["calibrate"] * window + ["validate"] * (steps - window)
+
+
+class ManualGPT(LitGPT):
+    """Manual optimization; ``clip_here=τ`` clips in ``training_step`` with Lightning's own
+    ``clip_gradients`` (the reference), else the callback is trusted with τ."""
+
+    def __init__(self, clip_here=None):
+        super().__init__()
+        self.automatic_optimization = False
+        self.clip_here = clip_here
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if self.clip_here is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.clip_here, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
+
+
+def test_manual_optimization_apply_false_clips_at_max_norm_as_lightnings_clip_gradients(tmp_path):
+    """The callback stands in for the user's clip (they must not clip themselves): ``apply=False``
+    with ``max_norm=τ`` gives the run that ``self.clip_gradients(opt, τ)`` gives, bit for bit."""
+    steps, tau = 6, 0.25
+
+    def run(module, callbacks, root):
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-mixed",
+            callbacks=callbacks,
+            default_root_dir=str(root),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, _loader(steps, 1))
+        return module
+
+    torch.manual_seed(0)
+    ref = run(ManualGPT(clip_here=tau), [], tmp_path / "ref")
+    torch.manual_seed(0)
+    cb = ClipampCallback(max_norm=tau, tracking=None, csv_path=tmp_path / "s.csv", verbose=False)
+    ours = run(ManualGPT(), [cb], tmp_path / "ours")
+    torch.manual_seed(0)
+    unclipped = run(ManualGPT(), [], tmp_path / "none")
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p, q), name
+    assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), unclipped.parameters()))
+    df = pd.read_csv(tmp_path / "s.csv")
+    assert (df["grad_l2_pre_clip"] > tau).sum() > steps / 2  # most steps clip
+    assert df["grad_l2_post_clip"].tolist() == pytest.approx([min(n, tau) for n in df["grad_l2_pre_clip"]], rel=1e-5)
