@@ -1,9 +1,9 @@
 """clipamp engine: safe mixed-precision steps with global-norm clipping and per-step forensics.
 
-Depends on torch only. The top level is what a training loop needs: ``AmpTrainState`` (the step)
-and its records, the CSV writer, the common clip policies and ``make_clip_policy``, the loss
-scalers, calibration (``CalibratedClip``), the two exceptions a step raises, and the norm
-functions. Everything else is imported from its module:
+Depends on torch only (``diagnosis`` also on numpy). The top level is what a training loop needs:
+``AmpTrainState`` (the step) and its records, the CSV writer, the common clip policies and
+``make_clip_policy``, the loss scalers, calibration (``CalibratedClip``), the two exceptions a step
+raises, and the norm functions. Everything else is imported from its module:
 
 - ``clipamp_engine.clip``: every clip policy (``StagedNormClip``, ``PerGroupClip``,
   ``QuantileClip``, ``DPSGDClip``, …), ``CLIP_MODES``, ``clip_mode_options``;

@@ -109,8 +109,8 @@ class HysteresisScaler(LossScaler):
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as
             ``torch.amp.GradScaler``.
-        hysteresis: overflows absorbed before backing off (DeepSpeed ``delayed_shift``; ≥ 1,
-            1 = GradScaler behaviour).
+        hysteresis: N ≥ 1: the first N − 1 overflows are absorbed, the N-th backs off (DeepSpeed
+            ``delayed_shift``; 1 = GradScaler behaviour).
         consecutive_hysteresis: restore the counter on every overflow-free step.
         min_scale: the floor (> 0).
         max_scale: the cap (≥ init_scale; may be inf: the fp32 range caps it anyway).

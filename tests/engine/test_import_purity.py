@@ -34,3 +34,27 @@ def test_engine_and_every_submodule_import_no_app_library():
     count, *loaded = out.stdout.split()
     assert int(count) >= 20  # every module was walked (clip/ included), not just the package
     assert loaded == [], f"the engine imported {loaded}"
+
+
+#: The one engine module that imports numpy (diagnosis reads a CSV's columns through it).
+NUMPY_USERS = {"norm_patterns.py"}
+
+
+def test_the_engine_imports_torch_numpy_only_in_diagnosis_and_the_standard_library():
+    """What README and engine.md say: torch only, numpy for the CSV diagnosis."""
+    import ast
+
+    root = Path(clipamp_engine.__file__).resolve().parent
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"clipamp_engine"}:
+                found.setdefault(top, set()).add(str(path.relative_to(root)))
+    assert set(found) == {"torch", "numpy"}, found
+    assert found["numpy"] == NUMPY_USERS
