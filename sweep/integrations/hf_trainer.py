@@ -27,7 +27,7 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
 - Loss: the model's own ``outputs.loss`` (a forward hook), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
   mean over the accumulated batch), else averaged. With a ``compute_loss_func`` or label
-  smoothing the loss is computed outside the model and the column stays empty.
+  smoothing the loss is computed outside the model: the column reads NaN.
   ``token_count``: labels ≠ -100 after the causal shift.
 - Skips: under fp16 (CUDA) the GradScaler skips overflow steps (read from the optimizer) and
   ``scaler_scale`` is its scale (1.0 without a scaler). Under bf16/fp32 Trainer applies a
