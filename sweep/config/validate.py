@@ -20,7 +20,7 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
-from sweep.config.schema import RUNS, Config, window_ranges
+from sweep.config.schema import CALIBRATED, RUNS, Config, window_ranges
 from sweep.errors import UserError
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -130,9 +130,15 @@ def clip_options(cfg: Config) -> dict[str, Any]:
         return {**dataclasses.asdict(cfg.calibrate), "start": calibrate_start(cfg.calibrate.start)}
     foreign = sorted(set(given) - set(accepted))
     if foreign:
+        # clip.quantile is clip=quantile's own option, so it is not a RENAMED key: a calibrate run
+        # that passes it meant calibrate.quantile
+        meant = [k for k in foreign if cfg.run == "calibrate" and k in CALIBRATED]
+        hint = (
+            f"; +experiment=calibrate reads calibrate.*: pass calibrate.{meant[0]}={given[meant[0]]}" if meant else ""
+        )
         raise UserError(
             f"clip={clip.mode} does not take {', '.join(f'clip.{k}' for k in foreign)}; "
-            f"its options are {', '.join(accepted) or 'none'}"
+            f"its options are {', '.join(accepted) or 'none'}{hint}"
         )
     return given
 

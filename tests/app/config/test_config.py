@@ -6,6 +6,7 @@ import pytest
 
 from sweep.config import validate
 from sweep.config.schema import RUNS
+from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
 
@@ -50,6 +51,16 @@ def test_common_overrides_compose():
     )
     assert (cfg.steps, cfg.seed, cfg.model.name, cfg.amp.dtype) == (50, 3, "lstm", "fp16")
     assert (cfg.clip.max_norm, cfg.calibrate.window, cfg.calibrate.quantile) == (2.5, 20, 0.9)
+
+
+@pytest.mark.parametrize("run", ["calibrate", "train"])
+def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(run):
+    """clip.quantile is AutoClip's (clip=quantile); a calibrate run that passes it meant calibrate.quantile."""
+    with pytest.raises(UserError) as e:
+        clip_options(compose_cfg(f"+experiment={run}", "clip.quantile=0.99"))
+    refusal = "clip=norm does not take clip.quantile; its options are max_norm"
+    hint = "; +experiment=calibrate reads calibrate.*: pass calibrate.quantile=0.99"
+    assert str(e.value) == refusal + (hint if run == "calibrate" else "")
 
 
 @pytest.mark.parametrize(
@@ -112,6 +123,11 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "data=nope"], "Could not find 'data/nope'"),
     (["+experiment=calibrate", "clip=bogus"], "Could not find 'clip/bogus'"),
     (["+experiment=train", "clip=value", "clip.max_norm=2"], "clip=value does not take clip.max_norm"),
+    (
+        ["+experiment=calibrate", "clip.quantile=0.99"],
+        "error: clip=norm does not take clip.quantile; its options are max_norm; "
+        "+experiment=calibrate reads calibrate.*: pass calibrate.quantile=0.99",
+    ),
     (
         ["+experiment=train", "clip=calibrated", "clip.quantile=0.9"],
         "error: clip.quantile=0.9: clip=calibrated reads its options from calibrate.*; pass calibrate.quantile=0.9",
