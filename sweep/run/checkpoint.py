@@ -153,20 +153,30 @@ RESUME_MAY_CHANGE = (
     "progress_every",
     "checkpoint_every",
     "eval_every",
+    "dist.timeout_s",
     "tracking.",
     "study.",
     "spike.",
 )
+#: ``dist.strategy`` values whose checkpoint is one process's (DDP's replicas each hold the whole
+#: model and optimizer): a run started under one resumes under any other, in one process or under
+#: torchrun, on the same global batches. FSDP2's sharded checkpoint resumes under fsdp2 only.
+ONE_PROCESS_CHECKPOINT = frozenset({"auto", "none", "ddp"})
+
+
+def _same_for_resume(key: str, run: str, now: str) -> bool:
+    if key == "dist.strategy":
+        return run == now or {run, now} <= ONE_PROCESS_CHECKPOINT
+    return run == now or any(key == m or (m.endswith(".") and key.startswith(m)) for m in RESUME_MAY_CHANGE)
 
 
 def config_differences(logged: dict[str, str], now: dict[str, str]) -> list[str]:
-    """``key (run: a, now: b)`` for each logged param whose value changed, apart from ``RESUME_MAY_CHANGE``."""
+    """``key (run: a, now: b)`` for each logged param whose value changed, apart from ``RESUME_MAY_CHANGE``
+    and a ``dist.strategy`` that keeps a one-process checkpoint (``ONE_PROCESS_CHECKPOINT``)."""
     return [
         f"{k} (run: {logged[k]}, now: {now[k]})"
         for k in sorted(now)
-        if k in logged
-        and logged[k] != now[k]
-        and not any(k == m or (m.endswith(".") and k.startswith(m)) for m in RESUME_MAY_CHANGE)
+        if k in logged and not _same_for_resume(k, logged[k], now[k])
     ]
 
 

@@ -114,8 +114,11 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedP
     return res
 
 
-def _kill_and_resume(tmp: Path, *extra: str) -> tuple[pd.DataFrame, str, subprocess.CompletedProcess]:
-    """Start under torchrun, SIGTERM the launcher after a few steps, resume to STEPS."""
+def _kill_and_resume(
+    tmp: Path, *extra: str, resume_in_one_process: str | None = None
+) -> tuple[pd.DataFrame, str, subprocess.CompletedProcess]:
+    """Start under torchrun, SIGTERM the launcher after a few steps, resume to STEPS: under torchrun,
+    or in one process with ``dist.strategy=resume_in_one_process``."""
     proc = subprocess.Popen(
         [*TORCHRUN, *RUN, "steps=100000", *extra],
         cwd=tmp,
@@ -140,7 +143,11 @@ def _kill_and_resume(tmp: Path, *extra: str) -> tuple[pd.DataFrame, str, subproc
     stopped = int(interrupted[0].split(" at step ")[1].split(")")[0])
     assert stopped < STEPS, "the run was too fast to interrupt before the end"
     assert [l for l in err.splitlines() if l.startswith("error:")] == []
-    resumed = _run([*TORCHRUN, *RUN, f"steps={STEPS}", "resume=true", *extra], tmp)
+    if resume_in_one_process is None:
+        resumed = _run([*TORCHRUN, *RUN, f"steps={STEPS}", "resume=true", *extra], tmp)
+    else:
+        again = [*RUN, f"steps={STEPS}", "resume=true", f"dist.strategy={resume_in_one_process}"]
+        resumed = _run([sys.executable, "-m", "sweep", *again], tmp)
     return pd.read_csv(csv), csv.parts[-3], resumed
 
 
@@ -191,6 +198,16 @@ def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, on
     assert client.get_run(run_id).info.status == "FINISHED"
     assert not (tmp_path / "mlruns" / "checkpoints" / run_id / "checkpoint.pt").exists()
     assert not list((tmp_path / "mlruns" / "checkpoints" / run_id).glob("shards-*"))
+
+
+@pytest.mark.slow
+def test_a_ddp_run_resumes_in_one_process(tmp_path, one_process):
+    """A DDP checkpoint is a one-process checkpoint: started with an explicit dist.strategy=ddp, the
+    run continues in one process (dist.strategy=none) and ends as the one-process run."""
+    rows, run_id, resumed = _kill_and_resume(tmp_path, "dist.strategy=ddp", resume_in_one_process="none")
+    assert "resumed run " + run_id in resumed.stdout
+    _assert_same_run(rows, one_process)
+    assert MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(run_id).info.status == "FINISHED"
 
 
 @pytest.mark.slow

@@ -1,0 +1,34 @@
+"""Which config changes a resume accepts: the keys that do not change the maths of the remaining
+steps, and a ``dist.strategy`` whose checkpoint is one process's either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from sweep.run.checkpoint import config_differences
+
+LOGGED = {"steps": "500", "dist.strategy": "ddp", "dist.timeout_s": "600.0", "accumulation_steps": "1"}
+
+
+@pytest.mark.parametrize(
+    "change,refused",
+    [
+        ({"steps": "800"}, []),
+        ({"dist.timeout_s": "30.0"}, []),
+        ({"dist.strategy": "none"}, []),  # a DDP checkpoint resumed in one process
+        ({"dist.strategy": "auto"}, []),
+        ({"dist.strategy": "fsdp2"}, ["dist.strategy (run: ddp, now: fsdp2)"]),  # sharded: not the same checkpoint
+        ({"accumulation_steps": "2"}, ["accumulation_steps (run: 1, now: 2)"]),
+    ],
+)
+def test_a_resume_accepts_what_keeps_the_maths_and_names_the_rest(change, refused):
+    assert config_differences(LOGGED, LOGGED | change) == refused
+
+
+def test_an_fsdp2_run_resumes_under_fsdp2_only():
+    logged = LOGGED | {"dist.strategy": "fsdp2"}
+    assert config_differences(logged, logged) == []
+    for other in ("auto", "none", "ddp"):
+        assert config_differences(logged, logged | {"dist.strategy": other}) == [
+            f"dist.strategy (run: fsdp2, now: {other})"
+        ]
