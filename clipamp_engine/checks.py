@@ -42,7 +42,8 @@ def check_accumulation(batch_size: int, accumulation_steps: int) -> None:
 
 def checked_loss(result: Any) -> Any:
     """``loss_fn``'s result as the step uses it: a scalar floating tensor, or ``(loss_sum, token_count)``
-    with a positive count; ``ValueError`` naming what it returned otherwise."""
+    with a positive count; ``ValueError`` naming what it returned otherwise. A count given as a tensor
+    is checked once the step reads it (``GlobalBatchLoss.add``, default path)."""
     if result is None:  # the usual adapter for a model that computes its own loss, called without targets
         raise ValueError(
             "loss_fn returned None: expected a loss tensor or (loss_sum, token_count); for a model that computes "

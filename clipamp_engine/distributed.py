@@ -115,6 +115,13 @@ class GlobalBatchLoss:
         local_batch = torch.tensor(self.local_batch, dtype=wide, device=loss.device)
         sums = self.world.sum(torch.stack([part, count, local_batch]))
         part_f, count_f, self.samples = sums.tolist()  # sync: the finite-loss check and the record
+        if tokenwise and not count_f > 0:  # a tensor count (a Python number is checked in checked_loss)
+            ranks = f" over {self.world.size} ranks" if self.world.size > 1 else ""
+            raise ValueError(
+                f"loss_fn returned (loss_sum, token_count) with {count_f:g} tokens{ranks}: the token count must "
+                "be > 0 (a micro-batch without real tokens has no token mean); return the number of tokens the "
+                "sum is over"
+            )
         self.contribution += part_f
         if tokenwise:
             self.tokens = (self.tokens or 0.0) + count_f

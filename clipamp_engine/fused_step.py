@@ -57,7 +57,8 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
     for x, y in state._micro_batches(inputs, targets):
         result = state._forward(x, y)
         if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
-            loss_sum, count = result[0].float(), result[1]
+            loss_sum = result[0].float()
+            count = torch.as_tensor(result[1], device=loss_sum.device)  # an int count too
             if ref is None:
                 ref = count.float() * k  # provisional normaliser, corrected after accumulation
             loss = loss_sum / ref

@@ -90,7 +90,10 @@ class AmpTrainState:
         model: the module; its parameters' device type is the autocast device.
         optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
         loss_fn: ``loss_fn(model(inputs), targets)`` → a mean loss, or ``(loss_sum, token_count)``
-            in which case the step's loss is the token mean over the whole accumulated batch.
+            in which case the step's loss is the token mean over the whole accumulated batch. The
+            count (an int or a tensor) must be > 0: a ``ValueError`` otherwise, except for a zero
+            tensor count on the fused path, which cannot read it without a sync: its token mean is
+            0/0, so the step is skipped as ``nonfinite_loss``.
             ``None``: the model computes its own loss from the targets — ``model(inputs, targets)``
             (or ``model(**inputs, labels=targets)``) returns ``(logits, loss)``, a dict with
             ``"loss"`` or an object with ``.loss`` (see ``clipamp_engine.model_loss``).

@@ -91,3 +91,52 @@ def test_checked_steps_equal_an_unchecked_reference():
         opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _token_loss(count):
+    """A ``(loss_sum, token_count)`` loss whose count is ``count(n)`` for a micro-batch of n rows."""
+    return lambda out, y: (F.mse_loss(out, y, reduction="sum"), count(y.shape[0]))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_int_token_count_is_a_tensor_count(fused):
+    """``(loss_sum, 8)`` and ``(loss_sum, torch.tensor(8))`` give the same run on either path."""
+    runs = []
+    for count in (int, torch.tensor):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        state = AmpTrainState(model, opt, _token_loss(count), dtype="fp32", max_norm=0.5, accumulation_steps=2)
+        logs = [state.step(*_batch()) for _ in range(3)] + state.flush()
+        runs.append(([p.detach().clone() for p in model.parameters()], [r for r in logs if r is not None]))
+    (params_int, logs_int), (params_t, logs_t) = runs
+    assert all(torch.equal(a, b) for a, b in zip(params_int, params_t))
+    assert [(r.grad_l2_pre_clip, r.loss, r.token_count) for r in logs_int] == [
+        (r.grad_l2_pre_clip, r.loss, r.token_count) for r in logs_t
+    ]
+    assert logs_int[-1].token_count == 8
+
+
+def test_a_zero_token_count_tensor_is_named_on_the_default_path_and_changes_nothing():
+    model = _model()
+    state = AmpTrainState(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _token_loss(lambda n: torch.tensor(0)), dtype="fp32"
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"with 0 tokens: the token count must be > 0"):
+        state.step(*_batch())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_zero_token_count_tensor_on_the_fused_path_is_a_skipped_step():
+    """No sync to check the count on: 0 tokens make the token mean 0/0, a non-finite loss, so the step
+    is skipped with the parameters and the optimizer state untouched."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    state = AmpTrainState(model, opt, _token_loss(lambda n: torch.tensor(0)), dtype="fp32")
+    before = [p.detach().clone() for p in model.parameters()]
+    (log,) = [r for r in [state.step(*_batch()), *state.flush()] if r is not None]
+    assert log.skipped and log.skip_reason == "nonfinite_loss"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    for s in opt.state.values():  # as a fresh AdamW's: no step counted, zero moments
+        assert float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
