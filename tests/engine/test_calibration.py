@@ -15,6 +15,7 @@ from clipamp_engine.calibration import (
     short_window_warning,
     window_for_width,
 )
+from clipamp_engine.clip import make_clip_policy
 from clipamp_engine.records import SkipLog, StepLog
 
 stats = pytest.importorskip("scipy.stats")
@@ -124,3 +125,18 @@ def test_summary_carries_intervals_prediction_and_the_short_window_warning():
     assert len(s.warnings) == 1 and "p99 from 99 norms" in s.warnings[0]
     d = s.as_dict()
     assert d["confidence_intervals"]["p50"]["low"] <= d["quantiles"]["p50"] <= d["confidence_intervals"]["p50"]["high"]
+
+
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        (dict(confidence=1.5), r"confidence=1.5 must be in \(0, 1\)"),
+        (dict(confidence=0), r"confidence=0 must be in \(0, 1\)"),
+        (dict(candidates=[1.0, -1.0]), r"candidates=\[1.0, -1.0\] must be finite numbers > 0"),
+        (dict(candidates=["x"]), r"candidates=\['x'\] must be finite numbers > 0"),
+    ],
+)
+def test_a_bad_confidence_or_candidate_is_refused_when_the_policy_is_built(option, message):
+    """Not when the first window closes, hundreds of steps into the run."""
+    with pytest.raises(ValueError, match=message):
+        make_clip_policy("calibrated", **option)

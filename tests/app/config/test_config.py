@@ -93,6 +93,16 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
             "or null (aim τ at calibrate.target_clip)",
         ),
         (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
+        (
+            ["calibrate.confidence=1.5"],
+            "calibrate.confidence=1.5 must be in (0, 1), e.g. 0.95 (the intervals' level): "
+            "pass e.g. calibrate.confidence=0.95",
+        ),
+        (
+            ["calibrate.candidates=[-1]"],
+            "calibrate.candidates=[-1.0] must be finite numbers > 0 (fixed thresholds whose clipping ratio the "
+            "window reports): pass e.g. calibrate.candidates=[0.5,1.0,2.0,5.0]",
+        ),
         (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
         (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
         (["steps=0"], "steps=0 must be >= 1"),
