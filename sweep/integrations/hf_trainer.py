@@ -18,12 +18,14 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
 
 - Clipping happens in Trainer between the last backward and ``on_pre_optimizer_step``, where no
   callback runs, and Trainer keeps the pre-clip norm to itself except in its logs. So the
-  callback takes the clip over: at train begin it sets ``args.max_grad_norm = 0`` (Trainer then
-  only measures ‖g‖, multiplying the gradients by exactly 1, and logs it as ``grad_norm``) and in
+  callback takes the clip over: at train begin it sets ``args.max_grad_norm`` to
+  ``NORM_ONLY_MAX_NORM`` (Trainer then only measures ‖g‖, multiplying a finite-norm gradient by
+  exactly 1 and a non-finite one as your τ would, and logs it as ``grad_norm``) and in
   ``on_pre_optimizer_step`` clips them as Trainer would have: ``clip_grad_norm_(model.parameters(),
-  max_grad_norm)`` — or, with ``apply=True``, at the policy's τ (your ``max_grad_norm`` until the
-  window closes, the calibrated τ after). ``args`` is restored at train end. ``grad_l2_pre_clip``
-  is therefore Trainer's own ``grad_norm``; ``grad_l2_post_clip`` the norm the optimizer received.
+  max_grad_norm)`` on a finite norm — or, with ``apply=True``, at the policy's τ (your
+  ``max_grad_norm`` until the window closes, the calibrated τ after). ``args`` is restored at train
+  end. ``grad_l2_pre_clip`` is therefore Trainer's own ``grad_norm`` (NaN on a step whose norm is
+  not finite); ``grad_l2_post_clip`` the norm the optimizer received.
 - Loss: the model's own ``outputs.loss`` (a forward hook), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
   mean over the accumulated batch), else averaged. With a ``compute_loss_func`` or label
@@ -44,9 +46,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from .recorder import StepRecorder
+
+#: ``args.max_grad_norm`` while the callback runs: ``Trainer`` then calls its clip at this τ, which
+#: multiplies a gradient of finite norm by exactly 1 (τ / ‖g‖ ≥ 1, clamped) and one of inf norm by
+#: 0, as any τ would (finite elements 0, infs NaN). ``max_grad_norm=0`` would make Trainer clip at
+#: inf instead, and inf / inf is NaN: every gradient NaN. bf16's largest finite value, so that a
+#: bf16 norm does not turn it into inf.
+NORM_ONLY_MAX_NORM = float(torch.finfo(torch.bfloat16).max)
 
 
 class ClipampCallback(TrainerCallback):
@@ -116,7 +126,8 @@ class ClipampCallback(TrainerCallback):
                 "run without them, or drop the callback"
             )
         self._args, self._user_tau, self._model = args, args.max_grad_norm, model
-        args.max_grad_norm = 0.0  # Trainer measures ‖g‖ without clipping; the clip runs in on_pre_optimizer_step
+        if self.apply or self._user_tau > 0:  # else Trainer clips nothing and its norm pass stays as it is
+            args.max_grad_norm = NORM_ONLY_MAX_NORM  # Trainer measures ‖g‖; the clip runs in on_pre_optimizer_step
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.recorder.begin(
             total_steps=state.max_steps if state.max_steps > 0 else None,
@@ -173,7 +184,12 @@ class ClipampCallback(TrainerCallback):
         params = list(self._model.parameters())  # what Trainer's clip_grad_norm_ norms, in its order
         loss = None if self._loss is None else self._loss / (1 if self._loss_is_sum else max(self._micro, 1))
         self._measured = self.recorder.measure(
-            params, state.global_step + 1, host_clips=False, loss=loss, tokens=self._tokens
+            params,
+            state.global_step + 1,
+            host_clips=False,
+            after_host_pass=args.max_grad_norm == NORM_ONLY_MAX_NORM,
+            loss=loss,
+            tokens=self._tokens,
         )
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):

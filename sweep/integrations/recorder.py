@@ -168,11 +168,22 @@ class StepRecorder:
         return self.policy.threshold if self.apply else self.user_tau
 
     def measure(
-        self, params: list[torch.Tensor], step: int, *, host_clips: bool, loss: Any = None, tokens: Any = None
+        self,
+        params: list[torch.Tensor],
+        step: int,
+        *,
+        host_clips: bool,
+        after_host_pass: bool = False,
+        loss: Any = None,
+        tokens: Any = None,
     ) -> Measured:
         """Norm (and clip, unless ``host_clips``) the unscaled, accumulated gradients of ``params`` for ``step``.
 
         ``host_clips``: the host clips after this call at its own τ (measure only, ``apply=False``).
+        ``after_host_pass``: the host has already run its clip at a τ too large to clip a finite norm
+        (``Trainer`` with ``NORM_ONLY_MAX_NORM``): that left a finite-norm gradient as it was and gave
+        a non-finite one the coefficient every τ gives it (0 for an inf norm: finite elements 0, infs
+        NaN). So the host's own clip, done here, multiplies finite-norm gradients only.
         ``loss``/``tokens``: the step's loss and token count as device tensors, read back with the norms.
         """
         grads = grads_of(params)
@@ -184,6 +195,10 @@ class StepRecorder:
         elif tau is None or host_clips:
             pre = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             post = pre if tau is None else pre * clip_coefficient(pre, tau)
+        elif after_host_pass:  # torch's clip_grad_norm_ in its two halves, the second for a finite norm only
+            pre = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            torch.nn.utils.clip_grads_with_norm_(params, tau, torch.where(torch.isfinite(pre), pre, 0.0))
+            post = pre * clip_coefficient(pre, tau)
         else:  # the host's own clip, done for it: torch's, exactly
             pre = torch.nn.utils.clip_grad_norm_(params, tau)
             post = pre * clip_coefficient(pre, tau)

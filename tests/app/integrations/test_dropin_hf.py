@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from transformers import TrainerCallback
 
 from sweep.integrations.hf_trainer import ClipampCallback
 
@@ -38,3 +42,44 @@ def test_apply_false_changes_nothing_in_a_short_bf16_run(tmp_path):
 def test_apply_false_changes_nothing_in_a_60_step_bf16_accumulated_run(tmp_path):
     cb = _compare(tmp_path, steps=60, tau=0.3)
     assert cb.policy.placement is not None  # the runner's start=auto placed (or timed) the window
+
+
+class InfGradAt(TrainerCallback):
+    """An inf in the first rows of one gradient during the backward of optimizer step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.step = at, 0
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        p = model.model.layers[0].mlp.up_proj.weight
+        p.register_hook(
+            lambda g: g.clone().index_fill_(0, torch.tensor([0, 1]), math.inf) if self.step == self.at else g
+        )
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.step = state.global_step + 1
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where the other is NaN (``torch.equal`` counts NaN as unequal to itself)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def test_apply_false_changes_nothing_on_a_step_with_an_inf_gradient(tmp_path):
+    """Trainer's clip turns an inf gradient's finite elements to 0 and its infs to NaN (coefficient 0);
+    with the callback the parameters after that step are the same, NaNs where Trainer's are."""
+    runs = []
+    for name, extra in (
+        ("ours", [ClipampCallback(tracking=None, csv_path=tmp_path / "s.csv", verbose=False)]),
+        ("ref", []),
+    ):
+        t = trainer(tmp_path / name, [InfGradAt(3), *extra], steps=3, max_grad_norm=0.3)
+        t.train()
+        runs.append(t.model)
+    ours, ref = runs
+    assert any(p.isnan().any() for p in ref.parameters()) and not all(p.isnan().all() for p in ref.parameters())
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert _same_bits(p, q), name
+    df = pd.read_csv(tmp_path / "s.csv")
+    assert df["skipped"].tolist() == [False] * 3  # Trainer applied it, as without the callback
+    assert math.isnan(df["grad_l2_pre_clip"][2]) and df["grad_l2_pre_clip"][:2].notna().all()
