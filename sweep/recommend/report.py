@@ -51,7 +51,7 @@ def caveats(series: NormSeries, options: Options) -> list[str]:
         f"after clipping, or a running mean of it, cannot calibrate"
     ]
     q = options.quantile if options.quantile is not None else band_quantile(tuple(options.target_clip))
-    sampled = sampling_note(s, options.window, q, auto=options.start == "auto")
+    sampled = sampling_note(s, options.window, q, auto=options.start == "auto", confidence=options.confidence)
     out += [n for n in (unclipped_note(s), sampled, smoothing_note(s)) if n]
     if s.lr_name:
         out.append(f"LR from {s.lr_name}: the window placement reads the warm-up from it")

@@ -174,10 +174,12 @@ def smoothing_note(series: NormSeries, min_points: int = 20) -> str | None:
     )
 
 
-def sampling_note(series: NormSeries, window: int, q: float = DEFAULT_QUANTILE, auto: bool = False) -> str | None:
+def sampling_note(
+    series: NormSeries, window: int, q: float = DEFAULT_QUANTILE, auto: bool = False, confidence: float = CONFIDENCE
+) -> str | None:
     """What a 1-in-N log does to the window's statistics (module docstring), or ``None`` for N = 1.
     ``q``: the quantile τ is read from; ``auto``: the window placement is ``start=auto``, whose rolling
-    median counts logged norms."""
+    median counts logged norms; ``confidence``: the intervals' level."""
     n = series.interval
     if n <= 1:
         return None
@@ -189,8 +191,8 @@ def sampling_note(series: NormSeries, window: int, q: float = DEFAULT_QUANTILE, 
         f"window holds {per_window} norms, so its quantile intervals are those of {per_window} norms (about "
         f"{math.sqrt(n):.1f}× as wide as a log of every step), clipping ratios are estimated from them, the "
         f"validation counts logged steps only and a one-step spike is in the log with probability 1/{n}; "
-        f"a {CONFIDENCE:.0%} interval of {quantile_label(q)} needs ≥ {min_window(q)} norms, "
-        f"--window ≥ {min_window(q) * n}"
+        f"a {quantile_label(q)} interval at {confidence * 100:.4g}% needs ≥ {min_window(q, confidence)} norms, "
+        f"--window ≥ {min_window(q, confidence) * n}"
         + (
             f"; --start auto's rolling median spans 20 logged norms ({20 * n} steps) and waits 20 of them"
             if auto

@@ -1,8 +1,8 @@
 """A calibrate run's windows for people: ``report.md`` lines and terminal renderables.
 
 From the run's ``CalibratedClip`` (the same object ``sweep.run.calibration`` turns into metrics
-and ``quantiles.json``): where the window was and why, each quantile's order-statistic 95%
-interval (and the window length a ±10% interval needs), the τ adopted, predicted vs realised
+and ``quantiles.json``): where the window was and why, each quantile's order-statistic interval
+at the policy's ``confidence`` (and the window length a ±10% interval needs), the τ adopted, predicted vs realised
 clipping on the validation steps with the verdict and next action, and the drift between windows.
 """
 
@@ -34,6 +34,11 @@ def _interval(ci) -> str:
     )
 
 
+def _level(clip: CalibratedClip) -> str:
+    """The intervals' level as the headings say it: ``95%``, ``80%``, ``99.5%``."""
+    return f"{clip.confidence * 100:.4g}%"
+
+
 def _needs(ci) -> str:
     if not ci.bounded:
         return f"≥ {min_window(ci.q, ci.confidence)} norms for a bound"
@@ -52,7 +57,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
     lines += [
         f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, {w.n_skipped} skipped)",
         "",
-        "| quantile | ‖g‖ | 95% interval | window for a ±10% interval | ‖g‖·√N_tok |",
+        f"| quantile | ‖g‖ | {_level(clip)} interval | window for a ±10% interval | ‖g‖·√N_tok |",
         "|---|---|---|---|---|",
     ]
     for k, v in w.quantiles.items():
@@ -68,7 +73,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
     lines += [
         "",
         f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** (τ = Quantile_{w.quantile:.4g} of "
-        f"the window's finite pre-clip norms, 95% interval {_interval(w.tau_ci)}; target band "
+        f"the window's finite pre-clip norms, {_level(clip)} interval {_interval(w.tau_ci)}; target band "
         f"[{clip.band[0]:.0%}, {clip.band[1]:.0%}]).",
         "",
     ]
@@ -88,7 +93,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
         lines += [
             "## Drift across windows",
             "",
-            "| window | τ | 95% interval | τ / previous | interval separate? | validation |",
+            f"| window | τ | {_level(clip)} interval | τ / previous | interval separate? | validation |",
             "|---|---|---|---|---|---|",
         ]
         lines += ["| " + " | ".join(row) + " |" for row in _window_rows(clip, drift="**drift**")]
@@ -107,7 +112,7 @@ def tables(clip: CalibratedClip) -> list[Any]:
     t = Table(
         title=f"Calibration window, steps {w.start_step}–{w.end_step} ({w.n_finite} finite, {w.n_skipped} skipped)"
     )
-    for col in ("quantile", "‖g‖", "95% interval", "window for ±10%", "‖g‖·√N_tok"):
+    for col in ("quantile", "‖g‖", f"{_level(clip)} interval", "window for ±10%", "‖g‖·√N_tok"):
         t.add_column(col, justify="right")
     for k, v in w.quantiles.items():
         ci = w.cis.get(k)
@@ -124,7 +129,7 @@ def tables(clip: CalibratedClip) -> list[Any]:
     out.append(c)
     out.append(
         f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] (Quantile_{w.quantile:.4g}, "
-        f"95% interval {_interval(w.tau_ci)})"
+        f"{_level(clip)} interval {_interval(w.tau_ci)})"
     )
     check = clip.checks()[0]
     if check is not None:
@@ -143,7 +148,7 @@ def tables(clip: CalibratedClip) -> list[Any]:
 def _drift_table(clip: CalibratedClip) -> Table:
     """Every window's τ with its interval, its ratio to the previous one and its own validation."""
     t = Table(title="Windows (calibrate.every)")
-    for col in ("window", "τ", "95% interval", "τ / previous", "separate?", "validation"):
+    for col in ("window", "τ", f"{_level(clip)} interval", "τ / previous", "separate?", "validation"):
         t.add_column(col, justify="right")
     for row in _window_rows(clip, drift="drift"):
         t.add_row(*row)

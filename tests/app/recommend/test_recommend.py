@@ -123,6 +123,9 @@ def test_sparse_series_is_a_sample_and_says_what_that_does(tmp_path, capsys):
     check = rec.clip.checks()[0]
     assert (check.clipped, check.steps) == realised(steps[kept], norms[kept], 100, rec.tau)
     assert "p95 from 20 norms has no 95% upper confidence bound" in out  # the interval of 20 norms
+    assert "a p95 interval at 95% needs ≥ 72 norms, --window ≥ 360" in out
+    assert cli.main([str(path), "--start", "0", "--window", "98", "--confidence", "0.8"]) == 0
+    assert "a p95 interval at 80% needs ≥ 45 norms, --window ≥ 225" in capsys.readouterr().out  # min_window(0.95, 0.8)
 
 
 def test_repeated_windows_equal_numpy_per_window(tmp_path):

@@ -15,12 +15,12 @@ from sweep.run.calibration import calibration_metrics as metrics
 from sweep.run.calibration import calibration_payload as payload
 
 
-def _driven(every=0, n=400, q=None):
+def _driven(every=0, n=400, q=None, confidence=0.95):
     rng = np.random.default_rng(0)
     steps = np.arange(1, n + 1)
     lrs = np.minimum(steps / 20, 1.0) * 3e-3
     norms = (1 + 9 * np.exp(-steps / 15)) * rng.lognormal(0, 0.3, n)
-    clip = CalibratedClip(window=100, every=every, start="auto", quantile=q, total_steps=n)
+    clip = CalibratedClip(window=100, every=every, start="auto", quantile=q, confidence=confidence, total_steps=n)
     for s, lr, g in zip(steps, lrs, norms):
         tau = clip.threshold
         hit = tau is not None and g > tau
@@ -71,3 +71,15 @@ def test_report_and_terminal_show_placement_intervals_verdict_and_drift():
         console.print(r)
     out = console.export_text()
     assert "window placement (calibrate.start=auto)" in out and "validation:" in out and "drift:" in out
+
+
+def test_the_intervals_are_labelled_at_the_level_they_were_computed_at():
+    clip = _driven(every=150, confidence=0.8)
+    text = "\n".join(markdown(clip))
+    assert "80% interval" in text and "95%" not in text
+    assert text.count("80% interval") == 4  # the quantile table, the recommendation, the verdict, the drift table
+    console = Console(record=True, width=200)
+    for r in tables(clip):
+        console.print(r)
+    out = console.export_text()
+    assert "80% interval" in out and "95%" not in out
