@@ -19,9 +19,10 @@ accelerate has no callbacks: the loop is yours, and its clip is one call. Replac
 ``clip_grad_norm_`` unscales the gradients (``accelerator.unscale_gradients()``, a no-op without
 fp16) and, with ``apply=False`` (default), calls ``torch.nn.utils.clip_grad_norm_`` on the same
 parameters, which is what ``accelerator.clip_grad_norm_`` does in one process: the run is
-bit-identical (``docs/accelerate.md``). With ``apply=True`` it clips at the policy's τ
-(``max_norm`` until the window closes, the calibrated τ after). It returns the pre-clip norm, as
-accelerate's does. DeepSpeed, FSDP and XLA clip inside their engines and are refused.
+bit-identical (``docs/accelerate.md``), each call at the ``max_norm`` it is given. With
+``apply=True`` it clips at the policy's τ (the first call's ``max_norm`` until the window closes,
+the calibrated τ after). It returns the pre-clip norm, as accelerate's does (a CPU tensor).
+DeepSpeed, FSDP and XLA clip inside their engines and are refused.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class ClipampAccelerate:
         """Unscale, norm and clip as ``accelerator.clip_grad_norm_`` (or at the calibrated τ); the pre-clip norm."""
         if not self._begun:
             self._begin(max_norm)
+        elif not self.recorder.apply:  # the τ of this call, as accelerate would clip at it
+            self.recorder.set_user_tau(max_norm)
         params = list(parameters)
         self.accelerator.unscale_gradients()
         self._lr = float(self._optimizer_lr())
@@ -124,7 +127,8 @@ class ClipampAccelerate:
         return optimizers[0].param_groups[0]["lr"] if optimizers else float("nan")
 
     def step_end(self, loss: torch.Tensor | float | None = None) -> None:
-        """After ``optimizer.step()`` of a synchronising step: the step's record (``loss``: its loss)."""
+        """After ``optimizer.step()`` of a synchronising step: the step's record (``loss``: the loss you pass,
+        e.g. the last micro-batch's under accumulation)."""
         if self._measured is None:
             raise RuntimeError("step_end() without clip_grad_norm_() in this optimizer step")
         m, self._measured = self._measured, None

@@ -107,7 +107,7 @@ class StepRecorder:
         params: dict[str, Any] | None = None,
     ) -> None:
         """Build the policy for a run of ``total_steps`` and open its CSV (and MLflow run) on the main process."""
-        self.user_tau = user_tau if user_tau and user_tau > 0 else None
+        self.set_user_tau(user_tau)
         cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
         self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
         self.records, self._announced = RunRecords(), 0
@@ -162,6 +162,10 @@ class StepRecorder:
     def summary(self):
         """The first window's ``CalibrationSummary`` (``None`` until it closes)."""
         return self.policy.summaries[0] if self.policy.summaries else None
+
+    def set_user_tau(self, tau: float | None) -> None:
+        """The host's τ from now on (a host whose clip threshold changes between steps; ``apply=False``)."""
+        self.user_tau = tau if tau and tau > 0 else None
 
     def clip_in_force(self) -> float | None:
         """The τ the gradients of the next step are clipped at (``None``: not clipped)."""

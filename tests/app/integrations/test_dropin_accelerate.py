@@ -16,7 +16,9 @@ SIZE = dict(vocab=32, block=8, d=16, n_layer=1, n_head=2)
 
 
 def run(tmp_path, steps, tau, clipamp: bool):
-    """An accelerate loop (bf16, accumulation 2); returns (model, pre-clip norms)."""
+    """An accelerate loop (bf16, accumulation 2) clipping at ``tau`` (a number, or a function of the
+    optimizer step); returns (model, pre-clip norms)."""
+    tau_at = tau if callable(tau) else (lambda step: tau)
     from accelerate import Accelerator
 
     accelerate.state.AcceleratorState._reset_state(True)
@@ -39,7 +41,7 @@ def run(tmp_path, steps, tau, clipamp: bool):
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 clip = cb.clip_grad_norm_ if cb else accelerator.clip_grad_norm_
-                norms.append(float(clip(model.parameters(), tau)))
+                norms.append(float(clip(model.parameters(), tau_at(len(norms) + 1))))
             optimizer.step()
             optimizer.zero_grad()
             if cb and accelerator.sync_gradients:
@@ -60,3 +62,16 @@ def test_apply_false_changes_nothing_in_a_bf16_accumulated_loop(tmp_path):
     df = pd.read_csv(tmp_path / "steps.csv")
     assert df["grad_l2_pre_clip"].tolist() == ref_norms and df["step"].tolist() == list(range(1, steps + 1))
     assert df["loss"].notna().all()
+
+
+def test_apply_false_follows_a_max_norm_that_changes_between_calls(tmp_path):
+    """A loop that lowers its max_norm after 5 steps: each call clips at the τ it is given."""
+    steps = 12
+    schedule = lambda step: 1.0 if step <= 5 else 0.2  # noqa: E731
+    ours, ours_norms = run(tmp_path, steps, schedule, clipamp=True)
+    ref, ref_norms = run(tmp_path, steps, schedule, clipamp=False)
+    assert ours_norms == ref_norms and any(n > 0.2 for n in ref_norms[5:])
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p, q), name
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["max_norm"].tolist() == [1.0] * 5 + [0.2] * 7
