@@ -50,7 +50,9 @@ class ClipampCallback(pl.Callback):
     Args:
         apply: clip at the calibrated τ once the window closes (else Lightning's clip is left alone).
         max_norm: the τ you clip at, when ``Trainer(gradient_clip_val=)`` does not say it (manual
-            optimization); ``None``: ``trainer.gradient_clip_val``.
+            optimization, or ``apply=True``); ``None``: ``trainer.gradient_clip_val``. Refused under
+            automatic optimization with ``apply=False`` (Lightning's clip is the one that runs) and
+            beside a different ``gradient_clip_val``.
         csv_path: ``steps.csv`` without MLflow (default ``<default_root_dir>/clipamp/steps.csv``).
         tracking, experiment, run_name, skip_nonfinite, verbose, **calibrate: as ``StepRecorder``.
     """
@@ -96,6 +98,18 @@ class ClipampCallback(pl.Callback):
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: ClipampCallback calibrates a "
                 "norm threshold; use gradient_clip_algorithm='norm' or drop the callback"
             )
+        if pl_module.automatic_optimization and self.max_norm is not None:
+            if not self.apply:
+                raise ValueError(
+                    f"ClipampCallback(max_norm={self.max_norm}) with automatic optimization and apply=False: "
+                    "Lightning clips at Trainer(gradient_clip_val=) and the callback leaves that clip alone; "
+                    "pass the threshold as gradient_clip_val (max_norm is for manual optimization), or apply=True"
+                )
+            if trainer.gradient_clip_val is not None and trainer.gradient_clip_val != self.max_norm:
+                raise ValueError(
+                    f"ClipampCallback(max_norm={self.max_norm}) and Trainer(gradient_clip_val="
+                    f"{trainer.gradient_clip_val}) name two thresholds: pass one"
+                )
         self._user_clip = trainer.gradient_clip_val
         tau = self.max_norm if self.max_norm is not None else trainer.gradient_clip_val
         if self.apply:

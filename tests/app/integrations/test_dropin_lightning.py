@@ -167,3 +167,43 @@ def test_manual_optimization_apply_false_clips_at_max_norm_as_lightnings_clip_gr
     df = pd.read_csv(tmp_path / "s.csv")
     assert (df["grad_l2_pre_clip"] > tau).sum() > steps / 2  # most steps clip
     assert df["grad_l2_post_clip"].tolist() == pytest.approx([min(n, tau) for n in df["grad_l2_pre_clip"]], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "callback,tau,message",
+    [
+        (
+            dict(max_norm=0.5),
+            None,
+            r"ClipampCallback\(max_norm=0.5\) with automatic optimization and apply=False: Lightning clips at "
+            r"Trainer\(gradient_clip_val=\) and the callback leaves that clip alone",
+        ),
+        (
+            dict(max_norm=0.5, apply=True),
+            0.25,
+            r"ClipampCallback\(max_norm=0.5\) and Trainer\(gradient_clip_val=0.25\) name two thresholds: pass one",
+        ),
+    ],
+)
+def test_a_max_norm_that_would_not_be_the_clip_is_refused_before_any_step(tmp_path, callback, tau, message):
+    """Under automatic optimization Lightning's gradient_clip_val is the clip: a max_norm beside it
+    would make the records describe a clip that never ran."""
+    cb = ClipampCallback(tracking=None, csv_path=tmp_path / "s.csv", verbose=False, **callback)
+    torch.manual_seed(0)
+    module = LitGPT()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        gradient_clip_val=tau,
+        callbacks=[cb],
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, _loader(2, 1))
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    assert not (tmp_path / "s.csv").exists()
