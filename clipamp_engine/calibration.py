@@ -104,7 +104,7 @@ def min_window(q: float, confidence: float = CONFIDENCE) -> int:
 
     The upper bound needs P(B ≤ n − 1) = 1 − qⁿ ≥ 1 − α/2, the lower one (1 − q)ⁿ ≤ α/2
     (Hahn & Meeker 1991, §5.2): n ≥ log(α/2) / log(max(q, 1 − q)). For a 95% interval that is
-    6 norms for p50, 29 for p90, 72 for p95 and 368 for p99.
+    6 norms for p50, 36 for p90, 72 for p95 and 368 for p99.
     """
     half = (1.0 - confidence) / 2
     return math.ceil(math.log(half) / math.log(max(q, 1.0 - q)) - 1e-12)

@@ -3,10 +3,11 @@
     python -m clipamp_engine.demo [--bf16] [--spike] [--csv PATH] [--max-skip-rate X]
 
 One line per step, beginning ``STEP`` or ``SKIP``; at least one ``SKIP`` (the inf written into a
-gradient at ``--inject-step``). ``--spike`` multiplies one batch's targets by 1e8 (a
-exercise) to show what clipping does with a finite spike. ``--csv`` replaces an earlier demo CSV
-at that path. Exit 0, 1 when the skip rate over the run exceeds ``--max-skip-rate``, or 2 with one
-``error:`` line for a bad argument.
+gradient at ``--inject-step``). ``--spike`` multiplies one batch's targets by 1e8 (a bad batch)
+to show what clipping does with a finite spike. ``--csv`` replaces an earlier demo CSV
+at that path. Exit 0, 1 when the skip rate over the last min(100, ``--steps``) steps exceeds
+``--max-skip-rate`` (checked once that many steps have run), or 2 with one ``error:`` line for a
+bad argument.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="autocast to bf16 (no loss scaling) instead of fp16")
     p.add_argument("--spike", action="store_true", help="multiply the targets of one batch by 1e8")
     p.add_argument("--csv", metavar="PATH", help="write the canonical per-step CSV here")
-    p.add_argument("--max-skip-rate", type=float, metavar="X", help="fail when the run's skip rate exceeds X")
+    p.add_argument(
+        "--max-skip-rate",
+        type=float,
+        metavar="X",
+        help="fail when the skip rate over the last min(100, --steps) steps exceeds X",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--inject-step", type=int, default=5, help="step whose gradient gets an inf (0: none)")
     p.add_argument("--spike-step", type=int, default=12)

@@ -18,7 +18,8 @@ kind                   likely cause
 ``diagnose(records)`` takes ``StepLog``/``SkipLog`` objects or row dicts (e.g. from
 ``csv.DictReader`` over a steps CSV: strings are parsed) with the canonical columns and
 optionally ``max_norm``, ``clipped``, ``data_source``, ``scaler_at_floor``. Thresholds are
-keyword arguments with the defaults documented on ``diagnose``. Numpy only.
+keyword arguments with the defaults documented on ``diagnose``. Numpy, and torch for the binomial
+interval (``clipamp_engine.band.clopper_pearson``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ What the fused path needs, and what it gives up (otherwise the default path runs
   ``per_group``, ``agc``, ``update``, ``quantile``, ``zscore`` and ``dpsgd`` need per-tensor
   passes, the update itself, host-side state or their own gradients, and keep their passes;
 - no forensics probe (it snapshots parameters and reads the update);
+- one process (under DDP/FSDP2 with several ranks the default path runs, whose collectives agree
+  on skips);
 - no fp64 parameters: the fused kernels take ``grad_scale`` in fp32 only, which would round an
   fp64 run's clip coefficient (the default path clips fp64 gradients in fp64);
 - a non-finite loss still runs backward (its gradients are discarded by the same flag);

@@ -121,7 +121,8 @@ class SkipRateMonitor:
 
 
 class ClipRatioMonitor(RollingRate):
-    """Rolling clipping ratio: the share of taken steps whose pre-clip norm exceeded τ.
+    """Rolling clipping ratio: the share of taken steps whose record says ``clipped`` (post-clip
+    norm below the pre-clip norm).
 
     Skipped steps are not observations (they were never clipped nor taken).
     """

@@ -1,5 +1,6 @@
 """The norm-pattern detectors behind ``clipamp_engine.diagnosis.diagnose``: each reads a run's
-per-step trace and returns a ``Finding`` or ``None``. Numpy only."""
+per-step trace and returns a ``Finding`` or ``None``. Numpy, and torch for the binomial interval of
+``find_sustained_clipping`` (``clipamp_engine.band.clopper_pearson``)."""
 
 from __future__ import annotations
 

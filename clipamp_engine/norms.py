@@ -3,7 +3,8 @@
 Dense gradients go through torch's fused ``_foreach_norm`` (one kernel per device/dtype group,
 accumulating in at least fp32: fp16/bf16/fp32 in fp32, fp64 in fp64); sparse COO gradients are
 coalesced and normed from their values, never densified. FSDP2 gradients (DTensor shards)
-give the norm over the whole mesh. Nothing here syncs with the host.
+give the norm over the whole mesh. Nothing here syncs with the host except ``has_non_finite_grad``
+(one sync, for its bool).
 
 References:
     Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural networks",
@@ -83,7 +84,9 @@ def per_tensor_norms(tensors: list[torch.Tensor], norm_type: float = 2.0) -> tor
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """Norm of all ``grads`` as one concatenated vector, as a 0-dim tensor (fp64 if any
-    gradient is fp64, else fp32), equal to ``torch.nn.utils.get_total_norm``.
+    gradient is fp64, else fp32). For fp32/fp64 gradients it equals
+    ``torch.nn.utils.get_total_norm``; fp16/bf16 gradients are normed in fp32 here, where torch
+    norms them in their own dtype.
 
     Non-finite entries propagate (inf → inf, nan → nan), so ``isfinite(total_norm(g))`` is a
     one-kernel non-finite check for the L2 and inf norms.
@@ -119,10 +122,10 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torc
 def clip_global_l2_norm(parameters: Params, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip all gradients by their global L2 norm, in place; return ``(pre, post)`` norms.
 
-    Scales by ``min(1, max_norm / (pre + 1e-6))`` exactly like
-    ``torch.nn.utils.clip_grad_norm_`` (dense grads), sparse grads included without
-    densifying. Non-finite gradients are never "clipped": they are left untouched and
-    reported through a non-finite ``pre`` (and ``post``).
+    Scales by ``min(1, max_norm / (pre + 1e-6))`` like ``torch.nn.utils.clip_grad_norm_``
+    (exactly so for dense fp32/fp64 grads; fp16/bf16 grads are normed in fp32 here, in their own
+    dtype by torch), sparse grads included without densifying. Non-finite gradients are never
+    "clipped": they are left untouched and reported through a non-finite ``pre`` (and ``post``).
 
     Args:
         parameters: tensors (or one tensor) whose ``.grad`` to clip; ``None`` grads skipped.

@@ -49,7 +49,7 @@ class StepLog:
     pipeline: str = "default"
 
     def row(self) -> dict[str, Any]:
-        """Flat dict: canonical columns first, then clipped, token_count and extras."""
+        """Flat dict: canonical columns first, then clipped, token_count, max_norm and extras."""
         out = {name: getattr(self, name) for name in CANONICAL_COLUMNS}
         out["clipped"] = self.clipped
         out["token_count"] = self.token_count

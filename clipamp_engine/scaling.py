@@ -220,7 +220,8 @@ class HysteresisScaler(LossScaler):
 
     @property
     def hysteresis_left(self) -> int:
-        """Overflows still absorbed before the next back-off (reading it syncs when it changed)."""
+        """The hysteresis counter L ≥ 1: the next L − 1 overflows are absorbed and the one after backs
+        off (1: the next overflow backs off). Reading it syncs when it changed."""
         return self._counter("hysteresis_left")
 
     @property

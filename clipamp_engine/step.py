@@ -232,8 +232,10 @@ class AmpTrainState:
     def step_deferred(self, inputs: Any, targets: Any) -> list[StepLog]:
         """Run one optimizer step; return the records materialised by this call, oldest first.
 
-        On the fused path that is ``[]`` between flushes and the last ``log_every`` records at
-        each flush; on the default path, this step's record. Call ``flush()`` after the last step.
+        On the fused path that is ``[]`` between flushes and, at each flush, the records pending
+        since the previous flush (``log_every``, or fewer at an early flush the clip policy's
+        ``needs_records`` asks for); on the default path, this step's record. Call ``flush()``
+        after the last step.
         """
         self._run(inputs, targets)
         due = len(self._pending) + len(self._ready) >= self.log_every or self.clip.needs_records(self.step_count)

@@ -3,8 +3,9 @@
 ``make_clip_policy(mode, **options)`` (``registry``) builds one of ``CLIP_MODES``:
 ``fixed`` (norm, none, value, staged, per_group), ``agc``, ``update``, ``adaptive``
 (quantile, zscore), ``calibrated`` and ``dpsgd``; ``base.ClipPolicy`` is their interface, and
-``base.GlobalCoefficientClip`` the base of the policies whose clip is one global coefficient
-(the ones the fused path runs).
+``base.GlobalCoefficientClip`` a base for policies whose clip is one global coefficient. The fused
+path runs the policies that declare ``single_coefficient`` (``CalibratedClip`` declares it without
+that base).
 """
 
 from .adaptive import QuantileClip, ZScoreClip

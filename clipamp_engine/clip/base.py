@@ -27,11 +27,12 @@ class ClipPolicy:
     """Base policy. Subclasses override ``clip_``; the hooks default to no-ops.
 
     ``clip_`` receives the parameters that have gradients, their gradients (same order,
-    unscaled, accumulated), the finite pre-clip global L2 norm (0-dim fp32 tensor) and the
-    1-based step; it scales the gradients in place and returns the post-clip global L2 norm
-    as a 0-dim tensor (no host sync). It is only called on steps that are taken, so a
-    skipped step never changes what a policy learnt from gradients; ``observe`` then sees
-    every finished record, taken or skipped (host values, no sync).
+    unscaled, accumulated), the finite pre-clip global L2 norm (0-dim tensor, fp64 if any
+    gradient is fp64, else fp32) and the 1-based step; it scales the gradients in place and
+    returns the post-clip global L2 norm as a 0-dim tensor (no host sync). It is only called
+    on steps that are taken, so a skipped step never changes what a policy learnt from
+    gradients; ``observe`` then sees every finished record, taken or skipped (host values, no
+    sync).
 
     Capabilities a policy declares (the step asks them, never the policy's type):
 
@@ -63,8 +64,14 @@ class ClipPolicy:
         raise NotImplementedError
 
     def coefficient(self, pre: torch.Tensor, step: int) -> torch.Tensor:
-        """The one scalar every gradient is multiplied by at ``step`` (0-dim, no sync), for a finite
-        ``pre``; only for policies with ``single_coefficient``. Sets what ``threshold`` reports."""
+        """The one scalar every gradient is multiplied by at ``step`` (0-dim, no sync); only for
+        policies with ``single_coefficient``. Sets what ``threshold`` reports.
+
+        The fused path calls it on every step, before the skip is known: also on steps that end up
+        skipped (a non-finite ``pre`` or loss), whose coefficient is then discarded
+        (``clipamp_engine.fused.global_coefficient``). So it must have no side effects that assume
+        a finite ``pre`` or a taken step (learn from gradients in ``observe`` instead).
+        """
         raise NotImplementedError(f"clip mode {self.mode!r} is not one global coefficient")
 
     @property
@@ -80,10 +87,13 @@ class ClipPolicy:
         return {}
 
     def observe(self, record: StepLog) -> None:
-        """Called with every step's finished record (``StepLog`` or ``SkipLog``) right after it is built.
+        """Called with every step's finished record (``StepLog`` or ``SkipLog``), in step order, when
+        ``AmpTrainState.flush`` materialises it: at once on the default path; on the fused path every
+        ``log_every`` steps, or earlier when ``needs_records`` asks.
 
-        A ``ValueError`` raised here reaches the caller of ``AmpTrainState.step`` with the
-        record attached as ``.record`` (the step itself already happened).
+        A ``ValueError`` raised here reaches the caller of ``AmpTrainState.step``, ``step_deferred``
+        or ``flush`` with the record attached as ``.record`` and the flush's records as ``.records``
+        (the steps themselves already happened).
         """
 
     def needs_records(self, step: int) -> bool:

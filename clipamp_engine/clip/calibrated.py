@@ -61,7 +61,8 @@ class CalibratedClip(ClipPolicy):
     are counted, never mixed into quantiles or ratios.
 
     The norms reach the policy through ``observe(record)`` (host values the step already read
-    back), so calibrating adds no host sync.
+    back), so calibrating adds no per-step sync; on the fused path ``needs_records`` makes it flush
+    once more (one transfer) at each window's last step, unless a flush falls there anyway.
 
     Args:
         window: steps per window (>= 2).
@@ -77,7 +78,7 @@ class CalibratedClip(ClipPolicy):
         total_steps: the run length (context, not an option): a window cut by the end of the
             run is kept only with >= 2 steps; ``auto`` starts early enough to fit. ``None``: unknown.
 
-    Raises (from ``observe``, i.e. ``AmpTrainState.step``):
+    Raises (from ``observe``, i.e. ``AmpTrainState.step``, ``step_deferred`` or ``flush``):
         CalibrationError: a window had no finite norm, or recommends τ <= 0.
     """
 

@@ -176,6 +176,15 @@ class DPSGDClip(ClipPolicy):
     ``accumulation_steps=1`` and bf16/fp32 (the per-example gradients are not loss-scaled).
     Privacy accounting is out of scope (see the module docstring). A ``(loss_sum, token_count)``
     loss is taken per example as its token mean.
+
+    Args:
+        max_norm: C (> 0), the per-example bound.
+        noise_multiplier: σ (≥ 0).
+        per_layer: clip each parameter tensor separately (see ``dp_sgd_grads``).
+        seed: seeds the policy's own CPU generator, which draws the noise when the model is on the
+            CPU and whose state ``state_dict()`` checkpoints. On any other device the noise comes
+            from that device's global RNG (``torch.manual_seed`` / ``torch.cuda.manual_seed``):
+            ``seed`` and the checkpointed generator state do not apply there.
     """
 
     mode = "dpsgd"

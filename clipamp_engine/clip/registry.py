@@ -17,7 +17,7 @@ mode            what is bounded                                                 
 ``update``      the optimizer's data update Δθ (decoupled weight decay apart)   none
 ``quantile``    global norm at a quantile of recent norms (AutoClip)            history
 ``zscore``      global norm at an EMA z-score rule (ZClip)                      EMA μ, σ²
-``dpsgd``       every example's gradient norm, plus Gaussian noise (DP-SGD)     noise RNG
+``dpsgd``       every example's gradient norm, plus Gaussian noise (DP-SGD)     CPU RNG
 ``calibrated``  global L2 norm at τ = Quantile_q of a calibration window        window, τ
 ==============  ==============================================================  ==========
 """

@@ -94,9 +94,10 @@ class UpdateNormClip(ClipPolicy):
 
     so weight decay is never clipped. ``after_step`` returns ``update_l2_pre_clip`` and
     ``update_l2_post_clip`` (0-dim tensors) for the record; ``last_update_norm`` keeps ‖u‖.
-    The optimizer's moments saw the unclipped gradient, so they are not protected: combine
-    with a gradient mode if that matters (the usual advice: clip gradients first, add
-    update clipping only when update-norm logs show the adaptive step is what blows up).
+    The optimizer's moments saw the unclipped gradient, so they are not protected. One clip
+    policy runs per step (``AmpTrainState`` takes one), so bounding both the gradient and the
+    update needs a ``ClipPolicy`` of your own; the usual advice is to start with gradient
+    clipping and switch to ``update`` when update-norm logs show the adaptive step blowing up.
 
     Cost: one copy of the parameters that have gradients, in their own dtype (allocated once
     and reused), one copy pass before the step and ~3 fused passes after it.
