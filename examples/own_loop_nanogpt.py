@@ -6,8 +6,9 @@ A byte-level GPT (nanoGPT's shape: tied embedding, pre-LN blocks, ``forward(idx,
 (logits, loss)``, AdamW with decay / no-decay groups) on the standard library's own sources,
 bf16 autocast, accumulation 2. Without ``--apply`` every step is exactly nanoGPT's
 ``clip_grad_norm_(model.parameters(), 1.0)`` step; with ``--apply`` τ is calibrated as the runner
-calibrates it (1.0 until the window closes, the calibrated τ after) and the window, τ with its
-interval and the verdict are printed. Writes ``steps.csv`` (replaced on a re-run).
+calibrates it, with the window shortened to steps/3 (at most the runner's 200) so that a short run
+keeps steps to validate it (1.0 until the window closes, the calibrated τ after), and the window, τ
+with its interval and the verdict are printed. Writes ``steps.csv`` (replaced on a re-run).
 """
 
 import argparse

@@ -1,9 +1,10 @@
 """The core every framework integration drives, one optimizer step at a time: measure, clip, record, calibrate.
 
-A host framework (``transformers.Trainer``, Lightning, accelerate, a hand loop) calls, per optimizer step,
-``measure(params, step)`` on the unscaled, accumulated, not yet clipped gradients — ``params`` in the
-order the host itself norms them — and, once the step is done, ``record(...)``. In between the host's
-optimizer runs. The calibration is the engine's ``CalibratedClip`` with the runner's options
+A host framework (``transformers.Trainer``, Lightning, accelerate, a hand loop) calls ``begin(total_steps=…,
+user_tau=…, default_csv=…)`` once, then per optimizer step ``measure(params, step, host_clips=…)`` on the
+unscaled, accumulated, not yet clipped gradients — ``params`` in the order the host itself norms them —
+and, once the step is done, ``record(step, lr, measured)``; ``end(step)`` at the end. In between the
+host's optimizer runs. The calibration is the engine's ``CalibratedClip`` with the runner's options
 (``clipamp_engine.clip.calibrated.RECOMMENDED``: window after the warm-up and the norms' transient,
 τ aimed at the band's middle with its interval, held-out validation with a verdict and next action,
 drift), so the numbers equal a ``+experiment=calibrate`` run's on the same norms.
@@ -15,7 +16,8 @@ drift), so the numbers equal a ``+experiment=calibrate`` run's on the same norms
 - ``apply=True`` clips at the policy's τ: the host's τ as the cap until the first window closes (or
   nothing, without one), the calibrated τ after it; non-finite gradients are dropped (``skip_nonfinite``).
 
-Records, ``steps.csv`` and MLflow use the names of ``python -m sweep`` runs.
+The records, the ``steps.csv`` columns and the MLflow metric names are those of ``python -m sweep`` runs
+(the run's tags are the integration's own: ``run``, and the model, dtype or precision it knows).
 """
 
 from __future__ import annotations
@@ -82,10 +84,16 @@ class StepRecorder:
         skip_nonfinite: bool | None = None,
         verbose: bool = True,
     ) -> None:
+        if "cap" in (calibrate or {}):
+            raise ValueError(
+                "cap: the τ until the first window closes is the host's own (max_grad_norm, gradient_clip_val, "
+                "max_norm), clipped at with apply=True; drop cap="
+            )
         self.options = {**RECOMMENDED, **(calibrate or {})}
-        unknown = sorted(set(self.options) - set(RECOMMENDED) - {"cap"})
+        accepted = [k for k in RECOMMENDED if k != "cap"]
+        unknown = sorted(set(self.options) - set(RECOMMENDED))
         if unknown:
-            raise ValueError(f"calibration options {', '.join(unknown)} are not among {', '.join(RECOMMENDED)}")
+            raise ValueError(f"calibration options {', '.join(unknown)} are not among {', '.join(accepted)}")
         self.policy = CalibratedClip(**self.options)  # validates the options now
         self.apply, self.csv_path, self.tracking = bool(apply), csv_path, tracking
         self.experiment, self.run_name, self.verbose = experiment, run_name, verbose
@@ -121,7 +129,8 @@ class StepRecorder:
         self.say(f"steps.csv: {path}")
 
     def end(self, step: int) -> dict[str, float]:
-        """Close the CSV and the MLflow run; a window cut short by an early stop is summarised as it stands."""
+        """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it
+        stands (a later one is dropped: the τ in force came from the window before it)."""
         open_window = self.policy.state_dict()["calibrator"]
         if not self.policy.summaries and open_window is not None:
             seen = NormCalibrator(self.policy.quantile, self.policy.candidates, self.policy.confidence)

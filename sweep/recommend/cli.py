@@ -33,7 +33,12 @@ DESCRIPTION = (
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sweep.recommend", description=DESCRIPTION)
     ap.add_argument("paths", nargs="+", metavar="PATH", help="trainer_state.json or its folder, events, CSV, runs:/ID")
-    ap.add_argument("--norm", default=None, help="tag / column / metric of the pre-clip norm (default: grad_norm …)")
+    ap.add_argument(
+        "--norm",
+        default=None,
+        help="tag / column / metric of the pre-clip norm "
+        "(default: the first of grad_l2_pre_clip, grad_norm, train/grad_norm, one */grad_norm)",
+    )
     ap.add_argument("--lr", default=None, help="tag / column / metric of the learning rate (default: lr …)")
     ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")

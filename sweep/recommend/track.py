@@ -1,9 +1,10 @@
 """``--track``: a recommendation as an MLflow run, named like a calibrate run's records.
 
 Metrics ``recommended_max_norm`` and ``grad_norm_p50/p90/p95/p99`` (the first window's), the window's
-intervals, prediction and band check (``sweep.run.calibration.calibration_metrics``); artifacts
-``report.md`` (``sweep.recommend.report.markdown``) and ``quantiles.json``
-(``calibration_payload``); params: the source, the norm read, its logging interval and the options.
+intervals, prediction and band check (``sweep.run.calibration.calibration_metrics``), and
+``norms_logged``; artifacts ``report.md`` (``sweep.recommend.report.markdown``) and ``quantiles.json``
+(``calibration_payload``); params: the source, the norm read, its logging interval and every
+calibration option (``calibrate.*``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def log_recommendation(client, experiment_id: str, rec: Recommendation) -> str:
         "calibrate.start": o.start,
         "calibrate.validate": o.validate,
         "calibrate.target_clip": list(o.target_clip),
+        "calibrate.candidates": list(o.candidates),
+        "calibrate.confidence": o.confidence,
     }
     now = int(time.time() * 1000)
     client.log_batch(

@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment (tracking.experiment)")
     ap.add_argument("--last", type=int, default=None, metavar="N", help="only the N newest runs")
-    ap.add_argument("--wide", action="store_true", help="every column (ids, model, data, p50/p90/p99, status)")
-    ap.add_argument("--out", default=None, help="also save the table as CSV (or .md for markdown)")
+    ap.add_argument(
+        "--wide", action="store_true", help="every column (ids, experiment, model, data, p50/p90/p99, status, started)"
+    )
+    ap.add_argument("--out", default=None, help="also save the wide table as CSV (or .md for markdown)")
     args = ap.parse_args(argv)
     try:
         if args.last is not None and args.last < 1:

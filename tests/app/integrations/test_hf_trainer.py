@@ -187,3 +187,11 @@ def test_a_run_stopped_inside_the_window_still_recommends_from_what_it_saw(tmp_p
     assert df["step"].tolist() == [1, 2, 3] and (df["phase"] == "calibrate").all()
     assert (cb.summary.start_step, cb.summary.end_step) == (1, 3)
     assert cb.summary.recommended_max_norm == pytest.approx(np.quantile(df["grad_l2_pre_clip"], 0.95), rel=1e-9)
+
+
+def test_a_cap_is_refused_naming_the_hosts_own_threshold(tmp_path):
+    """The cap until the first window closes is max_grad_norm itself (with apply=True): a cap= beside it
+    would be dropped silently."""
+    with pytest.raises(ValueError, match=r"cap: the τ until the first window closes is the host's own"):
+        ClipampCallback(apply=True, cap=0.5, tracking=None, csv_path=tmp_path / "s.csv")
+    assert not (tmp_path / "s.csv").exists()
