@@ -18,8 +18,9 @@ and gradients, no loss scaling, as bf16 AMP). Arms run in a rotated order each r
 figure is the median over rounds of the per-round paired ratio. Goals: (d) at least as fast as (b)
 and (d)/(c) <= 1.05. (b)'s ``clip_grad_norm_`` norms bf16 gradients into bf16 (8 mantissa bits);
 (c), (d) and (e) norm them in fp32, which on CPU costs a conversion pass (no CPU kernel reduces
-bf16 into an fp32 result without one). Memory: parameters + 2 gradient copies + 5 AdamW states
-(≈ 2.6 GB at 50M fp32).
+bf16 into an fp32 result without one). Memory: parameters, 2 gradient copies (pristine and live)
+and the AdamW states (m, v) of the 6 arms' optimizers, 15 full-size copies in all (≈ 3.0 GB at 50M
+fp32), plus a full-size temporary during a foreach AdamW step.
 
 ``--clock process``: CPU time of this process instead of wall time (on a shared CPU, with
 ``--threads 1``, it does not count the time other processes hold the cores). ``--malloc-keep``

@@ -11,7 +11,7 @@ runs its fused path (unscale and clip inside the optimizer's pass) against the c
 Absolute times on shared machines are noise; the ratio is the figure.
 
 ``--device cuda``: autocast, model and data on the GPU, each round ends with
-``torch.cuda.synchronize()``. The defaults are the CPU model (0.4M params); the GPT-2-small shape
+``torch.cuda.synchronize()``. The defaults are the CPU model (0.48M params); the GPT-2-small shape
 (124M params with ``--tie``) is ``--d-model 768 --layers 12 --heads 12 --vocab 50257 --tie``.
 ``--deferred``: the engine loop calls ``step_deferred`` (records materialised every ``log_every``
 steps, no host sync in between; rows written at each flush) instead of ``step``.

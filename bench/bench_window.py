@@ -1,7 +1,7 @@
 """Window efficiency: τ from a 50-step calibration window vs a 500-step one, on the default task.
 
-    python bench/bench_window.py [--steps 620] [--seeds 0 1 2] [--short 50 100 200] [--csv steps.csv ...]
-                                 [--figure docs/window_efficiency.png]
+    python bench/bench_window.py [--steps 620] [--seeds 0] [--short 50] [--long 500] [--quantile 0.95]
+                                 [--csv steps.csv ...] [--figure PATH]
 
 Trains the default task (``+experiment=train clip=none``: no clipping, so every window measures the
 same unclipped trace) for ``--steps`` steps, or reads an existing ``steps.csv``. Both windows start

@@ -1,23 +1,27 @@
 """The CUDA check behind ``scripts/gpu_check``: install, then each phase under its own timeout.
 
     python scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--profile gpu|smoke] [--python PY] [--only a,b]
-                                [--wheels DIR] [--venv DIR] [--install]
+                                [--wheels DIR] [--venv DIR] [--install] [--work DIR]
 
 Phases (docs/cuda.md): ``install`` (a ``.venv-gpu`` over the machine's own CUDA torch with
 ``scripts/gpu_requirements.txt`` from the registry or, offline, from a wheelhouse; else torch's
 CUDA build and the project from the registry), ``tests`` (``pytest -m cuda`` over ``tests/cuda``
-and the engine's fused-path tests; figures from ``record_property`` in the JUnit XML), the app runs
-``calibrate_bf16``, ``calibrate_fp16`` and ``sweep`` (concurrent with the tests: their figures are
-thresholds and ratios, not times), then the timed benches, alone on the device: ``pipeline_50M``,
+and ``tests/engine/test_fused.py``, where it selects ``test_no_cuda_sync_between_flushes``;
+figures from ``record_property`` in the JUnit XML), the app runs ``calibrate_bf16``,
+``calibrate_fp16`` and ``sweep`` (concurrent with the tests: their figures are thresholds and
+ratios, not times), then the timed benches, alone on the device: ``pipeline_50M``,
 ``pipeline_1B``, ``step_fp16``, ``step_bf16``. A phase that fails, or runs out of its time, is
 recorded with its error in the JSON and the next one runs; one overall deadline (``--budget``)
-bounds them all. Writes three files under ``--out``: ``gpu_check.json``, ``summary.txt`` and
+bounds them all. ``--only`` picks among the phases after ``install``, which runs first whatever
+``--only`` says, unless ``--python PY`` is given (or ``--profile smoke`` without ``--install``).
+Writes three files under ``--out``: ``gpu_check.json``, ``summary.txt`` and
 ``gpu_check_files.tar.gz`` (the logs, the JUnit XML, the benches' JSON, the MLflow stores; loose in
 ``--work``). Exits 0 when every phase run succeeded, 1 otherwise.
 
-``--profile smoke`` runs every phase at toy sizes on whatever device the interpreter has, without
-installing anything (with ``--install``, after the install phase, which then accepts a CPU torch):
-it checks this driver, not the device.
+``--profile smoke`` runs every phase at toy sizes, the app runs and the benches on the CPU (only
+the ``pytest -m cuda`` phase uses a GPU, where one is visible), without installing anything (with
+``--install``, after the install phase, which then accepts a CPU torch): it checks this driver, not
+the device.
 
 Standard library only: it runs before anything is installed.
 """
@@ -518,7 +522,12 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 470)))
     ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
     ap.add_argument("--python", default=None, help="use this interpreter as is (no install phase)")
-    ap.add_argument("--only", default="", help="comma-separated phases to run (default: all)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated phases to run after install (default: all); install runs first whatever --only says, "
+        "unless --python is given (or --profile smoke without --install)",
+    )
     ap.add_argument("--wheels", type=Path, default=default_wheelhouse(), help="install from this wheelhouse, offline")
     ap.add_argument("--venv", type=Path, default=VENV, help="the venv the install phase makes (default .venv-gpu)")
     ap.add_argument("--install", action="store_true", help="run the install phase with --profile smoke too")

@@ -8,8 +8,8 @@ dependency published as source only (``antlr4-python3-runtime`` 4.9.3, the runti
 override parser; pure Python). Then it leaves out the wheels of projects the machine already has
 (``--have FILE``: one project per line, ``name`` or ``name==version``, as ``pip list
 --format=freeze`` writes), but only the large ones (over ``--keep-under-mb``) and only where the
-version FILE gives satisfies every requirement on that project. The small wheels stay, so pip has
-them where the machine's version does not fit.
+version FILE gives satisfies every requirement on that project (a line without a version is taken
+as fitting). The small wheels stay, so pip has them where the machine's version does not fit.
 
 On the CUDA machine, ``bash scripts/gpu_check`` installs from ``./.whl`` (or ``$GPU_CHECK_WHEELS``)
 with ``--no-index``: pip takes from DIR only what the machine's Python lacks (docs/cuda.md).
