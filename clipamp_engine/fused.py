@@ -27,6 +27,9 @@ What the fused path needs, and what it gives up (otherwise the default path runs
   on skips);
 - no fp64 parameters: the fused kernels take ``grad_scale`` in fp32 only, which would round an
   fp64 run's clip coefficient (the default path clips fp64 gradients in fp64);
+- no SGD with momentum: torch's fused SGD allocates a missing momentum buffer with ``empty_like``
+  before it reads ``found_inf``, so a skipped first step would leave uninitialised memory as the
+  momentum of the next (the default path never calls ``step()`` on a skip);
 - a non-finite loss still runs backward (its gradients are discarded by the same flag);
 - an LR scheduler other than ``LambdaLR`` costs one sync per step (to step it on taken
   steps only); ``LambdaLR`` turns every group's ``lr`` into a 0-dim tensor (fp64 on CPU, where
@@ -89,6 +92,11 @@ def fused_path_refusal(optimizer: torch.optim.Optimizer, clip: ClipPolicy, foren
     unfused = [i for i, g in enumerate(groups) if "fused" in g and not g["fused"]]  # torch steps those unfused
     if unfused:
         return f"param groups {unfused} of {type(optimizer).__name__} say fused={groups[unfused[0]]['fused']}"
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in groups):
+        return (
+            "SGD with momentum: torch's fused SGD allocates its momentum buffers, uninitialised, on a step its "
+            "found_inf skips, and the next step would read them"
+        )
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return f"{type(optimizer).__name__}.step takes the deprecated grad_scaler argument"
     if not is_fusable(clip):

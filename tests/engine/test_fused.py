@@ -42,7 +42,7 @@ def _setup(
     torch.manual_seed(0)
     model = Tiny().to(param_dtype)
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[opt_name]
-    kw = {"momentum": 0.9} if opt_name == "sgd" else {"weight_decay": 0.1}
+    kw = {} if opt_name == "sgd" else {"weight_decay": 0.1}  # SGD with momentum keeps the default path
     opt = cls(model.parameters(), lr=1e-2, fused=True, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)) if schedule else None
     state = AmpTrainState(
@@ -327,6 +327,33 @@ def test_path_is_chosen_automatically():
     assert AmpTrainState(model, fused, F.mse_loss).pipeline == "fused"
     agc = make_clip_policy("agc", named_params=model)
     assert AmpTrainState(model, fused, F.mse_loss, clip=agc).pipeline == "default"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_sgd_with_momentum_keeps_the_default_path_and_a_skipped_first_step_changes_nothing(dtype):
+    """torch's fused SGD would allocate its momentum buffers uninitialised on a skipped first step; the
+    default path never steps on a skip, so the run equals one that never saw the bad batch."""
+    runs = []
+    for first_bad in (True, False):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+        state = AmpTrainState(model, opt, F.mse_loss, dtype=dtype, scaler=LossScaler("cpu", enabled=dtype == "fp16"))
+        assert state.pipeline == "default"
+        if first_bad:
+            x, y = _batch(0)
+            assert state.step(torch.full_like(x, math.nan), y).skip_reason == "nonfinite_loss"
+            assert opt.state == {} or all(s.get("momentum_buffer") is None for s in opt.state.values())
+        for i in range(1, 4):
+            assert not state.step(*_batch(i)).skipped
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    with pytest.raises(ValueError, match="SGD with momentum: torch's fused SGD allocates its momentum buffers"):
+        AmpTrainState(model, opt, F.mse_loss, fused=True)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    assert AmpTrainState(model, plain, F.mse_loss).pipeline == "fused"  # without momentum it stays fused
 
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
