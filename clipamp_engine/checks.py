@@ -42,8 +42,8 @@ def check_accumulation(batch_size: int, accumulation_steps: int) -> None:
 
 def checked_loss(result: Any) -> Any:
     """``loss_fn``'s result as the step uses it: a scalar floating tensor, or ``(loss_sum, token_count)``
-    with a positive count; ``ValueError`` naming what it returned otherwise. A count given as a tensor
-    is checked once the step reads it (``GlobalBatchLoss.add``, default path)."""
+    with a count ≥ 0 (a micro-batch may hold no token; the batch must hold one, which the step checks
+    after its last micro-batch); ``ValueError`` naming what it returned otherwise."""
     if result is None:  # the usual adapter for a model that computes its own loss, called without targets
         raise ValueError(
             "loss_fn returned None: expected a loss tensor or (loss_sum, token_count); for a model that computes "
@@ -56,10 +56,10 @@ def checked_loss(result: Any) -> Any:
                 "or (loss_sum, token_count)"
             )
         loss, count = result
-        if isinstance(count, (int, float)) and not count > 0:
+        if isinstance(count, (int, float)) and not count >= 0:
             raise ValueError(
-                f"loss_fn returned (loss_sum, {count!r}): the token count must be > 0 (a micro-batch without "
-                "real tokens has no token mean); return the number of tokens the sum is over"
+                f"loss_fn returned (loss_sum, {count!r}): the token count must be >= 0 in a micro-batch and > 0 "
+                "over the batch; return the number of tokens the sum is over"
             )
         _check_scalar(loss, "loss_fn's loss_sum")
         return tuple(result)

@@ -115,28 +115,37 @@ class GlobalBatchLoss:
         local_batch = torch.tensor(self.local_batch, dtype=wide, device=loss.device)
         sums = self.world.sum(torch.stack([part, count, local_batch]))
         part_f, count_f, self.samples = sums.tolist()  # sync: the finite-loss check and the record
-        if tokenwise and not count_f > 0:  # a tensor count (a Python number is checked in checked_loss)
-            ranks = f" over {self.world.size} ranks" if self.world.size > 1 else ""
+        if tokenwise and count_f < 0:
             raise ValueError(
-                f"loss_fn returned (loss_sum, token_count) with {count_f:g} tokens{ranks}: the token count must "
-                "be > 0 (a micro-batch without real tokens has no token mean); return the number of tokens the "
-                "sum is over"
+                f"loss_fn returned (loss_sum, token_count) with {count_f:g} tokens: the token count must be >= 0 "
+                "in a micro-batch and > 0 over the batch; return the number of tokens the sum is over"
             )
         self.contribution += part_f
         if tokenwise:
             self.tokens = (self.tokens or 0.0) + count_f
-            if self.ref is None:
+            if self.ref is None and count_f > 0:  # the first micro-batch with tokens (one without has a zero sum)
                 self.ref = count_f * self.k
-            if not (math.isfinite(part_f) and self.ref > 0):
+            if not math.isfinite(part_f):
                 return None
-            return loss / (self.ref / self.world.size)
+            return loss / ((self.ref if self.ref is not None else 1.0) / self.world.size)
         if not math.isfinite(part_f):
             return None
         return loss / (self.samples / (micro_batch * self.world.size))  # k equal micro-batches: loss / k
 
+    def check_tokens(self) -> None:
+        """After the last micro-batch: a token mean needs at least one token in the (global) batch."""
+        if self.tokens is not None and not self.tokens > 0:
+            ranks = f" over {self.world.size} ranks" if self.world.size > 1 else ""
+            raise ValueError(
+                f"loss_fn returned (loss_sum, token_count) with 0 tokens in the whole batch{ranks}: the token count "
+                "must be > 0 (a batch without real tokens has no token mean); return the number of tokens the sum "
+                "is over"
+            )
+
     @property
     def loss(self) -> float:
-        return self.contribution / (self.tokens if self.tokens is not None else self.samples)
+        count = self.tokens if self.tokens is not None else self.samples
+        return self.contribution / count if count else math.nan
 
     @property
     def token_count(self) -> int | None:

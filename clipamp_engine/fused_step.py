@@ -54,21 +54,34 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
     k = state.accumulation_steps
     total = batch_size(inputs)
     loss_acc = tokens = ref = None
+    host_tokens: float | None = 0.0  # the counts' total while every count is a Python number
     for x, y in state._micro_batches(inputs, targets):
         result = state._forward(x, y)
         if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
             loss_sum = result[0].float()
             count = torch.as_tensor(result[1], device=loss_sum.device)  # an int count too
-            if ref is None:
-                ref = count.float() * k  # provisional normaliser, corrected after accumulation
-            loss = loss_sum / ref
+            host_tokens = host_tokens + result[1] if host_tokens is not None and _is_number(result[1]) else None
+            # provisional normaliser, corrected after accumulation: from the first micro-batch with tokens
+            # (one without has a zero sum, divided by 1)
+            first = count.float() * k
+            ref = first if ref is None else torch.where(ref > 0, ref, first)
+            loss = loss_sum / torch.where(ref > 0, ref, torch.ones_like(ref))
             loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
             tokens = count if tokens is None else tokens + count
         else:  # mean loss: weight each micro-batch by its share of the samples
             loss = result.float() / (total / batch_size(y)) if k > 1 else result.float()  # loss / k
             loss_acc = loss if loss_acc is None else loss_acc + loss
         state._backward(loss, x, y)
+    if tokens is not None and host_tokens is not None and not host_tokens > 0:
+        raise ValueError(
+            "loss_fn returned (loss_sum, token_count) with 0 tokens in the whole batch: the token count must be > 0 "
+            "(a batch without real tokens has no token mean); return the number of tokens the sum is over"
+        )
     return loss_acc, tokens, ref
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def fused_update(
@@ -120,4 +133,5 @@ def fused_update(
 
 
 def _tokens_or_nan(tokens: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
-    return tokens.float() if tokens is not None else torch.full((), float("nan"), device=device)
+    # exact: RecordBuffer widens it to fp64 (an fp32 count would round past 2**24 tokens)
+    return tokens if tokens is not None else torch.full((), float("nan"), device=device)

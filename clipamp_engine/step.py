@@ -291,6 +291,7 @@ class AmpTrainState:
                     self.scaler.back_off()
                     return self._skip("nonfinite_loss", lr, scale, acc)
                 self._backward(loss, x, y)
+        acc.check_tokens()
         return self._update(acc, lr, scale)
 
     def _micro_batches(self, inputs: Any, targets: Any):

@@ -55,11 +55,15 @@ def test_accumulation_larger_than_the_batch_is_a_value_error():
         (lambda out, y: float(F.mse_loss(out, y)), r"loss_fn returned a float \(.*\), not a tensor"),
         (
             lambda out, y: (F.mse_loss(out, y, reduction="sum"), 0),
-            r"loss_fn returned \(loss_sum, 0\): the token count must be > 0",
+            r"loss_fn returned \(loss_sum, token_count\) with 0 tokens in the whole batch: the token count must be > 0",
+        ),
+        (
+            lambda out, y: (F.mse_loss(out, y, reduction="sum"), -1),
+            r"loss_fn returned \(loss_sum, -1\): the token count must be >= 0 in a micro-batch",
         ),
         (lambda out, y: (F.mse_loss(out, y), 8, 1), r"loss_fn returned a tuple of 3 items"),
     ],
-    ids=["non-scalar", "float", "zero-tokens", "triple"],
+    ids=["non-scalar", "float", "zero-tokens", "negative-tokens", "triple"],
 )
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_loss_of_the_wrong_form_is_named(loss_fn, message, fused):
@@ -122,10 +126,38 @@ def test_a_zero_token_count_tensor_is_named_on_the_default_path_and_changes_noth
         model, torch.optim.SGD(model.parameters(), lr=0.1), _token_loss(lambda n: torch.tensor(0)), dtype="fp32"
     )
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"with 0 tokens: the token count must be > 0"):
+    with pytest.raises(ValueError, match=r"with 0 tokens in the whole batch: the token count must be > 0"):
         state.step(*_batch())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters())
+
+
+def _weighted_loss(out, y):
+    """A token-style loss: rows whose target is 0 are padding (no token, no loss)."""
+    real = (y != 0).float()
+    return (real * (out - y) ** 2).sum(), real.sum()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_micro_batch_without_tokens_is_fine_the_batch_is_the_token_mean(fused):
+    """With accumulation, a micro-batch of padding only (0 tokens) contributes nothing: the step is the
+    token mean over the whole batch, as one micro-batch computes it, on either path."""
+    x, y = _batch(8)
+    y[:4] = 0.0  # the first micro-batch (k=2) is all padding
+    runs = []
+    for k in (2, 1):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        state = AmpTrainState(model, opt, _weighted_loss, dtype="fp32", max_norm=10.0, accumulation_steps=k)
+        logs = [state.step(x, y), *state.flush()]
+        log = next(r for r in logs if r is not None)
+        runs.append((log, [p.detach().clone() for p in model.parameters()]))
+    (log2, params2), (log1, params1) = runs
+    assert not log2.skipped and log2.token_count == log1.token_count == 4
+    assert log2.loss == pytest.approx(log1.loss, rel=1e-6)
+    assert log2.grad_l2_pre_clip == pytest.approx(log1.grad_l2_pre_clip, rel=1e-5)
+    for a, b in zip(params2, params1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_zero_token_count_tensor_on_the_fused_path_is_a_skipped_step():
@@ -140,3 +172,13 @@ def test_a_zero_token_count_tensor_on_the_fused_path_is_a_skipped_step():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     for s in opt.state.values():  # as a fresh AdamW's: no step counted, zero moments
         assert float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_token_count_past_fp32s_integers_is_recorded_exactly(fused):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    count = 2**24 + 1  # the first integer fp32 cannot hold
+    state = AmpTrainState(model, opt, _token_loss(lambda n: torch.tensor(count)), dtype="fp32")
+    (log,) = [r for r in [state.step(*_batch()), *state.flush()] if r is not None]
+    assert log.token_count == count
