@@ -193,24 +193,29 @@ def run_steps(
     stop: StopRequest | None = None,
     checkpoint: Callable[[int], None] | None = None,
     checkpoint_every: int = 0,
+    flush_after: Callable[[int], bool] | None = None,
 ) -> None:
     """Run ``steps`` (1-based step numbers) through ``state``, recording every step.
 
     Records are materialised by the engine every ``state.log_every`` steps (every step on CPU)
-    and then written in order: the CSV, MLflow and ``on_record`` see the same rows, later.
-    Every ``checkpoint_every`` steps, and when ``stop`` was requested, the pending records are
-    flushed and ``checkpoint(step)`` runs at the step boundary; a stop then raises ``RunInterrupted``.
+    and then written in order: the CSV, MLflow and ``on_record`` see the same rows, later; a
+    record's phase is read when it is written (a ``start=auto`` window is placed at a flush).
+    After a step for which ``flush_after(step)`` holds (e.g. an eval step: ``on_record`` must see
+    the model of that step), the pending records are flushed at the step boundary. Every
+    ``checkpoint_every`` steps, and when ``stop`` was requested, the pending records are flushed and
+    ``checkpoint(step)`` runs at the step boundary; a stop then raises ``RunInterrupted``.
     """
-    # per step whose record is not out yet: its phase, data source and floor flag (a device tensor until the flush)
-    pending: deque[tuple[str, Any, torch.Tensor | bool]] = deque()
+    # per step whose record is not out yet: its data source and floor flag (a device tensor until the flush)
+    pending: deque[tuple[Any, torch.Tensor | bool]] = deque()
     phases: list[str] = []
     with progress_bar(progress, label, every=progress_every) as bar:
         task = bar.add_task(label, total=len(steps), info="")
 
         def emit(logs: list[StepLog]) -> None:
             facts = [pending.popleft() for _ in logs]
-            floors = host_flags([floor for _, _, floor in facts])
-            for log, (phase, source, _), at_floor in zip(logs, facts, floors):
+            floors = host_flags([floor for _, floor in facts])
+            for log, (source, _), at_floor in zip(logs, facts, floors):
+                phase = phase_of(log.step)
                 _record_step(log, phase, source, at_floor, writer, tracker, records)
                 if on_record is not None:
                     on_record(log)
@@ -222,11 +227,13 @@ def run_steps(
             try:
                 logs = state.step_deferred(batch.inputs, batch.targets)
             except SkipRateExceeded as e:  # the flush that tripped the alarm: keep its rows
-                pending.append((phase_of(step), batch.data_source, state.scaler.floor_flag()))
+                pending.append((batch.data_source, state.scaler.floor_flag()))
                 emit(e.records)
                 raise
-            pending.append((phase_of(step), batch.data_source, state.scaler.floor_flag()))
+            pending.append((batch.data_source, state.scaler.floor_flag()))
             emit(logs)
+            if flush_after is not None and flush_after(step) and step != steps[-1]:
+                emit(state.flush())
             signum = stop.requested() if stop is not None else None  # agreed by every rank under torchrun
             if step == steps[-1]:
                 signum = None  # a stop at the last step is left to the caller: the run has nothing left to resume

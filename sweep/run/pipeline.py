@@ -80,6 +80,7 @@ class RunHooks:
     step: Callable[[StepLog], None] | None = None  # sees every record; may raise StopRun (pruning)
     artifacts: Callable[[Config, RunTracker, RunResult], None] | None = None  # reports, plots
     announce: Callable[[str], None] = print
+    flush_after: Callable[[int], bool] | None = None  # steps whose records a batch hook reads (spike)
 
 
 def run_training(
@@ -319,14 +320,19 @@ class _ActiveRun:
     def record(self, log: StepLog) -> None:
         """After each step: log a window that closed (the engine adopted its τ), periodic eval, the hook."""
         windows = self.windows
-        if len(windows) > self.windows_seen:
+        if len(windows) > self.windows_seen and log.step >= windows[-1].end_step:  # at its last step's record
             self.windows_seen = len(windows)
-            self.tracker.log_metrics(window_metrics(windows[-1], windows[0]), step=log.step)
+            self.tracker.log_metrics(window_metrics(windows[-1], windows[0]), step=windows[-1].end_step)
         cfg = self.cfg
         if cfg.eval_every and log.step % cfg.eval_every == 0 and log.step != cfg.steps:
             self.tracker.log_metrics({"eval_loss": evaluate(self.task, dtype=self.eval_dtype)}, step=log.step)
         if self.hooks.step is not None:
             self.hooks.step(log)
+
+    def flush_after(self, step: int) -> bool:
+        """Eval steps (the eval must see that step's model) and the steps a batch hook reads."""
+        every = self.cfg.eval_every
+        return bool(every and step % every == 0) or bool(self.hooks.flush_after and self.hooks.flush_after(step))
 
     def batches(self) -> Iterator[Batch]:
         """This rank's share of the task's batches from the resumed step on (the same data order as an
@@ -362,6 +368,7 @@ class _ActiveRun:
                     stop=stop,
                     checkpoint=self.checkpoint,
                     checkpoint_every=cfg.checkpoint_every,
+                    flush_after=self.flush_after,
                 )
             except CalibrationError as e:  # every step of a window was skipped
                 raise UserError(f"{e}; lengthen calibrate.window, or check amp.dtype and the data") from None

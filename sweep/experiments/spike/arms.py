@@ -122,6 +122,7 @@ def play_pair(
             step=lambda log, norms=norms: norms.__setitem__(log.step, log.grad_l2_pre_clip),
             artifacts=artifacts,
             announce=lambda msg, name=name: console.print(f"[dim]{name}: {msg}[/dim]"),
+            flush_after=lambda step: step == at - 1,  # the spike step's batch hook reads the norms before it
         )
         result = run_training(arm_cfg, store, spec, hooks, launch)
         if not spiker.crafted:

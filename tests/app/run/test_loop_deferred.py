@@ -22,14 +22,22 @@ class MetricLog:
         self.flushes += 1
 
 
-def _run(tmp_path, log_every, checkpoint_every=0):
+def _run(tmp_path, log_every, checkpoint_every=0, clip=None, flush_after=None):
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     scaler = HysteresisScaler("cpu", init_scale=2.0**10, hysteresis=2)
     state = AmpTrainState(
-        model, opt, F.mse_loss, dtype="fp16", max_norm=0.5, scheduler=sched, scaler=scaler, log_every=log_every
+        model,
+        opt,
+        F.mse_loss,
+        dtype="fp16",
+        clip=clip() if clip else None,
+        max_norm=None if clip else 0.5,
+        scheduler=sched,
+        scaler=scaler,
+        log_every=log_every,
     )
     assert state.pipeline == "fused"
 
@@ -38,7 +46,7 @@ def _run(tmp_path, log_every, checkpoint_every=0):
             x, y = _script(i, model)
             yield SimpleNamespace(inputs=x, targets=y, data_source=f"batch{i}")
 
-    seen, ckpts = [], []
+    seen, ckpts, at_record = [], [], []
 
     def checkpoint(step):
         ckpts.append((step, state.state_dict()["step_count"], len(seen)))  # raises if records were pending
@@ -53,19 +61,40 @@ def _run(tmp_path, log_every, checkpoint_every=0):
             writer=writer,
             tracker=tracker,
             records=records,
-            on_record=seen.append,
+            on_record=lambda log: (seen.append(log), at_record.append((log.step, state.step_count))),
             progress=False,
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every,
+            phase_of=state.clip.phase if clip else (lambda step: "train"),
+            flush_after=flush_after,
         )
-    return path.read_text(), tracker.steps, [r.step for r in seen], ckpts
+    return path.read_text(), tracker.steps, [r.step for r in seen], ckpts, at_record
 
 
 def test_rows_metrics_and_callbacks_equal_with_deferred_records(tmp_path):
-    csv1, metrics1, seen1, _ = _run(tmp_path, 1)
-    csv5, metrics5, seen5, ckpts = _run(tmp_path, 5, checkpoint_every=4)
+    csv1, metrics1, seen1, _, _ = _run(tmp_path, 1)
+    csv5, metrics5, seen5, ckpts, _ = _run(tmp_path, 5, checkpoint_every=4)
     assert csv5 == csv1 and "nonfinite_loss" in csv1 and "nonfinite_grad" in csv1
     assert repr(metrics5) == repr(metrics1)  # NaN losses compare by their text
     assert seen5 == seen1 == list(range(1, 13))
     # a checkpoint at a step boundary comes after every record up to that step was handed out
     assert ckpts == [(4, 4, 4), (8, 8, 8), (12, 12, 12)]
+
+
+def test_phases_of_an_auto_placed_window_are_those_of_per_step_records(tmp_path):
+    """start=auto places the window when the records are observed, at a flush: the phase column is read
+    then, so deferred records label the window's steps as per-step records do."""
+    from clipamp_engine.clip import make_clip_policy
+
+    clip = lambda: make_clip_policy("calibrated", window=3, start="auto", quantile=0.5, total_steps=12)  # noqa: E731
+    csv1, *_ = _run(tmp_path, 1, clip=clip)
+    csv8, *_ = _run(tmp_path, 8, clip=clip)
+    assert ",calibrate," in csv1 and csv8 == csv1
+
+
+def test_flush_after_hands_out_a_steps_record_before_the_next_step(tmp_path):
+    """An eval step's record (and the eval hook it runs) sees the model of that step, not of a later flush."""
+    *_, at_record = _run(tmp_path, 5, flush_after=lambda step: step % 3 == 0)
+    assert {step: count for step, count in at_record if step % 3 == 0} == {3: 3, 6: 6, 9: 9, 12: 12}
+    *_, deferred = _run(tmp_path, 5)
+    assert dict(deferred)[3] == 5  # without it, step 3's record comes out at the flush of step 5
