@@ -222,30 +222,42 @@ def run_steps(
                 if bar.tasks:
                     _show(bar, task, log, phase, phases, log.step - steps[0] + 1, len(steps), progress_every)
 
+        def flushed() -> list[StepLog]:
+            try:
+                return state.flush()
+            except (SkipRateExceeded, ValueError) as e:  # raised by a flush: its records are written first
+                if getattr(e, "records", None) is not None:
+                    emit(e.records)
+                raise
+
         for step in steps:
             batch = next(batches)
             try:
                 logs = state.step_deferred(batch.inputs, batch.targets)
-            except SkipRateExceeded as e:  # the flush that tripped the alarm: keep its rows
+            except (SkipRateExceeded, ValueError) as e:
+                if getattr(e, "records", None) is None:  # refused before the step had a record
+                    raise
+                # the flush that tripped the alarm, or whose window could not calibrate: keep its rows
                 pending.append((batch.data_source, state.scaler.floor_flag()))
                 emit(e.records)
                 raise
             pending.append((batch.data_source, state.scaler.floor_flag()))
             emit(logs)
             if flush_after is not None and flush_after(step) and step != steps[-1]:
-                emit(state.flush())
+                emit(flushed())
             signum = stop.requested() if stop is not None else None  # agreed by every rank under torchrun
             if step == steps[-1]:
                 signum = None  # a stop at the last step is left to the caller: the run has nothing left to resume
-            if checkpoint is not None and (signum is not None or checkpoint_every and step % checkpoint_every == 0):
-                emit(state.flush())
+            periodic = checkpoint_every and step % checkpoint_every == 0 and step != steps[-1]  # the last: the run ends
+            if checkpoint is not None and (signum is not None or periodic):
+                emit(flushed())
                 checkpoint(step)
                 tracker.flush()  # the store holds every step the checkpoint holds, whatever kills the run next
             if signum is not None:
-                emit(state.flush())
+                emit(flushed())
                 tracker.flush()
                 raise RunInterrupted(signum, step)
-        emit(state.flush())
+        emit(flushed())
     tracker.flush()
 
 

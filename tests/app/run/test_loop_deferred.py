@@ -1,7 +1,9 @@
 """The app loop on the engine's deferred records: the CSV, metrics and callbacks get the same rows, later."""
 
+import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -78,7 +80,7 @@ def test_rows_metrics_and_callbacks_equal_with_deferred_records(tmp_path):
     assert repr(metrics5) == repr(metrics1)  # NaN losses compare by their text
     assert seen5 == seen1 == list(range(1, 13))
     # a checkpoint at a step boundary comes after every record up to that step was handed out
-    assert ckpts == [(4, 4, 4), (8, 8, 8), (12, 12, 12)]
+    assert ckpts == [(4, 4, 4), (8, 8, 8)]  # none at the last step: the run ends there, nothing to resume
 
 
 def test_phases_of_an_auto_placed_window_are_those_of_per_step_records(tmp_path):
@@ -98,3 +100,37 @@ def test_flush_after_hands_out_a_steps_record_before_the_next_step(tmp_path):
     assert {step: count for step, count in at_record if step % 3 == 0} == {3: 3, 6: 6, 9: 9, 12: 12}
     *_, deferred = _run(tmp_path, 5)
     assert dict(deferred)[3] == 5  # without it, step 3's record comes out at the flush of step 5
+
+
+def test_a_window_that_cannot_calibrate_keeps_every_row_of_its_flush(tmp_path):
+    """Every step of the window skipped: CalibrationError at the flush that closes it, after its rows
+    (and the rows before them) reached the CSV."""
+    from clipamp_engine.calibration import CalibrationError
+    from clipamp_engine.clip import make_clip_policy
+
+    for log_every in (1, 4):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        clip = make_clip_policy("calibrated", window=3, start=2, total_steps=12)
+        state = AmpTrainState(model, opt, F.mse_loss, dtype="bf16", clip=clip, log_every=log_every)
+
+        def batches(model=model):
+            for i in range(12):
+                x, y = _script(i, model)
+                yield SimpleNamespace(inputs=x * math.nan if 3 <= i + 1 <= 5 else x, targets=y, data_source="b")
+
+        path = tmp_path / f"s{log_every}.csv"
+        with StepCSVWriter(path, APP_COLUMNS) as writer, pytest.raises(CalibrationError):
+            run_steps(
+                state,
+                batches(),
+                range(1, 13),
+                writer=writer,
+                tracker=MetricLog(),
+                records=RunRecords(),
+                progress=False,
+                phase_of=clip.phase,
+            )
+        rows = path.read_text().splitlines()[1:]
+        assert [int(r.split(",")[0]) for r in rows] == [1, 2, 3, 4, 5], log_every
