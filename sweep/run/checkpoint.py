@@ -170,14 +170,37 @@ def _same_for_resume(key: str, run: str, now: str) -> bool:
     return run == now or any(key == m or (m.endswith(".") and key.startswith(m)) for m in RESUME_MAY_CHANGE)
 
 
+#: Config fields whose value is a dict, logged one param per entry (``clip.patterns.attn``): a resume
+#: compares their whole contents, so an entry added, removed or renamed is a change too.
+DICT_VALUED = ("clip.patterns", "model.config", "model.kwargs")
+
+
 def config_differences(logged: dict[str, str], now: dict[str, str]) -> list[str]:
     """``key (run: a, now: b)`` for each logged param whose value changed, apart from ``RESUME_MAY_CHANGE``
-    and a ``dist.strategy`` that keeps a one-process checkpoint (``ONE_PROCESS_CHECKPOINT``)."""
-    return [
+    and a ``dist.strategy`` that keeps a one-process checkpoint (``ONE_PROCESS_CHECKPOINT``); for a
+    ``DICT_VALUED`` field, its entries as a whole (a key only one side has is left out elsewhere:
+    a config key added since the run was logged)."""
+
+    def under(field: str, params: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in params.items() if k == field or k.startswith(field + ".")}
+
+    changed = [
         f"{k} (run: {logged[k]}, now: {now[k]})"
         for k in sorted(now)
-        if k in logged and not _same_for_resume(k, logged[k], now[k])
+        if k in logged and not _same_for_resume(k, logged[k], now[k]) and not k.startswith(DICT_VALUED)
     ]
+    for field in DICT_VALUED:
+        run, current = under(field, logged), under(field, now)
+        if run != current and (run or current):
+            changed.append(f"{field} (run: {_entries(field, run)}, now: {_entries(field, current)})")
+    return changed
+
+
+def _entries(field: str, params: dict[str, str]) -> str:
+    """A dict-valued field's logged entries as ``{a: 1, b: 2}`` (``null`` or ``{}`` as logged)."""
+    if list(params) == [field]:
+        return params[field]
+    return "{" + ", ".join(f"{k.removeprefix(field + '.')}: {v}" for k, v in sorted(params.items())) + "}"
 
 
 def _read_checkpoint(path: Path, run_id: str) -> dict[str, Any]:

@@ -22,7 +22,13 @@ from tests.app.helpers import CONF, compose_cfg
 #: Deliberate app choices that differ from the engine's defaults (behaviour kept from before the
 #: restructuring): clip=quantile guards against spikes (top decile) where AutoClip's paper default
 #: p=10 clips ~90% of steps; clip=staged shows a two-stage schedule, not the engine's single stage.
-APP_CHOICES = {("quantile", "quantile"): 0.9, ("staged", "stages"): [[0.0, 2.0], [100.0, 1.0]]}
+#: ``per_group.patterns``: ``{}`` means what the engine's ``None`` means (by param group), and a
+#: command line can add entries to it (``+clip.patterns={attn: 0.5}``), which a ``null`` refuses.
+APP_CHOICES = {
+    ("quantile", "quantile"): 0.9,
+    ("staged", "stages"): [[0.0, 2.0], [100.0, 1.0]],
+    ("per_group", "patterns"): {},
+}
 GROUPS = ("model", "data", "optim", "amp", "calibrate", "tracking", "study")
 
 
@@ -159,3 +165,12 @@ def test_a_clip_option_under_clip_calibrated_is_refused_naming_its_calibrate_key
     with pytest.raises(UserError) as e:
         build_clip_policy(cfg)
     assert str(e.value) == f"clip.{key}={value}: clip=calibrated reads its options from calibrate.*; {fix}"
+
+
+def test_per_group_patterns_can_be_given_on_the_command_line():
+    cfg = compose_cfg("+experiment=train", "clip=per_group", "+clip.patterns={attn: 0.5, mlp: 1.0}")
+    options = clip_options(cfg)
+    assert options["patterns"] == {"attn": 0.5, "mlp": 1.0}
+    model = torch.nn.ModuleDict({"attn": torch.nn.Linear(2, 2), "mlp": torch.nn.Linear(2, 2)})
+    policy = make_clip_policy("per_group", named_params=model, **options)
+    assert policy.max_norms[:2] == [0.5, 1.0]  # attn's parameters at 0.5, mlp's at 1.0 (then the rest)

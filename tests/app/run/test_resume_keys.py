@@ -32,3 +32,23 @@ def test_an_fsdp2_run_resumes_under_fsdp2_only():
         assert config_differences(logged, logged | {"dist.strategy": other}) == [
             f"dist.strategy (run: fsdp2, now: {other})"
         ]
+
+
+def test_a_changed_dict_valued_setting_is_refused_as_a_whole():
+    """``clip.patterns`` is logged one param per entry: an entry renamed, added or dropped is a change."""
+    from sweep.run.artifacts import logged_params
+    from tests.app.helpers import compose_cfg
+
+    def params(*overrides):
+        return logged_params(compose_cfg("+experiment=train", "clip=per_group", *overrides))
+
+    attn = params("+clip.patterns={attn: 0.5}")
+    assert config_differences(attn, attn) == []
+    assert config_differences(attn, params("+clip.patterns={mlp: 0.5}")) == [
+        "clip.patterns (run: {attn: 0.5}, now: {mlp: 0.5})"
+    ]
+    assert config_differences(attn, params("+clip.patterns={attn: 0.5, mlp: 1.0}")) == [
+        "clip.patterns (run: {attn: 0.5}, now: {attn: 0.5, mlp: 1.0})"
+    ]
+    assert config_differences(attn, params()) == ["clip.patterns (run: {attn: 0.5}, now: {})"]
+    assert config_differences(params("+model.kwargs={d: 8}"), params()) == ["model.kwargs (run: {d: 8}, now: {})"]
