@@ -205,7 +205,7 @@ def load_study(cfg: Config, storage, name: str):
             f"study.name={name!r} exists with {len(existing[name].directions)} objective(s), "
             f"but study.mode={cfg.study.mode} needs {len(directions)}: pass another study.name"
         )
-    return optuna.create_study(
+    study = optuna.create_study(
         storage=storage,
         study_name=name,
         directions=directions,
@@ -213,3 +213,14 @@ def load_study(cfg: Config, storage, name: str):
         sampler=make_sampler(cfg, cfg.seed + prior),
         pruner=make_pruner(cfg),
     )
+    # Optuna refuses a categorical whose choices changed, inside the trial (a FAIL per retry): say it first
+    stored = next(
+        (t.distributions["dtype"] for t in study.get_trials(deepcopy=False) if "dtype" in t.distributions), None
+    )
+    if stored is not None and list(stored.choices) != list(cfg.study.dtypes):
+        dtypes = ",".join(map(str, stored.choices))
+        raise UserError(
+            f"study.name={name!r} was run with study.dtypes=[{dtypes}], not {list(cfg.study.dtypes)}: pass "
+            f"study.dtypes=[{dtypes}] to add trials to it, or another study.name"
+        )
+    return study

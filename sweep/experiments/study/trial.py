@@ -135,8 +135,12 @@ def run_trial(ctx: TrialContext, trial) -> None:
     """Suggest, train (one child run), tell Optuna. Pruned → PRUNED/KILLED, exception → FAIL/FAILED."""
     cfg = ctx.cfg
     trial.set_user_attr("parent_run_id", ctx.parent_run_id)  # first: names the worker that runs it (workers.py)
-    dtype = trial.suggest_categorical("dtype", list(cfg.study.dtypes))
-    max_norm = trial.suggest_float("max_norm", ctx.lo, ctx.hi, log=True)
+    try:
+        dtype = trial.suggest_categorical("dtype", list(cfg.study.dtypes))
+        max_norm = trial.suggest_float("max_norm", ctx.lo, ctx.hi, log=True)
+    except BaseException:  # never leave the trial RUNNING (nothing else would end it)
+        ctx.study.tell(trial, state=TrialState.FAIL)
+        raise
     n = trial.number
     ctx.ui.start_trial(n, dtype, max_norm, cfg.steps)
     t0 = time.perf_counter()

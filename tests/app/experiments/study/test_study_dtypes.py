@@ -1,0 +1,29 @@
+"""A study resumed with other ``study.dtypes`` is refused in one line before any trial runs (Optuna would
+refuse the changed categorical inside each trial, leaving it RUNNING)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from sweep.errors import UserError
+from sweep.experiments.study.storage import load_study
+from tests.app.helpers import compose_cfg
+
+
+def test_other_dtypes_for_an_existing_study_are_refused_naming_the_stored_ones(tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    first = compose_cfg("+experiment=sweep", "study.dtypes=[fp16,bf16]")
+    study = load_study(first, storage, "s")
+    trial = study.ask()
+    trial.suggest_categorical("dtype", list(first.study.dtypes))
+    study.tell(trial, [1.0] * len(study.directions))
+    assert load_study(first, storage, "s").study_name == "s"  # the same dtypes: resumed
+    with pytest.raises(UserError) as e:
+        load_study(compose_cfg("+experiment=sweep", "study.dtypes=[fp16]"), storage, "s")
+    assert str(e.value) == (
+        "study.name='s' was run with study.dtypes=[fp16,bf16], not ['fp16']: pass study.dtypes=[fp16,bf16] "
+        "to add trials to it, or another study.name"
+    )
+    states = [t.state for t in optuna.load_study(study_name="s", storage=storage).trials]
+    assert states == [optuna.trial.TrialState.COMPLETE]  # nothing left RUNNING
