@@ -98,8 +98,18 @@ def entangle_verdict(df: pd.DataFrame) -> Verdict:
     lower = free[free["lr"] < best.lr]
     match = _cell(lower.sort_values("mean").iloc[0]) if len(lower) else None
     where = f"clipped best lr={best.lr:.3g} τ={best.tau} ({best.max_norm:.3g}): eval {best.mean:.4f}"
-    noise_txt = f"noise ±{noise:.4f} ({n} seeds)" if math.isfinite(noise) else "noise unknown (1 seed)"
-    if overall.tau == NONE and (not math.isfinite(noise) or best.mean - overall.mean > noise):
+    if not math.isfinite(noise):  # one seed per cell: no gap can be told from seed noise
+        return Verdict(
+            "undecided",
+            f"{where}; best cell lr={overall.lr:.3g} τ={overall.tau} ({overall.mean:.4f}); with 1 seed per "
+            f"cell the noise between seeds is unknown: pass study.seeds=2 or more for a verdict",
+            noise,
+            best,
+            same_cell,
+            match,
+        )
+    noise_txt = f"noise ±{noise:.4f} ({n} seeds)"
+    if overall.tau == NONE and best.mean - overall.mean > noise:
         return Verdict(
             "unclipped-best",
             f"no clipping needed: the best cell is unclipped (lr={overall.lr:.3g}, eval "
@@ -109,7 +119,7 @@ def entangle_verdict(df: pd.DataFrame) -> Verdict:
             same_cell,
             match,
         )
-    if same_cell is not None and math.isfinite(noise) and same_cell.mean - best.mean <= noise:
+    if same_cell is not None and same_cell.mean - best.mean <= noise:
         return Verdict(
             "no-gain",
             f"no gain from clipping beyond noise: {where} vs unclipped at the same lr "
@@ -129,7 +139,7 @@ def entangle_verdict(df: pd.DataFrame) -> Verdict:
             None,
         )
     gap = match.mean - best.mean
-    if math.isfinite(noise) and gap <= noise:
+    if gap <= noise:
         return Verdict(
             "step-length-cap",
             f"clipping acts as a step-length cap: unclipped lr={match.lr:.3g} reaches "

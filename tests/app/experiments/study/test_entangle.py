@@ -62,6 +62,17 @@ def test_no_gain_and_unclipped_best():
     assert hurt.kind == "unclipped-best"
 
 
+@pytest.mark.parametrize(
+    "loss", [lambda lr, t: 2.0 + (0.2 if t != NONE else 0), lambda lr, t: 2.0 - (0.1 if t == "p50" else 0)]
+)
+def test_one_seed_gives_no_verdict_only_the_ranking(loss):
+    """Without a second seed the gaps cannot be told from noise: neither "no clipping needed" nor
+    "more than a step" is claimed."""
+    v = entangle_verdict(_table(loss, seeds=1))
+    assert v.kind == "undecided" and math.isnan(v.noise)
+    assert "with 1 seed per cell the noise between seeds is unknown: pass study.seeds=2 or more" in v.line
+
+
 def test_figure_is_written(tmp_path):
     df = _table(lambda lr, t: 2.0 + 10 * lr)
     path = plot_entangle(cell_table(df), entangle_verdict(df), tmp_path / "entangle.png", title="t")
