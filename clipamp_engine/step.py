@@ -386,7 +386,21 @@ class AmpTrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; without ``model``/``optimizer`` entries those are left alone
-        (a sharded FSDP2 checkpoint restores them through ``torch.distributed.checkpoint``)."""
+        (a sharded FSDP2 checkpoint restores them through ``torch.distributed.checkpoint``). A checkpoint
+        of another ``dtype``, or with a schedule where this state has none (or the reverse), is refused
+        before anything is loaded: its loss scale or schedule would be dropped or invented."""
+        saved = state.get("dtype", self.dtype)
+        if saved != self.dtype:
+            raise ValueError(
+                f"the checkpoint is of a dtype={saved!r} run and this AmpTrainState has dtype={self.dtype!r}: "
+                f"build it with dtype={saved!r} to resume that run"
+            )
+        if (state.get("scheduler") is None) != (self.scheduler is None):
+            has = "has no" if state.get("scheduler") is None else "has a"
+            raise ValueError(
+                f"the checkpoint {has} LR scheduler state and this AmpTrainState "
+                f"{'has a' if self.scheduler is not None else 'has no'} scheduler: build it as the run was built"
+            )
         if "model" in state:
             unwrap(self.model).load_state_dict(state["model"])
         if "optimizer" in state:

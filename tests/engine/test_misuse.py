@@ -182,3 +182,28 @@ def test_a_token_count_past_fp32s_integers_is_recorded_exactly(fused):
     state = AmpTrainState(model, opt, _token_loss(lambda n: torch.tensor(count)), dtype="fp32")
     (log,) = [r for r in [state.step(*_batch()), *state.flush()] if r is not None]
     assert log.token_count == count
+
+
+@pytest.mark.parametrize("change", ["dtype", "no scheduler", "a scheduler"])
+def test_a_checkpoint_of_another_setup_is_refused_before_anything_loads(change):
+    """An fp16 run's loss scale is not a bf16 run's; a schedule is not dropped or invented silently."""
+
+    def build(dtype="fp16", scheduled=True):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0) if scheduled else None
+        return model, AmpTrainState(model, opt, F.mse_loss, dtype=dtype, scheduler=sched)
+
+    _, source = build(scheduled=change != "a scheduler")
+    source.step(*_batch())
+    saved = source.state_dict()
+    model, target = build(dtype="bf16" if change == "dtype" else "fp16", scheduled=change in ("dtype", "a scheduler"))
+    before = [p.detach().clone() for p in model.parameters()]
+    message = {
+        "dtype": r"the checkpoint is of a dtype='fp16' run and this AmpTrainState has dtype='bf16'",
+        "no scheduler": r"the checkpoint has a LR scheduler state and this AmpTrainState has no scheduler",
+        "a scheduler": r"the checkpoint has no LR scheduler state and this AmpTrainState has a scheduler",
+    }[change]
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(saved)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and target.step_count == 0
