@@ -50,8 +50,19 @@ def save_checkpoint(path: Path, state: AmpTrainState, **extra: Any) -> bool:
         _refuse(path, state, bad)
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write({"engine": state.state_dict(), "rng": torch.get_rng_state(), **extra}, path)
+    _write({"engine": state.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(), **extra}, path)
     return True
+
+
+def cuda_rng_state() -> torch.Tensor | None:
+    """The current CUDA device's generator state (dropout masks on the GPU draw from it), or ``None``
+    where CUDA was never used in this process."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def set_cuda_rng_state(saved: torch.Tensor | None) -> None:
+    if saved is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved)
 
 
 def _write(obj: Any, path: Path) -> None:
@@ -90,7 +101,7 @@ def save_run_checkpoint(path: Path, state: AmpTrainState, launch: Launch, **extr
     if bad is not None:
         _refuse(path, state, bad)  # silent on ranks other than 0
         return False
-    rng = launch.gather(torch.get_rng_state())
+    rng, cuda_rng = launch.gather(torch.get_rng_state()), launch.gather(cuda_rng_state())
     engine = state.state_dict()
     if launch.strategy == "fsdp2":
         import torch.distributed.checkpoint as dcp
@@ -103,7 +114,7 @@ def save_run_checkpoint(path: Path, state: AmpTrainState, launch: Launch, **extr
         extra["shards"] = shards
     if launch.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write({"engine": engine, "rng": rng, "strategy": launch.strategy, **extra}, path)
+        _write({"engine": engine, "rng": rng, "cuda_rng": cuda_rng, "strategy": launch.strategy, **extra}, path)
         for old in path.parent.glob("shards-*"):
             if old.name != extra.get("shards"):
                 shutil.rmtree(old, ignore_errors=True)
@@ -130,10 +141,13 @@ def restore_run_checkpoint(path: Path, state: AmpTrainState, ckpt: dict[str, Any
             state.model, state.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"]
         )
     state.load_state_dict(ckpt["engine"])
-    rng = ckpt["rng"]
+    rng, cuda_rng = ckpt["rng"], ckpt.get("cuda_rng")  # (no cuda_rng: a checkpoint from before it was kept)
     if isinstance(rng, list):  # one state per rank (torchrun); a different world size reuses rank 0's
         rng = rng[launch.rank] if launch.rank < len(rng) else rng[0]
+    if isinstance(cuda_rng, list):
+        cuda_rng = cuda_rng[launch.rank] if launch.rank < len(cuda_rng) else cuda_rng[0]
     torch.set_rng_state(rng)
+    set_cuda_rng_state(cuda_rng)
 
 
 def remove_checkpoint(path: Path) -> None:

@@ -52,3 +52,30 @@ def test_a_changed_dict_valued_setting_is_refused_as_a_whole():
     ]
     assert config_differences(attn, params()) == ["clip.patterns (run: {attn: 0.5}, now: {})"]
     assert config_differences(params("+model.kwargs={d: 8}"), params()) == ["model.kwargs (run: {d: 8}, now: {})"]
+
+
+def test_the_cuda_generator_travels_with_the_checkpoint(tmp_path, monkeypatch):
+    """On a GPU, dropout masks draw from the CUDA generator: a resumed run must continue its stream, not
+    restart it from the seed. (CUDA itself is stood in for here; the CPU generator is the real one.)"""
+    import torch
+    import torch.nn.functional as F
+
+    from clipamp_engine import AmpTrainState
+    from sweep.distributed.launch import Launch
+    from sweep.run.checkpoint import restore_run_checkpoint, save_checkpoint
+
+    generator = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: generator.update(state=s.clone()))
+    model = torch.nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, dtype="fp32")
+    path = tmp_path / "checkpoint.pt"
+    assert save_checkpoint(path, state, step=0)
+    generator["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # the stream moved on (or a new process)
+    ckpt = torch.load(path, weights_only=False)
+    restore_run_checkpoint(path, state, ckpt, Launch())
+    assert generator["state"].tolist() == [1, 2, 3]
+    del ckpt["cuda_rng"]  # a checkpoint written before the CUDA state was kept still restores
+    restore_run_checkpoint(path, state, ckpt, Launch())
