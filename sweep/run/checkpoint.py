@@ -9,6 +9,7 @@ checkpoint resumable is always replaced last.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -109,7 +110,8 @@ def save_run_checkpoint(path: Path, state: AmpTrainState, launch: Launch, **extr
 
         shards = f"shards-{extra.get('step', state.step_count)}"
         model, optim = get_state_dict(state.model, state.optimizer)
-        dcp.save({"model": model, "optimizer": optim}, checkpoint_id=path.parent / shards)
+        with _dcp_errors():
+            dcp.save({"model": model, "optimizer": optim}, checkpoint_id=path.parent / shards)
         engine = {k: v for k, v in engine.items() if k not in ("model", "optimizer")}
         extra["shards"] = shards
     if launch.is_main:
@@ -119,6 +121,26 @@ def save_run_checkpoint(path: Path, state: AmpTrainState, launch: Launch, **extr
             if old.name != extra.get("shards"):
                 shutil.rmtree(old, ignore_errors=True)
     return True
+
+
+@contextlib.contextmanager
+def _dcp_errors():
+    """``torch.distributed.checkpoint`` wraps a rank's failure in ``CheckpointException``, a
+    ``BaseException``: as the ``OSError`` (a full disk) or ``RuntimeError`` the run's handlers turn
+    into one line and a checkpoint kept."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        causes = [exc for exc, _ in e.failures.values()] or [e]  # each failing rank's own exception
+        first = causes[0]
+        text = (
+            f"FSDP2 shards, rank {min(e.failures, default=0)}: {type(first).__name__}: {' '.join(str(first).split())}"
+        )
+        if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes):
+            raise OSError(errno.ENOSPC, text[:300]) from None
+        raise RuntimeError(text[:300]) from None
 
 
 def restore_run_checkpoint(path: Path, state: AmpTrainState, ckpt: dict[str, Any], launch: Launch) -> None:
@@ -136,7 +158,8 @@ def restore_run_checkpoint(path: Path, state: AmpTrainState, ckpt: dict[str, Any
 
         model, optim = get_state_dict(state.model, state.optimizer)
         shards = {"model": model, "optimizer": optim}
-        dcp.load(shards, checkpoint_id=path.parent / ckpt["shards"])
+        with _dcp_errors():
+            dcp.load(shards, checkpoint_id=path.parent / ckpt["shards"])
         set_state_dict(
             state.model, state.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"]
         )

@@ -119,6 +119,17 @@ def _kill_and_resume(
 ) -> tuple[pd.DataFrame, str, subprocess.CompletedProcess]:
     """Start under torchrun, SIGTERM the launcher after a few steps, resume to STEPS: under torchrun,
     or in one process with ``dist.strategy=resume_in_one_process``."""
+    csv = _killed(tmp, *extra)
+    if resume_in_one_process is None:
+        resumed = _run([*TORCHRUN, *RUN, f"steps={STEPS}", "resume=true", *extra], tmp)
+    else:
+        again = [*RUN, f"steps={STEPS}", "resume=true", f"dist.strategy={resume_in_one_process}"]
+        resumed = _run([sys.executable, "-m", "sweep", *again], tmp)
+    return pd.read_csv(csv), csv.parts[-3], resumed
+
+
+def _killed(tmp: Path, *extra: str) -> Path:
+    """A torchrun run stopped by SIGTERM to the launcher after a few steps, its checkpoint kept: its steps.csv."""
     proc = subprocess.Popen(
         [*TORCHRUN, *RUN, "steps=100000", *extra],
         cwd=tmp,
@@ -143,12 +154,7 @@ def _kill_and_resume(
     stopped = int(interrupted[0].split(" at step ")[1].split(")")[0])
     assert stopped < STEPS, "the run was too fast to interrupt before the end"
     assert [l for l in err.splitlines() if l.startswith("error:")] == []
-    if resume_in_one_process is None:
-        resumed = _run([*TORCHRUN, *RUN, f"steps={STEPS}", "resume=true", *extra], tmp)
-    else:
-        again = [*RUN, f"steps={STEPS}", "resume=true", f"dist.strategy={resume_in_one_process}"]
-        resumed = _run([sys.executable, "-m", "sweep", *again], tmp)
-    return pd.read_csv(csv), csv.parts[-3], resumed
+    return csv
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +214,37 @@ def test_a_ddp_run_resumes_in_one_process(tmp_path, one_process):
     assert "resumed run " + run_id in resumed.stdout
     _assert_same_run(rows, one_process)
     assert MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_that_cannot_be_read_are_one_line_and_the_run_stays_killed(tmp_path):
+    """torch.distributed.checkpoint raises CheckpointException, a BaseException: without its conversion a
+    resume over missing shards ended in a traceback."""
+    import shutil
+
+    csv = _killed(tmp_path, "dist.strategy=fsdp2")
+    run_id = csv.parts[-3]
+    (shards,) = (tmp_path / "mlruns" / "checkpoints" / run_id).glob("shards-*")
+    for f in shards.iterdir():  # the shard files gone, the folder and checkpoint.pt kept
+        f.unlink() if f.is_file() else shutil.rmtree(f)
+    res = subprocess.run(
+        [*TORCHRUN, *RUN, f"steps={STEPS}", "resume=true", "dist.strategy=fsdp2"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode != 0, res.stderr[-3000:]
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert errors, res.stderr[-3000:]
+    assert (
+        f"resume={run_id}: the checkpoint does not fit this model and config (RuntimeError: FSDP2 shards, rank 0:"
+        in errors[0]
+    )
+    assert "Traceback" not in res.stderr.split("error:")[0] and "Traceback" not in errors[0]  # ours: none
+    assert MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(run_id).info.status == "KILLED"
+    assert (tmp_path / "mlruns" / "checkpoints" / run_id / "checkpoint.pt").exists()
 
 
 @pytest.mark.slow
