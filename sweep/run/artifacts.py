@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
+from typing import Any
 
 from clipamp_engine import CalibratedClip
 from clipamp_engine.calibration import CalibrationSummary
@@ -29,4 +32,16 @@ def write_data_artifacts(
     payload = {"metrics": metrics, "windows": [w.as_dict() for w in windows]}
     if calibration is not None:
         payload["calibration"] = calibration_payload(calibration)
-    tracker.artifact_path("quantiles.json").write_text(json.dumps(payload, indent=2, default=float))
+    text = json.dumps(finite_or_none(payload), indent=2, default=float, allow_nan=False)
+    tracker.artifact_path("quantiles.json").write_text(text)
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as ``None`` (JSON has no NaN), through dicts and lists."""
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, numbers.Real) and not isinstance(value, int):  # floats, numpy floats
+        return float(value) if math.isfinite(value) else None
+    return value

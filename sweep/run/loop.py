@@ -50,8 +50,8 @@ class RunRecords:
 
     def step_metrics(self, index: int = -1) -> dict[str, float | None]:
         """Row ``index``'s (default: the latest) per-step MLflow metrics: ``STEP_METRICS`` and
-        ``clip_ratio_rolling``, the share of the ``ROLLING`` taken steps up to it that were clipped (NaN,
-        hence not sent, when all were skipped)."""
+        ``clip_ratio_rolling``, the share of the taken steps among the ``ROLLING`` steps up to it that
+        were clipped (NaN, hence not sent, when all were skipped)."""
         end = index % len(self.rows) + 1
         row = self.rows[end - 1]
         recent = [bool(r["clipped"]) for r in self.rows[max(0, end - ROLLING) : end] if not r["skipped"]]

@@ -135,8 +135,17 @@ def test_learns_and_reports(calibrated):
     assert df["loss"].iloc[-10:].mean() < df["loss"].iloc[:5].mean()
     report = (Path(result.csv_path).parent / "report.md").read_text()
     assert "Recommended `clip.max_norm=" in report
-    q = json.loads((Path(result.csv_path).parent / "quantiles.json").read_text())
+    text = (Path(result.csv_path).parent / "quantiles.json").read_text()
+    q = json.loads(text, parse_constant=lambda c: pytest.fail(f"quantiles.json holds {c}, which JSON has not"))
     assert q["windows"][0]["recommended_max_norm"] == pytest.approx(result.metrics["recommended_max_norm"])
+
+
+def test_non_finite_figures_are_written_as_null():
+    from sweep.run.artifacts import finite_or_none
+
+    value = {"a": math.nan, "b": [math.inf, 1.5, np.float32("nan"), np.float64(2.0)], "c": 3, "d": None}
+    assert finite_or_none(value) == {"a": None, "b": [None, 1.5, None, 2.0], "c": 3, "d": None}
+    json.dumps(finite_or_none(value), allow_nan=False)  # strict JSON
 
 
 def test_mlflow_tracking_uri_env_wins_over_default(tmp_path, monkeypatch):
