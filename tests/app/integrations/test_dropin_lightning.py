@@ -38,23 +38,28 @@ def _loader(steps, accumulate):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
-def fit(tmp_path, callbacks, steps, tau, accumulate=2):
-    """One fit; returns (module, the norms Lightning's clip_grad_norm_ computed)."""
-    torch.manual_seed(0)
-    module = LitGPT()
-    trainer = L.Trainer(
+def quiet_trainer(root, callbacks, steps, **kw) -> L.Trainer:
+    """A CPU ``Trainer`` of ``steps`` optimizer steps that writes nothing but what the callbacks write."""
+    return L.Trainer(
         max_steps=steps,
         accelerator="cpu",
         devices=1,
-        precision="bf16-mixed",
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=tau,
         callbacks=callbacks,
-        default_root_dir=str(tmp_path),
+        default_root_dir=str(root),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **kw,
+    )
+
+
+def fit(tmp_path, callbacks, steps, tau, accumulate=2):
+    """One fit; returns (module, the norms Lightning's clip_grad_norm_ computed)."""
+    torch.manual_seed(0)
+    module = LitGPT()
+    trainer = quiet_trainer(
+        tmp_path, callbacks, steps, precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=tau
     )
     norms, clip = [], torch.nn.utils.clip_grad_norm_
 
@@ -139,19 +144,7 @@ def test_manual_optimization_apply_false_clips_at_max_norm_as_lightnings_clip_gr
 
     def run(module, callbacks, root):
         torch.manual_seed(0)
-        trainer = L.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            devices=1,
-            precision="bf16-mixed",
-            callbacks=callbacks,
-            default_root_dir=str(root),
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module, _loader(steps, 1))
+        quiet_trainer(root, callbacks, steps, precision="bf16-mixed").fit(module, _loader(steps, 1))
         return module
 
     torch.manual_seed(0)
@@ -192,18 +185,7 @@ def test_a_max_norm_that_would_not_be_the_clip_is_refused_before_any_step(tmp_pa
     torch.manual_seed(0)
     module = LitGPT()
     before = [p.detach().clone() for p in module.parameters()]
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        gradient_clip_val=tau,
-        callbacks=[cb],
-        default_root_dir=str(tmp_path),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     with pytest.raises(ValueError, match=message):
-        trainer.fit(module, _loader(2, 1))
+        quiet_trainer(tmp_path, [cb], 2, gradient_clip_val=tau).fit(module, _loader(2, 1))
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
     assert not (tmp_path / "s.csv").exists()
