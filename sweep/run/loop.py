@@ -222,43 +222,46 @@ def run_steps(
                 if bar.tasks:
                     _show(bar, task, log, phase, phases, log.step - steps[0] + 1, len(steps), progress_every)
 
-        def flushed() -> list[StepLog]:
-            try:
-                return state.flush()
-            except (SkipRateExceeded, ValueError) as e:  # raised by a flush: its records are written first
-                if getattr(e, "records", None) is not None:
-                    emit(e.records)
-                raise
+        def kept(call: Callable[[], list[StepLog]], batch: Any = None) -> list[StepLog]:
+            return _kept(call, state, pending, emit, batch)
 
         for step in steps:
             batch = next(batches)
-            try:
-                logs = state.step_deferred(batch.inputs, batch.targets)
-            except (SkipRateExceeded, ValueError) as e:
-                if getattr(e, "records", None) is None:  # refused before the step had a record
-                    raise
-                # the flush that tripped the alarm, or whose window could not calibrate: keep its rows
-                pending.append((batch.data_source, state.scaler.floor_flag()))
-                emit(e.records)
-                raise
-            pending.append((batch.data_source, state.scaler.floor_flag()))
-            emit(logs)
-            if flush_after is not None and flush_after(step) and step != steps[-1]:
-                emit(flushed())
+            emit(kept(lambda: state.step_deferred(batch.inputs, batch.targets), batch))  # noqa: B023 (called at once)
+            last = step == steps[-1]
+            if flush_after is not None and flush_after(step) and not last:
+                emit(kept(state.flush))
             signum = stop.requested() if stop is not None else None  # agreed by every rank under torchrun
-            if step == steps[-1]:
-                signum = None  # a stop at the last step is left to the caller: the run has nothing left to resume
-            periodic = checkpoint_every and step % checkpoint_every == 0 and step != steps[-1]  # the last: the run ends
-            if checkpoint is not None and (signum is not None or periodic):
-                emit(flushed())
-                checkpoint(step)
-                tracker.flush()  # the store holds every step the checkpoint holds, whatever kills the run next
+            signum = None if last else signum  # a stop at the last step is left to the caller: nothing to resume
+            if checkpoint is not None and (signum is not None or checkpoint_every and step % checkpoint_every == 0):
+                if not last:  # the last step's checkpoint would be removed as the run ends
+                    emit(kept(state.flush))
+                    checkpoint(step)
+                    tracker.flush()  # the store holds every step the checkpoint holds, whatever kills the run next
             if signum is not None:
-                emit(flushed())
+                emit(kept(state.flush))
                 tracker.flush()
                 raise RunInterrupted(signum, step)
-        emit(flushed())
+        emit(kept(state.flush))
     tracker.flush()
+
+
+def _kept(call: Callable[[], list[StepLog]], state: AmpTrainState, pending: deque, emit: Callable, batch: Any):
+    """``call()``: a step (of ``batch``, whose facts join ``pending``) or a flush. An error raised by a
+    flush carries its records (the alarm's, or a window's that could not calibrate): they are
+    ``emit``-ted before it goes on."""
+    try:
+        logs = call()
+    except (SkipRateExceeded, ValueError) as e:
+        if getattr(e, "records", None) is None:  # refused before the step had a record
+            raise
+        if batch is not None:
+            pending.append((batch.data_source, state.scaler.floor_flag()))
+        emit(e.records)
+        raise
+    if batch is not None:
+        pending.append((batch.data_source, state.scaler.floor_flag()))
+    return logs
 
 
 def host_flags(flags: list[torch.Tensor | bool]) -> list[bool]:

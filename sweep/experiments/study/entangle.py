@@ -98,66 +98,45 @@ def entangle_verdict(df: pd.DataFrame) -> Verdict:
     lower = free[free["lr"] < best.lr]
     match = _cell(lower.sort_values("mean").iloc[0]) if len(lower) else None
     where = f"clipped best lr={best.lr:.3g} τ={best.tau} ({best.max_norm:.3g}): eval {best.mean:.4f}"
+
+    def verdict(kind: str, line: str, lower: Cell | None = match) -> Verdict:
+        return Verdict(kind, line, noise, best, same_cell, lower)
+
     if not math.isfinite(noise):  # one seed per cell: no gap can be told from seed noise
-        return Verdict(
+        return verdict(
             "undecided",
             f"{where}; best cell lr={overall.lr:.3g} τ={overall.tau} ({overall.mean:.4f}); with 1 seed per "
             f"cell the noise between seeds is unknown: pass study.seeds=2 or more for a verdict",
-            noise,
-            best,
-            same_cell,
-            match,
         )
     noise_txt = f"noise ±{noise:.4f} ({n} seeds)"
     if overall.tau == NONE and best.mean - overall.mean > noise:
-        return Verdict(
+        return verdict(
             "unclipped-best",
             f"no clipping needed: the best cell is unclipped (lr={overall.lr:.3g}, eval "
             f"{overall.mean:.4f}) and beats the {where} beyond {noise_txt}",
-            noise,
-            best,
-            same_cell,
-            match,
         )
     if same_cell is not None and same_cell.mean - best.mean <= noise:
-        return Verdict(
+        return verdict(
             "no-gain",
             f"no gain from clipping beyond noise: {where} vs unclipped at the same lr "
             f"{same_cell.mean:.4f} ({noise_txt})",
-            noise,
-            best,
-            same_cell,
-            match,
         )
     if match is None:
-        return Verdict(
-            "undecided",
-            f"{where}; no unclipped run at a lower LR in the grid: add a smaller study.lr_factors",
-            noise,
-            best,
-            same_cell,
-            None,
+        return verdict(
+            "undecided", f"{where}; no unclipped run at a lower LR in the grid: add a smaller study.lr_factors", None
         )
     gap = match.mean - best.mean
     if gap <= noise:
-        return Verdict(
+        return verdict(
             "step-length-cap",
             f"clipping acts as a step-length cap: unclipped lr={match.lr:.3g} reaches "
             f"{match.mean:.4f}, matching the {where} (gap {gap:+.4f} within {noise_txt}): lower the LR "
             f"instead of clipping",
-            noise,
-            best,
-            same_cell,
-            match,
         )
-    return Verdict(
+    return verdict(
         "more-than-step",
         f"clipping does more than shorten the step: the {where} beats every unclipped "
         f"lower LR (best lr={match.lr:.3g}: {match.mean:.4f}, gap {gap:+.4f} > {noise_txt})",
-        noise,
-        best,
-        same_cell,
-        match,
     )
 
 
