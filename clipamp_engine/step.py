@@ -363,7 +363,7 @@ class AmpTrainState:
             scaler_scale=scale,
             clipped=False,
             token_count=acc.token_count,
-            max_norm=self.clip.threshold,
+            max_norm=self.clip.threshold_at(self.step_count),
             skip_reason=reason,
         )
 

@@ -79,6 +79,11 @@ class ClipPolicy:
         """The threshold in force for the latest step (for records), if the mode has one."""
         return None
 
+    def threshold_at(self, step: int) -> float | None:
+        """The threshold a skipped ``step`` records (its clip never ran): ``threshold``, unless the
+        policy knows it from the step alone (``StagedNormClip``)."""
+        return self.threshold
+
     def before_step(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         """Called right before the optimizer update of a taken step."""
 

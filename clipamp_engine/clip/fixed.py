@@ -138,6 +138,9 @@ class StagedNormClip(GlobalCoefficientClip):
         self._tau = self.max_norm_at(step)
         return clip_coefficient(pre, self._tau)
 
+    def threshold_at(self, step: int) -> float:
+        return self.max_norm_at(step)
+
     @property
     def threshold(self) -> float:
         return self._tau

@@ -448,3 +448,24 @@ def test_checkpoint_needs_a_flush_and_resumes_the_device_schedule():
     resumed = [state2.step(*_batch(i)) for i in range(4, 8)]
     for a, b in zip(resumed, ref, strict=True):
         _same_record(a, b, rel=0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_step_at_a_stage_boundary_records_that_stages_tau(fused):
+    """The skipped step's clip never ran; its record still names the τ of its own stage, on both paths."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    clip = make_clip_policy("staged", stages=[[0, 2.0], [3, 0.5]])
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp32", clip=clip, fused=fused)
+    logs = []
+    for i in range(1, 5):
+        x, y = _batch(i)
+        logs += [state.step(torch.full_like(x, math.nan) if i == 3 else x, y), *state.flush()]
+    logs = [r for r in logs if r is not None]
+    assert [(r.step, r.skipped, r.max_norm) for r in logs] == [
+        (1, False, 2.0),
+        (2, False, 2.0),
+        (3, True, 0.5),
+        (4, False, 0.5),
+    ]

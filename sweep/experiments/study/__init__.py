@@ -13,7 +13,8 @@ Modes (``study=pareto`` | ``study=constrained``):
 - ``constrained``: one objective, eval loss; ``trial.set_constraint`` keeps the clipping ratio in
   ``study.target_clip=[low, high]`` (TPE/NSGA-II read the constraints); a trial whose clipping
   ratio can no longer end in the band is pruned, else the mean training loss is reported every
-  ``report_every`` steps and a ``MedianPruner`` stops trials that fall behind (``pruning``).
+  ``report_every`` steps and the pruner (``study.pruner``: Wilcoxon by default, or median) stops
+  trials that fall behind (``pruning``).
 
 Every invocation first enqueues one trial per dtype in ``study.dtypes`` (only the dtype is fixed;
 the sampler draws ``max_norm``, or it is the anchor's p95 the first time), so both dtypes are
@@ -36,5 +37,6 @@ dead worker's trials and runs are recovered by the next one (at once on the same
 Modules: ``storage`` (where the study lives, its name, sampler, pruner), ``pruning`` (the
 constrained study's pruner), ``workers`` (liveness, recovery, the set-up lock), ``space`` (the
 max_norm range and the dtype trials enqueued first), ``trial`` (one trial), ``progress`` (the live
-display), ``result`` (the trials table), ``sweep`` (``run_sweep``, the entry point).
+display), ``trial_launch`` and ``trial_job`` (a trial as a torchrun job), ``entangle`` (the LR
+check), ``sweep`` (``run_sweep``, the entry point); the trials table is ``sweep.results.study``.
 """

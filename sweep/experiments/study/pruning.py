@@ -20,7 +20,7 @@ Otherwise the inner pruner decides on the training loss, reported as the mean ov
   feasible completed one, the trial the pick would take today); pruned at p < 0.05. It only stops a
   trial that is consistently worse than the incumbent, so not a trial that would replace it;
 - ``median``: Optuna's ``MedianPruner``: worse than the completed trials' median at the same step,
-  once one trial per dtype has completed.
+  once as many trials as there are dtypes have completed (of any dtype).
 
 Both wait ``study.prune_warmup`` of the steps, and compare across dtypes on purpose: the pick ranks
 every dtype by the one eval loss.
