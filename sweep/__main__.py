@@ -12,10 +12,14 @@ import sys
 
 
 def _interrupted_at_start(signum, frame) -> None:
-    """Ctrl-C before the app handles it (imports, composing the config): one line, exit 130."""
+    """Ctrl-C before the app handles it (imports, composing the config): one line, exit 130.
+
+    It exits at once (``os._exit``): no run exists yet, and an exception raised here would unwind
+    through whatever import was running (a half-imported numpy then fails later with a RecursionError)."""
     if os.environ.get("RANK", "0") == "0":
-        print("interrupted during start-up: no run was started, nothing to resume", file=sys.stderr)
-    sys.exit(130)
+        sys.stderr.write("interrupted during start-up: no run was started, nothing to resume\n")
+        sys.stderr.flush()
+    os._exit(130)
 
 
 def _startup_sigint(on: bool) -> None:
