@@ -52,7 +52,8 @@ def _study(tmp: Path) -> optuna.Study:
 
 
 def _kill_when(proc, client: MlflowClient, role: str, rows: int) -> None:
-    """SIGKILL ``proc`` once a RUNNING run with ``sweep_role=role`` has written ``rows`` CSV rows."""
+    """SIGKILL ``proc`` once a RUNNING run with ``sweep_role=role`` has written ``rows`` CSV rows, checked
+    again with the process frozen (a short run can end between the search and the kill)."""
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
         for run in _runs(client):
@@ -60,12 +61,15 @@ def _kill_when(proc, client: MlflowClient, role: str, rows: int) -> None:
                 csv = Path(run.info.artifact_uri.removeprefix("file://")) / "steps.csv"
                 if csv.exists() and csv.read_text().count("\n") > rows:
                     proc.send_signal(signal.SIGSTOP)  # frozen: is that run still the one in progress?
-                    if client.get_run(run.info.run_id).info.status == "RUNNING":
+                    try:
+                        still = client.get_run(run.info.run_id).info.status == "RUNNING"
+                    except Exception:  # e.g. the store locked by a write the stop froze: look again
+                        still = False
+                    if still:
                         proc.send_signal(signal.SIGKILL)
                         proc.wait()
                         return
                     proc.send_signal(signal.SIGCONT)  # it ended meanwhile: wait for the next one
-
         time.sleep(0.2)
     raise AssertionError(f"no {role} run reached {rows} rows; {proc.poll()=}")
 
