@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .checks import check_calibrator_options
 from .records import StepLog
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
@@ -254,10 +254,6 @@ class CalibrationSummary:
         return cls(**{**state, "cis": cis})
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 class NormCalibrator:
     """Collects the pre-clip norms of one window and summarises them.
 
@@ -273,15 +269,7 @@ class NormCalibrator:
         candidates: Sequence[float] = DEFAULT_CANDIDATES,
         confidence: float = CONFIDENCE,
     ) -> None:
-        if not 0.0 < quantile < 1.0:
-            raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
-        if not (_is_number(confidence) and 0.0 < confidence < 1.0):
-            raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95 (the intervals' level)")
-        if not all(_is_number(c) and 0.0 < c < math.inf for c in candidates):
-            raise ValueError(
-                f"candidates={list(candidates)!r} must be finite numbers > 0 (fixed thresholds whose clipping "
-                "ratio the window reports)"
-            )
+        check_calibrator_options(quantile, candidates, confidence)
         self.quantile = quantile
         self.confidence = confidence
         self.candidates = tuple(candidates)

@@ -8,6 +8,7 @@ The checks read Python objects and tensor metadata only (types, shapes, ``numel`
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ def check_accumulation(batch_size: int, accumulation_steps: int) -> None:
 def checked_loss(result: Any) -> Any:
     """``loss_fn``'s result as the step uses it: a scalar floating tensor, or ``(loss_sum, token_count)``
     with a count ≥ 0 (a micro-batch may hold no token; the batch must hold one, which the step checks
-    after its last micro-batch); ``ValueError`` naming what it returned otherwise."""
+    after its last micro-batch: a ``ValueError``, or on the fused path for a tensor count, which it
+    cannot read without a sync, a 0/0 token mean skipped as ``nonfinite_loss``); ``ValueError``
+    naming what it returned otherwise."""
     if result is None:  # the usual adapter for a model that computes its own loss, called without targets
         raise ValueError(
             "loss_fn returned None: expected a loss tensor or (loss_sum, token_count); for a model that computes "
@@ -78,3 +81,38 @@ def _check_scalar(loss: Any, what: str) -> None:
             f"{what} returned a {loss.dtype} tensor of shape {tuple(loss.shape)}, not a floating scalar: reduce "
             "it (e.g. .mean(), or reduction='mean')"
         )
+
+
+def check_calibrator_options(quantile: float, candidates: Any, confidence: Any) -> None:
+    """A calibration window's options, refused when the policy is built (not when its window closes)."""
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
+    if not (is_number(confidence) and 0.0 < confidence < 1.0):
+        raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95 (the intervals' level)")
+    if not all(is_number(c) and 0.0 < c < math.inf for c in candidates):
+        raise ValueError(
+            f"candidates={list(candidates)!r} must be finite numbers > 0 (fixed thresholds whose clipping "
+            "ratio the window reports)"
+        )
+
+
+def check_checkpoint_fits(state: dict[str, Any], dtype: str, scheduled: bool) -> None:
+    """``AmpTrainState.load_state_dict``: a checkpoint of another dtype, or with a schedule where the
+    state has none (or the reverse), would drop or invent a loss scale or a schedule."""
+    saved = state.get("dtype", dtype)
+    if saved != dtype:
+        raise ValueError(
+            f"the checkpoint is of a dtype={saved!r} run and this AmpTrainState has dtype={dtype!r}: "
+            f"build it with dtype={saved!r} to resume that run"
+        )
+    if (state.get("scheduler") is None) == scheduled:
+        has = "has no" if state.get("scheduler") is None else "has a"
+        raise ValueError(
+            f"the checkpoint {has} LR scheduler state and this AmpTrainState "
+            f"{'has a' if scheduled else 'has no'} scheduler: build it as the run was built"
+        )
+
+
+def is_number(x: object) -> bool:
+    """A real number (numpy's included), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checks import is_number
 from .fused import apply_factor_and_step, global_coefficient, is_fusable
 from .micro_batches import batch_size
 from .norms import grads_of, total_norm
@@ -60,7 +61,7 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
         if isinstance(result, tuple):  # (loss_sum, token_count): token mean over the whole batch
             loss_sum = result[0].float()
             count = torch.as_tensor(result[1], device=loss_sum.device)  # an int count too
-            host_tokens = host_tokens + result[1] if host_tokens is not None and _is_number(result[1]) else None
+            host_tokens = host_tokens + result[1] if host_tokens is not None and is_number(result[1]) else None
             # provisional normaliser, corrected after accumulation: from the first micro-batch with tokens
             # (one without has a zero sum, divided by 1)
             first = count.float() * k
@@ -78,10 +79,6 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
             "(a batch without real tokens has no token mean); return the number of tokens the sum is over"
         )
     return loss_acc, tokens, ref
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def fused_update(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_accumulation, check_setup
+from .checks import check_accumulation, check_checkpoint_fits, check_setup
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
@@ -90,10 +90,7 @@ class AmpTrainState:
         model: the module; its parameters' device type is the autocast device.
         optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
         loss_fn: ``loss_fn(model(inputs), targets)`` → a mean loss, or ``(loss_sum, token_count)``
-            in which case the step's loss is the token mean over the whole accumulated batch. The
-            count (an int or a tensor) must be > 0: a ``ValueError`` otherwise, except for a zero
-            tensor count on the fused path, which cannot read it without a sync: its token mean is
-            0/0, so the step is skipped as ``nonfinite_loss``.
+            in which case the step's loss is the token mean over the whole accumulated batch.
             ``None``: the model computes its own loss from the targets — ``model(inputs, targets)``
             (or ``model(**inputs, labels=targets)``) returns ``(logits, loss)``, a dict with
             ``"loss"`` or an object with ``.loss`` (see ``clipamp_engine.model_loss``).
@@ -232,10 +229,8 @@ class AmpTrainState:
     def step_deferred(self, inputs: Any, targets: Any) -> list[StepLog]:
         """Run one optimizer step; return the records materialised by this call, oldest first.
 
-        On the fused path that is ``[]`` between flushes and, at each flush, the records pending
-        since the previous flush (``log_every``, or fewer at an early flush the clip policy's
-        ``needs_records`` asks for); on the default path, this step's record. Call ``flush()``
-        after the last step.
+        Fused path: ``[]`` between flushes, at a flush (every ``log_every`` steps, or earlier when
+        ``needs_records`` asks) the records since the last. Default path: this step's. Then ``flush()``.
         """
         self._run(inputs, targets)
         due = len(self._pending) + len(self._ready) >= self.log_every or self.clip.needs_records(self.step_count)
@@ -385,22 +380,9 @@ class AmpTrainState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``; without ``model``/``optimizer`` entries those are left alone
-        (a sharded FSDP2 checkpoint restores them through ``torch.distributed.checkpoint``). A checkpoint
-        of another ``dtype``, or with a schedule where this state has none (or the reverse), is refused
-        before anything is loaded: its loss scale or schedule would be dropped or invented."""
-        saved = state.get("dtype", self.dtype)
-        if saved != self.dtype:
-            raise ValueError(
-                f"the checkpoint is of a dtype={saved!r} run and this AmpTrainState has dtype={self.dtype!r}: "
-                f"build it with dtype={saved!r} to resume that run"
-            )
-        if (state.get("scheduler") is None) != (self.scheduler is None):
-            has = "has no" if state.get("scheduler") is None else "has a"
-            raise ValueError(
-                f"the checkpoint {has} LR scheduler state and this AmpTrainState "
-                f"{'has a' if self.scheduler is not None else 'has no'} scheduler: build it as the run was built"
-            )
+        """Restore ``state_dict()`` if it fits (``check_checkpoint_fits``); ``model``/``optimizer`` entries
+        missing are left alone (FSDP2 shards are restored through ``torch.distributed.checkpoint``)."""
+        check_checkpoint_fits(state, self.dtype, self.scheduler is not None)
         if "model" in state:
             unwrap(self.model).load_state_dict(state["model"])
         if "optimizer" in state:
