@@ -12,6 +12,7 @@ from sweep.config.convert import flat_params, with_overrides
 from sweep.config.schema import Config
 from sweep.config.validate import check_spike
 from sweep.distributed.launch import Launch
+from sweep.errors import UserError
 from sweep.experiments.spike.arms import play_pair
 from sweep.report.format import print_wide
 from sweep.report.run import write_run_report
@@ -31,6 +32,17 @@ from sweep.tracking.tracker import RunTracker, SilentTracker, Store, log_metrics
 POLICIES = ("none", "fixed", "calibrated")
 FP16_POLICIES = ("calibrated",)
 Pairs = dict[str, tuple[Arm, Arm]]
+
+#: The exit status of a spike whose fp16 run did not survive (a user mistake is 2, nothing trained 3).
+EXIT_FP16_FAILED = 4
+
+
+class Fp16NotSurvived(UserError):
+    """The fp16 run did not survive the spike: every run, the figure and the table are written first,
+    the parent run ends FAILED with the ``fp16_spike`` tag, and the command exits ``EXIT_FP16_FAILED``
+    with this one line (an outcome of the experiment, not a bug: no traceback)."""
+
+    status = EXIT_FP16_FAILED
 
 
 def fp16_config(cfg: Config) -> Config | None:
@@ -104,7 +116,10 @@ def run_spike(
         ok, outcome = fp16_outcome(fp16["calibrated"][1], cfg16) if fp16 else (None, "")
         result = report(cfg, store, parent, pairs, fp16, ok, outcome, console)
         if ok is False:
-            raise RuntimeError(f"the fp16 run did not survive the spike as required: {outcome}")
+            raise Fp16NotSurvived(
+                f"the fp16 run did not survive the spike: {outcome}; the parent run {parent.run_id} ended FAILED "
+                "with its figure, table and every child run kept"
+            )
         status = "FINISHED"
         return result
     finally:

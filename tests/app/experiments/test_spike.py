@@ -146,6 +146,39 @@ def test_fp16_skips_or_clips_the_spike_and_continues_finite(spiked):
 
 
 @pytest.mark.slow
+def test_an_fp16_run_that_does_not_survive_ends_failed_in_one_line_with_everything_kept(tmp_path, monkeypatch):
+    """The verdict is the real one, turned to a failure: the command's error is one line with exit
+    status 4 (no traceback), and the parent ends FAILED only after every child, the table and the
+    figure are written."""
+    from sweep.experiments.spike import experiment as E
+
+    real = E.fp16_outcome
+    monkeypatch.setattr(E, "fp16_outcome", lambda arm, cfg: (False, real(arm, cfg)[1]))
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE, f"tracking.uri={uri}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(E.Fp16NotSurvived) as e:
+            app.run(cfg, ["+experiment=spike"])
+    finally:
+        torch.set_num_threads(threads)
+    msg = str(e.value)
+    assert e.value.status == 4 and isinstance(e.value, UserError) and "\n" not in msg
+    assert msg.startswith("the fp16 run did not survive the spike: ") and "later steps taken" in msg
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.run_id in msg and parent.info.status == "FAILED"
+    assert parent.data.tags["fp16_spike"].startswith("FAILED: ")
+    assert len(children) == 2 * (len(E.POLICIES) + len(E.FP16_POLICIES))
+    assert {r.info.status for r in children} == {"FINISHED"}
+    kept = {f.path for f in client.list_artifacts(parent.info.run_id)}
+    assert {"spike.png", "spike_table.md"} <= kept
+
+
+@pytest.mark.slow
 def test_logged_loss_excess_equals_the_csvs(spiked):
     cfg, uri, result, _ = spiked
     client = MlflowClient(uri)
