@@ -92,6 +92,41 @@ def precheck(argv: list[str]) -> None:
         fail(_user_line(e))
 
 
+def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
+    """What a signal left behind, in one line: which runs ended how, and the command that continues.
+    ``RunInterrupted`` is a signal the run handled (its checkpoint written); a bare ``KeyboardInterrupt``
+    came before the loop's handler, or through a sweep's trial."""
+    run, handled = cfg.get("run"), isinstance(e, RunInterrupted)
+    if handled and e.finished is not None:
+        return f"interrupted ({e}) during the end-of-run phase: " + (
+            "it completed first; the run ended FINISHED with its summary and artifacts"
+            if e.finished
+            else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
+            "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
+        )
+    head = f"interrupted ({e})" if handled else "interrupted"
+    if run == "spike" or (run == "sweep" and cfg.study.mode == "entangle"):  # children take no resume=
+        what = "the spike replay" if run == "spike" else "the LR check"
+        return f"{head}: {what} and the run it was training ended KILLED; re-run the same command to start it again"
+    if run == "sweep":
+        return f"{head}: " + (
+            "the trial ended KILLED; re-run the same command to resume the study"
+            if handled
+            else "run ended KILLED, steps.csv keeps every completed step; re-run the same command to resume the study"
+        )
+    if handled:
+        return (
+            f"{head}: checkpoint written, run ended KILLED, steps.csv keeps every completed step; continue with the "
+            "same command plus resume=true"
+        )
+    if getattr(e, "run_ended", None):  # set by the pipeline when it ended a run that had trained
+        return (
+            f"{head}: run ended KILLED, steps.csv keeps every completed step; resume=true continues from the last "
+            "checkpoint"
+        )
+    return f"{head}: before the first step: no step ran, nothing to resume; re-run the same command"
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")  # a path: no pkg:// lookup
 def main(cfg: DictConfig) -> None:
     from sweep.app import run
@@ -104,44 +139,10 @@ def main(cfg: DictConfig) -> None:
         run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))
     except UserError as e:
         fail(_user_line(e), getattr(e, "status", 2))
-    except RunInterrupted as e:
+    except KeyboardInterrupt as e:  # RunInterrupted (a signal the run handled) or a bare Ctrl-C
         if rank_from_env() != 0:
             sys.exit(130)
-        if e.finished is not None:
-            print(
-                f"interrupted ({e}) during the end-of-run phase: "
-                + (
-                    "it completed first; the run ended FINISHED with its summary and artifacts"
-                    if e.finished
-                    else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
-                    "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
-                ),
-                file=sys.stderr,
-            )
-        elif cfg.get("run") == "sweep":
-            print(
-                f"interrupted ({e}): the trial ended KILLED; re-run the same command to resume the study",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                f"interrupted ({e}): checkpoint written, run ended KILLED, steps.csv keeps every "
-                f"completed step; continue with the same command plus resume=true",
-                file=sys.stderr,
-            )
-        sys.exit(130)
-    except KeyboardInterrupt as e:
-        if rank_from_env() != 0:
-            sys.exit(130)
-        if cfg.get("run") == "sweep":
-            line = "run ended KILLED, steps.csv keeps every completed step; re-run the same command to resume the study"
-        elif getattr(e, "run_ended", None):  # set by the pipeline when it ended a run that had trained
-            line = (
-                "run ended KILLED, steps.csv keeps every completed step; resume=true continues from the last checkpoint"
-            )
-        else:
-            line = "before the first step: no step ran, nothing to resume; re-run the same command"
-        print(f"interrupted: {line}", file=sys.stderr)
+        print(_interrupted_line(e, cfg), file=sys.stderr)
         sys.exit(130)
     except RankFailed as e:  # under torchrun: rank 0 reports the failure of whichever rank failed
         line = e.report(rank_from_env())

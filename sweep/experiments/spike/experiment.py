@@ -122,6 +122,9 @@ def run_spike(
             )
         status = "FINISHED"
         return result
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the arm that was training ended KILLED, and so does this
+        status = "KILLED"
+        raise
     finally:
         parent.end(status)
 

@@ -242,6 +242,9 @@ def run_entangle(cfg: Config, store: Store, console: Console | None = None) -> V
         verdict = entangle_verdict(df)
         _log_parent(parent, cfg, df, verdict, anchor, time.perf_counter() - t0)
         status = "FINISHED"
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the child that was training ended KILLED, and so does this
+        status = "KILLED"
+        raise
     finally:
         torch.set_num_threads(threads)
         parent.end(status)
