@@ -7,6 +7,7 @@ into 1.8e308 and wrecks charts); the CSV keeps them. Passwords in URIs never rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -174,14 +175,19 @@ class RunTracker:
         self = cls.__new__(cls)
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
-        self._init_common(client, run, flush_every)
-        if self._upload and not (self.artifact_dir / "steps.csv").exists():  # a remote store: continue the
-            # steps.csv the run uploaded when it was stopped (a local one was never sent: it is newer)
-            try:
-                client.download_artifacts(run_id, "steps.csv", str(self.artifact_dir))
-            except Exception:  # none uploaded: the resume's row check refuses with one line
-                pass
-        self.logged = {(key, m.step) for key in run.data.metrics for m in client.get_metric_history(run_id, key)}
+        try:
+            self._init_common(client, run, flush_every)
+            if self._upload and not (self.artifact_dir / "steps.csv").exists():  # a remote store: continue the
+                # steps.csv the run uploaded when it was stopped (a local one was never sent: it is newer)
+                try:
+                    client.download_artifacts(run_id, "steps.csv", str(self.artifact_dir))
+                except Exception:  # none uploaded: the resume's row check refuses with one line
+                    pass
+            self.logged = {(k, m.step) for k in run.data.metrics for m in client.get_metric_history(run_id, k)}
+        except BaseException:  # the store, the folder or a signal failed the reopen: the run stays resumable
+            with contextlib.suppress(Exception):
+                client.update_run(run_id, status=run.info.status)
+            raise
         return self
 
     def _init_common(self, client, run, flush_every: int) -> None:
