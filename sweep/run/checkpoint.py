@@ -68,12 +68,15 @@ def set_cuda_rng_state(saved: torch.Tensor | None) -> None:
 
 def _write(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file renamed into place: a failed write keeps the old checkpoint and
-    leaves no temporary file; a full disk (torch reports it as a RuntimeError) is raised as ENOSPC."""
+    leaves no temporary file, whatever cut it short (a second Ctrl-C included); a full disk (torch reports
+    it as a RuntimeError) is raised as ENOSPC."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         torch.save(obj, tmp)
-    except (RuntimeError, OSError) as e:
-        full = shutil.disk_usage(path.parent).free < (1 << 16) or disk_full(e) is not None
+    except BaseException as e:
+        full = isinstance(e, (RuntimeError, OSError)) and (
+            shutil.disk_usage(path.parent).free < (1 << 16) or disk_full(e) is not None
+        )
         tmp.unlink(missing_ok=True)
         if full:
             raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e

@@ -79,3 +79,33 @@ def test_the_cuda_generator_travels_with_the_checkpoint(tmp_path, monkeypatch):
     assert generator["state"].tolist() == [1, 2, 3]
     del ckpt["cuda_rng"]  # a checkpoint written before the CUDA state was kept still restores
     restore_run_checkpoint(path, state, ckpt, Launch())
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt("second signal 2"), RuntimeError("writer failed")])
+def test_a_checkpoint_write_cut_short_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch, error):
+    """A second Ctrl-C (or a failure) inside ``torch.save``: the previous checkpoint is intact and no
+    ``checkpoint.pt.tmp`` is left beside it."""
+    import torch
+    import torch.nn.functional as F
+
+    from clipamp_engine import AmpTrainState
+    from sweep.run import checkpoint as C
+
+    model = torch.nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, dtype="fp32")
+    path = tmp_path / "checkpoint.pt"
+    assert C.save_checkpoint(path, state, step=1)
+    before = path.read_bytes()
+    real = torch.save
+
+    def cut_short(obj, f):
+        real(obj, f)  # the bytes are on disk, not yet renamed
+        raise error
+
+    monkeypatch.setattr(C.torch, "save", cut_short)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(type(error)):
+        C.save_checkpoint(path, state, step=2)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # before: checkpoint.pt.tmp too
