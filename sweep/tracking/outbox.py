@@ -99,29 +99,37 @@ class Outbox:
 
     def close(self, status: str, folder: Path, wait_s: float) -> bool:
         """Send the rest, the artifacts in ``folder`` and the run's end, waiting up to ``wait_s`` for the
-        server; False (and ``folder/pending.json`` plus one line naming the command) if it stayed away."""
+        server; False (and ``folder/pending.json`` plus one line naming the command) if it stayed away.
+        A second signal during the wait keeps the same, then is raised."""
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                self._push()
-                upload(self.client, self.run_id, folder)
-                self.client.set_terminated(self.run_id, status=status)
-                return True
-            except Exception as e:
-                if not unreachable(e):
-                    raise
-                if self.away_since is None:
-                    self._away(e)
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        try:
+            while True:
+                try:
+                    self._push()
+                    upload(self.client, self.run_id, folder)
+                    self.client.set_terminated(self.run_id, status=status)
+                    return True
+                except Exception as e:
+                    if not unreachable(e):
+                        raise
+                    if self.away_since is None:
+                        self._away(e)
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        except KeyboardInterrupt:
+            self._keep(status, folder, "a second signal stopped the wait for the tracking server")
+            raise
+        self._keep(status, folder, "the tracking server did not answer by the end of the run")
+        return False
+
+    def _keep(self, status: str, folder: Path, why: str) -> None:
         write_pending(folder, self.run_id, status, self.metrics, self.tags, self.client.tracking_uri)
         self.say(
-            f"warning: the tracking server did not answer by the end of the run: {len(self.metrics)} metric "
-            f"values, the artifacts and the run's end ({status}) are kept in {folder}; once it is back, send "
-            f"them with `python -m sweep.resend {folder}` (the run shows RUNNING there until then)"
+            f"warning: {why}: {len(self.metrics)} metric values, the artifacts and the run's end ({status}) are "
+            f"kept in {folder}; once it is back, send them with `python -m sweep.resend {folder}` (the run shows "
+            "RUNNING there until then)"
         )
-        return False
 
 
 def upload(client, run_id: str, folder: Path) -> None:

@@ -1,0 +1,42 @@
+"""The end-of-run wait for a tracking server that is away: a second Ctrl-C during it keeps what the
+server did not take in ``pending.json`` (as the wait's own end does), then stops."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+
+from sweep.tracking import outbox as O
+
+DEAD = "http://127.0.0.1:9"  # nothing listens: connection refused at once
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_what_the_server_did_not_take_is_kept_whichever_ends_the_wait(tmp_path, monkeypatch, second_signal):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    said: list[str] = []
+    box = O.Outbox(MlflowClient(DEAD), "run0", say=said.append)
+    metrics = [Metric("loss", 2.0 - 0.1 * s, 1000 + s, s) for s in range(1, 6)]
+    box.send(metrics=metrics, tags={"note": "kept"})
+    (tmp_path / "steps.csv").write_text("step\n1\n")
+    if second_signal:
+
+        def ctrl_c(seconds):
+            raise KeyboardInterrupt("second signal 2")
+
+        monkeypatch.setattr(O.time, "sleep", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            box.close("KILLED", tmp_path, wait_s=60)
+    else:
+        assert box.close("KILLED", tmp_path, wait_s=0) is False
+    kept = json.loads((tmp_path / O.PENDING).read_text())  # before: no file after the second signal
+    assert kept["status"] == "KILLED" and kept["tags"] == {"note": "kept"}
+    assert kept["metrics"] == [[m.key, m.value, m.timestamp, m.step] for m in metrics]
+    assert f"python -m sweep.resend {tmp_path}" in said[-1] and "5 metric values" in said[-1]
+    again, status = O.read_pending(tmp_path, MlflowClient(DEAD))
+    assert status == "KILLED" and [(m.key, m.value, m.step) for m in again.metrics] == [
+        (m.key, m.value, m.step) for m in metrics
+    ]
