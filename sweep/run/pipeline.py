@@ -162,7 +162,7 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
             run_id, ckpt = load_resumable(
                 store.client, store.experiment_id, spec.name, store.uri, run_id, cfg.steps, logged_params(cfg)
             )
-            return RunTracker.reopen(store.client, run_id, flush_every=flush), ckpt, lock
+            return RunTracker.reopen(store.client, run_id, flush_every=flush, upto=ckpt["step"]), ckpt, lock
         except BaseException:
             lock.release()
             raise

@@ -8,7 +8,7 @@ no time per step; when it answers again the kept metrics go first, and one line 
 the outbox waits up to ``tracking.reconnect_s`` for the server to take the rest, the artifacts and
 the run's end; if it is still away, ``pending.json`` (metrics, tags, final status) stays with the
 artifacts in the run's local folder and one line names the command that sends them when it is back
-(``python -m sweep.resend DIR``, ``sweep.resend``).
+(``python -m sweep.resend DIR``, ``sweep.resend``); a ``resume=true`` of the run sends them too.
 """
 
 from __future__ import annotations
@@ -53,6 +53,20 @@ class Outbox:
         self.tags: dict[str, str] = {}
         self.away_since: float | None = None
         self.next_try, self.backoff = 0.0, 5.0
+        self.replaces: Path | None = None  # a pending.json whose contents are queued: removed once sent
+
+    def take_pending(self, folder: Path, logged: set[tuple[str, int]], upto: int | None) -> set[tuple[str, int]]:
+        """Queue what an earlier end of this run kept in ``folder/pending.json`` (its tags, and its metric
+        values at steps up to ``upto`` that the run lacks; not its status: the run goes on); the file
+        goes once they are sent. The (key, step) of the values queued."""
+        from mlflow.entities import Metric
+
+        data = json.loads((folder / PENDING).read_text())
+        kept = [Metric(*m) for m in data["metrics"] if (upto is None or m[3] <= upto) and (m[0], m[3]) not in logged]
+        self.metrics[:0] = kept
+        self.tags = {**data["tags"], **self.tags}
+        self.replaces = folder / PENDING
+        return {(m.key, m.step) for m in kept}
 
     def send(self, metrics: list | None = None, tags: dict[str, str] | None = None) -> None:
         """Queue, then send everything queued unless the server is away and the next try is not due."""
@@ -79,6 +93,9 @@ class Outbox:
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in chunk.items()])
             for k in chunk:
                 del self.tags[k]
+        if self.replaces is not None:
+            self.replaces.unlink(missing_ok=True)
+            self.replaces = None
         if self.away_since is not None:
             self.say(
                 f"the tracking server answers again after {time.monotonic() - self.away_since:.0f} s: "
@@ -125,6 +142,7 @@ class Outbox:
 
     def _keep(self, status: str, folder: Path, why: str) -> None:
         write_pending(folder, self.run_id, status, self.metrics, self.tags, self.client.tracking_uri)
+        self.replaces = None  # the new file holds what the old one did
         self.say(
             f"warning: {why}: {len(self.metrics)} metric values, the artifacts and the run's end ({status}) are "
             f"kept in {folder}; once it is back, send them with `python -m sweep.resend {folder}` (the run shows "

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweep.errors import UserError
 from sweep.secrets import redact, redact_text  # re-exported: callers import them from here
-from sweep.tracking.outbox import MAX_BATCH, Outbox  # MAX_BATCH re-exported
+from sweep.tracking.outbox import MAX_BATCH, PENDING, Outbox  # MAX_BATCH re-exported
 from sweep.tracking.store import DEFAULT_URI, anchored, open_client, sqlite_path
 from sweep.tracking.ui import experiment_ui_tags
 
@@ -167,11 +167,13 @@ class RunTracker:
             ) from None
 
     @classmethod
-    def reopen(cls, client, run_id: str, *, flush_every: int = 50) -> RunTracker:
+    def reopen(cls, client, run_id: str, *, flush_every: int = 50, upto: int | None = None) -> RunTracker:
         """Continue an existing run (resume): mark it RUNNING again, same artifacts. Every metric value
         the run already holds (its key and step, logged before it was stopped or killed) is never sent
         again: ``add_step`` of a step the run holds sends only what it lacks, so the history holds each
-        step once whichever sends a kill cut short."""
+        step once whichever sends a kill cut short. On a remote store, what the run kept in
+        ``pending.json`` when its server was away is sent with the rest (its values at steps up to
+        ``upto``, the checkpoint's step: the resume trains the later ones again; and its tags)."""
         self = cls.__new__(cls)
         run = client.get_run(run_id)
         client.update_run(run_id, status="RUNNING")
@@ -184,6 +186,8 @@ class RunTracker:
                 except Exception:  # none uploaded: the resume's row check refuses with one line
                     pass
             self.logged = {(k, m.step) for k in run.data.metrics for m in client.get_metric_history(run_id, k)}
+            if self.outbox is not None and (self.artifact_dir / PENDING).exists():
+                self.logged |= self.outbox.take_pending(self.artifact_dir, self.logged, upto)
         except BaseException:  # the store, the folder or a signal failed the reopen: the run stays resumable
             with contextlib.suppress(Exception):
                 client.update_run(run_id, status=run.info.status)
