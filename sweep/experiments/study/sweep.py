@@ -9,6 +9,7 @@ import warnings
 from contextlib import contextmanager
 
 import optuna
+import pandas as pd
 import torch
 from rich.console import Console
 
@@ -55,13 +56,25 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
     with optuna_quiet():
         result = _sweep(cfg, store, console)
     print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
-    unfinished = int(result.trials["state"].isin(["RUNNING", "WAITING"]).sum())
-    if unfinished:
-        console.print(
-            f"the pick covers the trials finished so far: {unfinished} more are running or queued in "
-            f"other workers; once they end, `python -m sweep.report` gives the study's pick"
-        )
+    line = unfinished_line(result.trials["state"])
+    if line is not None:
+        console.print(line)
     return result
+
+
+def unfinished_line(states: pd.Series) -> str | None:
+    """What the pick leaves out, or None: trials RUNNING (in other workers) and WAITING (queued, e.g.
+    re-enqueued from a dead worker: no worker holds them, the next invocation takes them first)."""
+    running, waiting = int((states == "RUNNING").sum()), int((states == "WAITING").sum())
+    if not running and not waiting:
+        return None
+    parts = [f"{running} running in other workers"] if running else []
+    if waiting:
+        parts.append(f"{waiting} queued, which the next run of this command takes first")
+    return (
+        f"the pick covers the trials finished so far: {' and '.join(parts)}; once they end, "
+        "`python -m sweep.report` gives the study's pick"
+    )
 
 
 def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:

@@ -317,3 +317,32 @@ def test_unknown_study_key_is_rejected():
 
 
 # a worker killed mid-trial (or in its anchor window): tests/reliability/test_sweep_workers.py
+
+
+@pytest.mark.parametrize(
+    "states, line",
+    [
+        (["COMPLETE", "PRUNED", "FAIL"], None),
+        (
+            ["COMPLETE", "RUNNING", "RUNNING"],
+            "the pick covers the trials finished so far: 2 running in other workers; once they end, "
+            "`python -m sweep.report` gives the study's pick",
+        ),
+        (  # re-enqueued from a dead worker: nobody runs it yet (before: "running or queued in other workers")
+            ["COMPLETE", "FAIL", "WAITING"],
+            "the pick covers the trials finished so far: 1 queued, which the next run of this command takes "
+            "first; once they end, `python -m sweep.report` gives the study's pick",
+        ),
+        (
+            ["RUNNING", "WAITING", "WAITING"],
+            "the pick covers the trials finished so far: 1 running in other workers and 2 queued, which the next "
+            "run of this command takes first; once they end, `python -m sweep.report` gives the study's pick",
+        ),
+    ],
+)
+def test_the_trials_left_out_of_the_pick_are_named_by_where_they_are(states, line):
+    import pandas as pd
+
+    from sweep.experiments.study.sweep import unfinished_line
+
+    assert unfinished_line(pd.Series(states)) == line
