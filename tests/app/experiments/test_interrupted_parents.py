@@ -5,6 +5,7 @@ again, not to resume."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 from mlflow import MlflowClient
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 from sweep import app
 from sweep.__main__ import _interrupted_line
 from sweep.run.loop import RunInterrupted
+from tests.app.experiments.study.test_entangle import SMALL_GRID
 from tests.app.helpers import TINY, compose_cfg
 
 
@@ -46,53 +48,30 @@ def _statuses(uri: str) -> tuple[str, list[str]]:
     return parent.info.status, sorted(r.info.status for r in children)
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_the_lr_check_ends_the_child_and_the_parent_killed(store, monkeypatch):
-    from sweep.experiments.study import entangle as E
+SPIKE = ["+experiment=spike", *TINY, "steps=130", "spike.at_step=30", "calibrate.window=10", "calibrate.every=0"]
 
-    cfg = compose_cfg(
-        "+experiment=sweep",
-        "study=entangle",
-        *TINY,
-        "steps=12",
-        "calibrate.window=6",
-        "study.lr_factors=[0.5,1.0]",
-        "study.entangle_quantiles=[p50]",
-        "study.seeds=1",
-        f"tracking.uri={store}",
-    )
-    _interrupt_call(monkeypatch, E, call=2, after_step=5)
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, args, children",
+    [  # the LR check: the anchor window and the first trial finished, the second was training
+        ("sweep.experiments.study.entangle", [*SMALL_GRID, "study.seeds=1"], ["FINISHED", "FINISHED", "KILLED"]),
+        ("sweep.experiments.spike.arms", [*SPIKE, "spike.fp16=false"], ["FINISHED", "KILLED"]),
+    ],
+    ids=["lr-check", "spike"],
+)
+def test_ctrl_c_ends_the_child_it_was_training_and_the_parent_killed(store, monkeypatch, module, args, children):
+    cfg = compose_cfg(*args, f"tracking.uri={store}")
+    _interrupt_call(monkeypatch, importlib.import_module(module), call=2, after_step=5)
     with pytest.raises(KeyboardInterrupt) as e:
-        app.run(cfg)
-    parent, children = _statuses(store)
+        app.run(cfg, [args[0]])
+    parent, statuses = _statuses(store)
     assert parent == "KILLED"  # before: FAILED
-    assert children == ["FINISHED", "FINISHED", "KILLED"]  # the anchor window, the first trial, the second
-    line = _interrupted_line(e.value, OmegaConf.create({"run": "sweep", "study": {"mode": "entangle"}}))
-    assert line == (
-        "interrupted: the LR check and the run it was training ended KILLED; re-run the same command to start it again"
+    assert statuses == children
+    what = "the LR check" if cfg.run == "sweep" else "the spike replay"
+    assert _interrupted_line(e.value, OmegaConf.structured(cfg)) == (
+        f"interrupted: {what} and the run it was training ended KILLED; re-run the same command to start it again"
     )
-
-
-@pytest.mark.slow
-def test_ctrl_c_in_the_spike_replay_ends_the_arm_and_the_parent_killed(store, monkeypatch):
-    from sweep.experiments.spike import arms as A
-
-    cfg = compose_cfg(
-        "+experiment=spike",
-        *TINY,
-        "steps=130",
-        "spike.at_step=30",
-        "calibrate.window=10",
-        "calibrate.every=0",
-        "spike.fp16=false",
-        f"tracking.uri={store}",
-    )
-    _interrupt_call(monkeypatch, A, call=2, after_step=3)
-    with pytest.raises(KeyboardInterrupt):
-        app.run(cfg, ["+experiment=spike"])
-    parent, children = _statuses(store)
-    assert parent == "KILLED"  # before: FAILED
-    assert children == ["FINISHED", "KILLED"]
 
 
 @pytest.mark.parametrize(

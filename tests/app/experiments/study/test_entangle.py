@@ -14,6 +14,16 @@ from sweep.report.entangle import plot_entangle
 from tests.app.helpers import TINY, compose_cfg
 
 TAUS = {NONE: math.nan, "p90": 2.0, "p50": 1.0}
+#: An LR check at TINY size: the anchor window, then 2 LRs × {none, p50} × study.seeds (2) child runs.
+SMALL_GRID = [
+    "+experiment=sweep",
+    "study=entangle",
+    *TINY,
+    "steps=12",
+    "calibrate.window=6",
+    "study.lr_factors=[0.5,1.0]",
+    "study.entangle_quantiles=[p50]",
+]
 
 
 def _table(loss, lrs=(1e-3, 3e-3, 1e-2), seeds=2, sd=0.005, seed=0):
@@ -85,16 +95,7 @@ def test_entangle_study_end_to_end(store):
     whose verdict tag is the verdict of its own trials table."""
     from mlflow import MlflowClient
 
-    cfg = compose_cfg(
-        "+experiment=sweep",
-        "study=entangle",
-        *TINY,
-        "steps=12",
-        "calibrate.window=6",
-        "study.lr_factors=[0.5,1.0]",
-        "study.entangle_quantiles=[p50]",
-        f"tracking.uri={store}",
-    )
+    cfg = compose_cfg(*SMALL_GRID, f"tracking.uri={store}")
     verdict = app.run(cfg)
     client = MlflowClient(store)
     parent = client.search_runs(
