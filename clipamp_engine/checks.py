@@ -32,6 +32,14 @@ def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: An
         )
 
 
+def model_device_type(model: nn.Module) -> str:
+    """The one device type of ``model``'s parameters; ``ValueError`` if they live on several or none."""
+    types = {p.device.type for p in model.parameters()}
+    if len(types) != 1:
+        raise ValueError(f"model parameters live on {sorted(types) or 'no device'}: expected exactly one device type")
+    return types.pop()
+
+
 def check_accumulation(batch_size: int, accumulation_steps: int) -> None:
     """Each of the ``accumulation_steps`` micro-batches needs at least one sample."""
     if batch_size < accumulation_steps:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_accumulation, check_checkpoint_fits, check_setup
+from .checks import check_accumulation, check_checkpoint_fits, check_setup, model_device_type
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
@@ -74,13 +74,6 @@ def parse_dtype(dtype: str) -> torch.dtype:
         return DTYPES[dtype]
     except (KeyError, TypeError):
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}") from None
-
-
-def _model_device_type(model: nn.Module) -> str:
-    types = {p.device.type for p in model.parameters()}
-    if len(types) != 1:
-        raise ValueError(f"model parameters live on {sorted(types) or 'no device'}: expected exactly one device type")
-    return types.pop()
 
 
 class AmpTrainState:
@@ -140,7 +133,7 @@ class AmpTrainState:
             raise TypeError(_unknown_arguments(unknown))
         self.autocast_dtype = parse_dtype(dtype)
         self.dtype = dtype
-        model_device = _model_device_type(model)
+        model_device = model_device_type(model)
         if device_type is not None and device_type != model_device:
             raise ValueError(
                 f"device_type={device_type!r} disagrees with the model's parameters on {model_device!r}: "
@@ -275,17 +268,21 @@ class AmpTrainState:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _step(self, inputs: Any, targets: Any, lr: float, scale: float) -> StepLog:
-        """The default path: per micro-batch one (global) finite-loss check before backward, then
-        the canonical passes. Under DDP/FSDP2 the check, the loss and the token count are global."""
-        k, world = self.accumulation_steps, self.replicas
+        """The default path: per micro-batch one (global) finite-loss check before backward, then the
+        canonical passes. Under DDP/FSDP2 the check, the loss and the token count are global. After a
+        non-finite loss, later micro-batches are forwarded without backward: the skip records the batch's
+        tokens and draws the RNG as the fused path does."""
+        k, world, bad = self.accumulation_steps, self.replicas, False
         acc = GlobalBatchLoss(_batch_size(inputs), k, world)
         for i, (x, y) in enumerate(self._micro_batches(inputs, targets)):
             with world.micro_batch(last=i == k - 1):  # DDP no_sync / FSDP2 no reduce-scatter before the last
                 loss = acc.add(self._forward(x, y), _batch_size(y))  # sync: the finite-loss check, global
-                if loss is None:  # a non-finite loss on some rank never reaches backward on any rank
-                    self.scaler.back_off()
-                    return self._skip("nonfinite_loss", lr, scale, acc)
-                self._backward(loss, x, y)
+                bad = bad or loss is None  # a non-finite loss on some rank never reaches backward on any rank
+                if not bad:
+                    self._backward(loss, x, y)
+        if bad:
+            self.scaler.back_off()
+            return self._skip("nonfinite_loss", lr, scale, acc)
         acc.check_tokens()
         return self._update(acc, lr, scale)
 

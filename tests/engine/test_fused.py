@@ -469,3 +469,25 @@ def test_a_skipped_step_at_a_stage_boundary_records_that_stages_tau(fused):
         (3, True, 0.5),
         (4, False, 0.5),
     ]
+
+
+def _token_sum_loss(out, y):
+    """A ``(loss_sum, token_count)`` loss: the count of one micro-batch is its element count."""
+    return F.mse_loss(out, y, reduction="sum"), y.numel()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_nonfinite_loss_records_the_whole_batch_s_tokens_on_both_paths(dtype):
+    """A NaN loss in the first of 2 micro-batches (step 7): the default path still counts the batch's
+    other micro-batch, as the fused path does; the records agree as token-mean runs do (the fused
+    path's loss is an fp32 device sum: 1e-5), and so do the parameters after it."""
+    runs = [_run(dtype, fused, accumulation=2, loss_fn=_token_sum_loss) for fused in (None, False)]
+    (m_f, _, _, st_f, rec_f, _), (m_d, _, _, st_d, rec_d, _) = runs
+    assert st_f.pipeline == "fused" and st_d.pipeline == "default"
+    skip = rec_d[6]
+    assert skip.skip_reason == "nonfinite_loss" and math.isnan(skip.loss)
+    assert skip.token_count == rec_d[5].token_count == _batch(6)[1].numel()  # before: half of it
+    for a, b in zip(rec_f, rec_d, strict=True):
+        _same_record(a, b, rel=1e-5)
+    for p, q in zip(m_f.parameters(), m_d.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
