@@ -200,8 +200,12 @@ class CalibratedClip(ClipPolicy):
             self._adopt(summary)
 
     def needs_records(self, step: int) -> bool:
-        """At a window's last step: τ must be adopted before the next step clips."""
-        window = self.windows.window_at(step) if self.windows is not None else None
+        """At a window's last step: τ must be adopted before the next step clips. While ``start="auto"``
+        waits, every ``window`` steps too: the window opens after the record that decides it, so it ends
+        on a step not yet run, where the flush above adopts τ (a longer interval could run past it)."""
+        if self.placement is None:
+            return step % self.window == 0
+        window = self.windows.window_at(step)
         return window is not None and step == window[-1]
 
     def _adopt(self, summary: CalibrationSummary) -> None:

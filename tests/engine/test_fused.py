@@ -491,3 +491,29 @@ def test_a_nonfinite_loss_records_the_whole_batch_s_tokens_on_both_paths(dtype):
         _same_record(a, b, rel=1e-5)
     for p, q in zip(m_f.parameters(), m_d.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("total", [40, 60])
+def test_an_auto_placed_window_shorter_than_log_every_adopts_tau_on_time(total):
+    """``start="auto"`` decides the window's start from records, which the fused path sees at flushes
+    (every 12 steps here); a 4-step window must still close on a flush, so τ clips from the step
+    after it as on the default path: same records, same parameters."""
+    runs = []
+    for fused, log_every in ((True, 12), (False, None)):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        clip = make_clip_policy("calibrated", window=4, start="auto", quantile=0.5, total_steps=total)
+        state = AmpTrainState(model, opt, F.mse_loss, dtype="fp32", clip=clip, fused=fused, log_every=log_every)
+        state.fused_recipe = "multiply"
+        recs = []
+        for i in range(total):
+            recs += state.step_deferred(*_script(i, model))
+        recs += state.flush()
+        runs.append((state, recs, model, opt))
+    (st_f, rec_f, m_f, o_f), (st_d, rec_d, m_d, o_d) = runs
+    assert st_f.pipeline == "fused" and st_d.clip.placement is not None and st_d.clip.summaries
+    end = st_d.clip.summaries[0].end_step
+    assert rec_d[end].max_norm == st_d.clip.summaries[0].recommended_max_norm  # the step after the window
+    assert [r.max_norm for r in rec_f] == [r.max_norm for r in rec_d]
+    _assert_fused_equals_default(st_f, rec_f, rec_d, m_f, m_d, o_f, o_d)
