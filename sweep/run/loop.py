@@ -69,9 +69,14 @@ class RunRecords:
 
 
 class StopRun(Exception):
-    """Raised from an ``on_step`` callback to end a run early on purpose (e.g. a pruned trial)."""
+    """Raised from an ``on_step`` callback to end a run early on purpose (e.g. a pruned trial).
+
+    With deferred records the steps after the one that raised it may have run already: they are
+    recorded (CSV, metrics) all the same, and ``late`` holds their records, which the callback did not see.
+    """
 
     status = "KILLED"
+    late: list[StepLog]
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -214,13 +219,15 @@ def run_steps(
         def emit(logs: list[StepLog]) -> None:
             facts = [pending.popleft() for _ in logs]
             floors = host_flags([floor for _, floor in facts])
+            stopped: StopRun | None = None
             for log, (source, _), at_floor in zip(logs, facts, floors):
                 phase = phase_of(log.step)
                 _record_step(log, phase, source, at_floor, writer, tracker, records)
-                if on_record is not None:
-                    on_record(log)
+                stopped = _seen(on_record, log, stopped)
                 if bar.tasks:
                     _show(bar, task, log, phase, phases, log.step - steps[0] + 1, len(steps), progress_every)
+            if stopped is not None:
+                raise stopped
 
         def kept(call: Callable[[], list[StepLog]], batch: Any = None) -> list[StepLog]:
             return _kept(call, state, pending, emit, batch)
@@ -244,6 +251,19 @@ def run_steps(
                 raise RunInterrupted(signum, step)
         emit(kept(state.flush))
     tracker.flush()
+
+
+def _seen(on_record: Callable[[StepLog], None] | None, log: StepLog, stopped: StopRun | None) -> StopRun | None:
+    """``on_record(log)``, until it raises ``StopRun``: the records after that one (steps that ran
+    before the stop was seen) join its ``late``. The stop, if any."""
+    if stopped is not None:
+        stopped.late.append(log)
+    elif on_record is not None:
+        try:
+            on_record(log)
+        except StopRun as e:
+            stopped, e.late = e, []
+    return stopped
 
 
 def _kept(call: Callable[[], list[StepLog]], state: AmpTrainState, pending: deque, emit: Callable, batch: Any):

@@ -120,6 +120,11 @@ class _Watch:
             self.trial.set_constraint("clip_ratio_low", self.s.target_clip[0] - clip_ratio)
             self.trial.set_constraint("clip_ratio_high", clip_ratio - self.s.target_clip[1])
 
+    def ran_on(self, late: list) -> None:
+        """The records of steps that ran after the pruning decision (deferred records: up to a flush)."""
+        self.records.rows += [log.row() for log in late]
+        self.ctx.counters.steps_run += len(late)
+
     def partial_metrics(self) -> dict[str, float]:
         """clip/skip ratios and final loss over the steps a stopped trial did run."""
         r = self.records
@@ -161,7 +166,8 @@ def run_trial(ctx: TrialContext, trial) -> None:
     hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=lambda line: None)
     try:
         result = _train(ctx, trial, trial_config(cfg, dtype, max_norm), spec, hooks, watch)
-    except optuna.TrialPruned:
+    except optuna.TrialPruned as e:
+        watch.ran_on(getattr(e, "late", []))
         _tell_pruned(ctx, trial, watch, time.perf_counter() - t0)
     except (KeyboardInterrupt, UserError):
         ctx.study.tell(trial, state=TrialState.FAIL)

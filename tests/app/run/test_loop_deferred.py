@@ -134,3 +134,38 @@ def test_a_window_that_cannot_calibrate_keeps_every_row_of_its_flush(tmp_path):
             )
         rows = path.read_text().splitlines()[1:]
         assert [int(r.split(",")[0]) for r in rows] == [1, 2, 3, 4, 5], log_every
+
+
+def test_a_stop_seen_at_a_flush_still_records_the_steps_that_ran_after_it(tmp_path):
+    """Records every 5 steps, the callback stops the run at step 2 (as a pruner does): steps 3–5 ran
+    before the flush showed step 2, so their rows are written too and travel on the StopRun."""
+    from sweep.run.loop import StopRun
+
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="bf16", max_norm=0.5, log_every=5)
+    seen = []
+
+    def on_record(log):
+        seen.append(log.step)
+        if log.step == 2:
+            raise StopRun("pruned at step 2")
+
+    batches = (SimpleNamespace(inputs=x, targets=y, data_source="b") for x, y in map(_batch_of, range(12)))
+    tracker, records = MetricLog(), RunRecords()
+    path = tmp_path / "steps.csv"
+    with pytest.raises(StopRun) as e, StepCSVWriter(path, APP_COLUMNS) as writer:
+        run_steps(
+            state, batches, range(1, 13), writer=writer, tracker=tracker, records=records,
+            on_record=on_record, progress=False, phase_of=lambda step: "train",
+        )  # fmt: skip
+    assert seen == [1, 2] and [log.step for log in e.value.late] == [3, 4, 5]
+    assert [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]] == [1, 2, 3, 4, 5]  # before: 1, 2
+    assert [step for step, _ in tracker.steps] == [1, 2, 3, 4, 5] and state.step_count == 5
+
+
+def _batch_of(i):
+    from tests.engine.test_step import _batch
+
+    return _batch(i)

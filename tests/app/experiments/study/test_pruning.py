@@ -186,3 +186,40 @@ def test_pruned_constrained_sweep_records_pruned_trials_and_reports(tmp_path, ca
     assert report_main(["--tracking-uri", uri, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"pick: trial {result.pick.trial}" in printed and f"pick: trial {result.pick.trial}" in out.read_text()
+
+
+def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path, monkeypatch):
+    """Records every 5 steps (as on a GPU, where they wait for a flush): the pruner sees a step up to 4
+    steps after it ran, so a pruned trial ran past its decision. Its steps.csv, ``steps_run`` and
+    ``pruned_at_step`` all count those steps, and the invocation's total is their sum."""
+    from clipamp_engine import step as engine_step
+
+    real = engine_step.AmpTrainState._init_pipeline
+    monkeypatch.setattr(
+        engine_step.AmpTrainState, "_init_pipeline", lambda self, fused, log_every, f: real(self, fused, 5, f)
+    )
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    cfg = sweep_cfg(
+        uri,
+        "study=constrained",
+        "study.n_trials=4",
+        "study.dtypes=[bf16]",
+        "study.anchor=null",
+        "study.max_norm_low=0.01",
+        "study.max_norm_high=100",
+        "study.target_clip=[0,0.05]",
+        "study.report_every=2",
+    )
+    result = app.run(cfg, ["+experiment=sweep"])
+    trials = optuna_study(result, tmp_path).get_trials()
+    pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned
+    client = MlflowClient(uri)
+    kids = {k.data.tags["trial"]: k for k in children(client, result.parent_run_id) if "trial" in k.data.tags}
+    for t in trials:
+        run = kids[str(t.number)]
+        rows = len(open(client.download_artifacts(run.info.run_id, "steps.csv")).read().splitlines()) - 1
+        assert t.user_attrs["steps_run"] == rows and (rows % 5 == 0 or rows == STEPS)  # to a flush, not the decision
+        if t in pruned:
+            assert run.data.tags["pruned_at_step"] == str(rows)  # before: the decision's step, rows short of it
+    assert result.steps_run == sum(t.user_attrs["steps_run"] for t in trials)
