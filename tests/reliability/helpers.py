@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ def assert_one_line_error(res, *fragments: str, status: int = 2) -> str:
 
 
 def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    """``python -m sweep ARGS`` in ``cwd`` with this tree's code, not waited for."""
+    """``python -m sweep ARGS`` in ``cwd`` with this tree's code, not waited for. Its SIGINT is as in a
+    terminal, whatever pytest inherited: a suite started as a background job ignores SIGINT, and the
+    app keeps an ignored SIGINT ignored (as ``nohup`` would want)."""
     full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full.update({"PYTHONPATH": str(REPO), **(env or {})})
     return subprocess.Popen(
@@ -33,6 +36,7 @@ def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Pope
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
