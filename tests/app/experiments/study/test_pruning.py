@@ -141,22 +141,25 @@ def test_prune_below_after_out_of_range_is_one_line(value):
     assert str(e.value) == f"study.prune_below_after={float(value)} must be in [0, 1) or null (no below-band pruning)"
 
 
+#: A constrained sweep over τ in [0.01, 100] with the band [0, 0.05]: τ below the norms (~1) clip every
+#: step and are pruned above the band; the others never clip and complete.
+BAND_SWEEP = [
+    "study=constrained",
+    "study.dtypes=[bf16]",
+    "study.anchor=null",
+    "study.max_norm_low=0.01",
+    "study.max_norm_high=100",
+    "study.target_clip=[0,0.05]",
+    "study.report_every=2",
+]
+
+
 @pytest.mark.slow
 def test_pruned_constrained_sweep_records_pruned_trials_and_reports(tmp_path, capsys):
     """τ log-uniform on [0.01, 100] around the tiny task's norms (~1): the trials below the norms clip every
     step and can only end above the band [0, 0.05]; the others never clip and complete."""
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    cfg = sweep_cfg(
-        uri,
-        "study=constrained",
-        "study.n_trials=6",
-        "study.dtypes=[bf16]",
-        "study.anchor=null",
-        "study.max_norm_low=0.01",
-        "study.max_norm_high=100",
-        "study.target_clip=[0,0.05]",
-        "study.report_every=2",
-    )
+    cfg = sweep_cfg(uri, *BAND_SWEEP, "study.n_trials=6")
     result = app.run(cfg, ["+experiment=sweep"])
     study = optuna_study(result, tmp_path)
     trials = study.get_trials()
@@ -188,6 +191,7 @@ def test_pruned_constrained_sweep_records_pruned_trials_and_reports(tmp_path, ca
     assert f"pick: trial {result.pick.trial}" in printed and f"pick: trial {result.pick.trial}" in out.read_text()
 
 
+@pytest.mark.slow
 def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path, monkeypatch):
     """Records every 5 steps (as on a GPU, where they wait for a flush): the pruner sees a step up to 4
     steps after it ran, so a pruned trial ran past its decision. Its steps.csv, ``steps_run`` and
@@ -199,17 +203,7 @@ def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path,
         engine_step.AmpTrainState, "_init_pipeline", lambda self, fused, log_every, f: real(self, fused, 5, f)
     )
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    cfg = sweep_cfg(
-        uri,
-        "study=constrained",
-        "study.n_trials=4",
-        "study.dtypes=[bf16]",
-        "study.anchor=null",
-        "study.max_norm_low=0.01",
-        "study.max_norm_high=100",
-        "study.target_clip=[0,0.05]",
-        "study.report_every=2",
-    )
+    cfg = sweep_cfg(uri, *BAND_SWEEP, "study.n_trials=4")
     result = app.run(cfg, ["+experiment=sweep"])
     trials = optuna_study(result, tmp_path).get_trials()
     pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
