@@ -59,10 +59,8 @@ class Outbox:
         """Queue what an earlier end of this run kept in ``folder/pending.json`` (its tags, and its metric
         values at steps up to ``upto`` that the run lacks; not its status: the run goes on); the file
         goes once they are sent. The (key, step) of the values queued."""
-        from mlflow.entities import Metric
-
-        data = json.loads((folder / PENDING).read_text())
-        kept = [Metric(*m) for m in data["metrics"] if (upto is None or m[3] <= upto) and (m[0], m[3]) not in logged]
+        data, metrics = _pending(folder)
+        kept = [m for m in metrics if (upto is None or m.step <= upto) and (m.key, m.step) not in logged]
         self.metrics[:0] = kept
         self.tags = {**data["tags"], **self.tags}
         self.replaces = folder / PENDING
@@ -175,10 +173,16 @@ def write_pending(
 
 def read_pending(folder: Path, client, say=_say) -> tuple[Outbox, str]:
     """An outbox holding what ``folder/pending.json`` kept, and the run's final status."""
+    data, box_metrics = _pending(folder)
+    box = Outbox(client, data["run_id"], say)
+    box.metrics = box_metrics
+    box.tags = dict(data["tags"])
+    return box, data["status"]
+
+
+def _pending(folder: Path) -> tuple[dict[str, Any], list]:
+    """``folder/pending.json`` as written by ``write_pending``, and its metric values as MLflow ``Metric``s."""
     from mlflow.entities import Metric
 
     data = json.loads((folder / PENDING).read_text())
-    box = Outbox(client, data["run_id"], say)
-    box.metrics = [Metric(*m) for m in data["metrics"]]
-    box.tags = dict(data["tags"])
-    return box, data["status"]
+    return data, [Metric(*m) for m in data["metrics"]]

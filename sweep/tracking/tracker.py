@@ -259,6 +259,13 @@ class RunTracker:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
+    def __enter__(self) -> RunTracker:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """``with run:`` ends it by how the block ended (see ``ended_as``)."""
+        self.end(ended_as(kind))
+
     def end(self, status: str = "FINISHED") -> None:
         """Flush, upload (remote stores) and close the run with ``status`` (FINISHED/FAILED/KILLED)."""
         if self.ended:
@@ -282,6 +289,13 @@ class RunTracker:
             self.client.set_terminated(self.run_id, status=status)
 
 
+def ended_as(kind: type[BaseException] | None) -> str:
+    """A run's status from how its block ended: FINISHED, KILLED (Ctrl-C, SIGTERM) or FAILED (an error)."""
+    if kind is None:
+        return "FINISHED"
+    return "KILLED" if issubclass(kind, KeyboardInterrupt) else "FAILED"
+
+
 class SilentTracker:
     """A ``RunTracker`` stand-in for ranks other than 0 under torchrun: the run's id, nothing logged."""
 
@@ -291,7 +305,10 @@ class SilentTracker:
     def _nothing(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    log_params = set_tags = add_step = flush = log_metrics = end = _nothing
+    def __enter__(self) -> SilentTracker:
+        return self
+
+    log_params = set_tags = add_step = flush = log_metrics = end = __exit__ = _nothing
 
 
 def open_store(cfg: Config, overrides: list[str] | None, launch: Launch, base_dir: Path) -> Store:

@@ -94,8 +94,7 @@ def run_spike(
     s = cfg.spike
     cfg16 = fp16_config(cfg)
     parent = open_parent(cfg, store, launch)
-    status = "FAILED"
-    try:
+    with parent:  # FINISHED, KILLED by Ctrl-C / SIGTERM (as the arm that was training), else FAILED
         parent.log_params(flat_params(cfg))
         console.print(
             f"spike: parent run {parent.run_id}; a corrupted batch at step {s.at_step} with "
@@ -109,7 +108,6 @@ def run_spike(
             else {}
         )
         if not launch.is_main:
-            status = "FINISHED"
             return None
         for family, family_cfg in ((pairs, cfg), (fp16, cfg16)):
             measure_family(store, family, family_cfg)
@@ -120,13 +118,7 @@ def run_spike(
                 f"the fp16 run did not survive the spike: {outcome}; the parent run {parent.run_id} ended FAILED "
                 "with its figure, table and every child run kept"
             )
-        status = "FINISHED"
         return result
-    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the arm that was training ended KILLED, and so does this
-        status = "KILLED"
-        raise
-    finally:
-        parent.end(status)
 
 
 def measure_family(store: Store, family: Pairs, cfg: Config) -> None:

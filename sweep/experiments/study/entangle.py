@@ -223,31 +223,27 @@ def run_entangle(cfg: Config, store: Store, console: Console | None = None) -> V
     parent = open_parent_run(
         cfg, store, f"entangle-{cfg.model.name}-{cfg.steps}steps", "entangle", study_mode="entangle"
     )
-    status, threads, t0 = "FAILED", torch.get_num_threads(), time.perf_counter()
+    threads, t0 = torch.get_num_threads(), time.perf_counter()
     try:
-        if cfg.study.threads:
-            torch.set_num_threads(cfg.study.threads)
-        parent.log_params(flat_params(cfg))
-        anchor, _ = window_quantiles(cfg, "entangle", store, parent.run_id, console.print, None)
-        grid = entangle_grid(cfg, anchor)
-        rows = []
-        for i, cell in enumerate(grid, start=1):
-            rows.append(_trial(cfg, store, parent, *cell))
-            r = rows[-1]
-            console.print(
-                f"[{i}/{len(grid)}] lr={r['lr']:.3g} τ={r['tau']} seed {r['seed']}: eval "
-                f"{r['eval_loss']:.4f}, clipped {r['clip_ratio']:.0%}"
-            )
-        df = pd.DataFrame(rows)
-        verdict = entangle_verdict(df)
-        _log_parent(parent, cfg, df, verdict, anchor, time.perf_counter() - t0)
-        status = "FINISHED"
-    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the child that was training ended KILLED, and so does this
-        status = "KILLED"
-        raise
+        with parent:  # FINISHED, KILLED by Ctrl-C / SIGTERM (as the child that was training), else FAILED
+            if cfg.study.threads:
+                torch.set_num_threads(cfg.study.threads)
+            parent.log_params(flat_params(cfg))
+            anchor, _ = window_quantiles(cfg, "entangle", store, parent.run_id, console.print, None)
+            grid = entangle_grid(cfg, anchor)
+            rows = []
+            for i, cell in enumerate(grid, start=1):
+                rows.append(_trial(cfg, store, parent, *cell))
+                r = rows[-1]
+                console.print(
+                    f"[{i}/{len(grid)}] lr={r['lr']:.3g} τ={r['tau']} seed {r['seed']}: eval "
+                    f"{r['eval_loss']:.4f}, clipped {r['clip_ratio']:.0%}"
+                )
+            df = pd.DataFrame(rows)
+            verdict = entangle_verdict(df)
+            _log_parent(parent, cfg, df, verdict, anchor, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-        parent.end(status)
     console.print(f"[bold]LR check:[/] {verdict.line}")
     console.print(
         f"{len(grid)} runs in {time.perf_counter() - t0:.0f} s; MLflow parent run {parent.run_id}: "

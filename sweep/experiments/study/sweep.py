@@ -106,11 +106,11 @@ def _sweep_as_worker(
 ) -> SweepResult:
     s, name = cfg.study, study.study_name
     shown_storage = redact_text(redact(storage_url))
-    status, threads, t0 = "FAILED", torch.get_num_threads(), time.perf_counter()
+    threads, t0 = torch.get_num_threads(), time.perf_counter()
     try:
-        if s.threads:
-            torch.set_num_threads(s.threads)
-        try:
+        with parent:  # FINISHED, KILLED by Ctrl-C / SIGTERM (as the trial that was training), else FAILED
+            if s.threads:
+                torch.set_num_threads(s.threads)
             with study_lock(storage_url, name, console.print):  # one worker at a time: recovery, anchor, queue, seed
                 prior = len(study.get_trials(deepcopy=False))
                 recover_dead_workers(study, store, console.print)
@@ -123,38 +123,33 @@ def _sweep_as_worker(
                 )
                 anchor = _set_up(cfg, study, store, parent, console, prior)
             ctx = _run_trials(cfg, study, storage, store, parent, console, anchor)
-        except KeyboardInterrupt:
-            status = "KILLED"
-            raise
-        band = tuple(s.target_clip)
-        table = trials_table(study, band)
-        c = ctx.counters
-        result = SweepResult(
-            study_name=name,
-            storage=shown_storage,
-            mode=s.mode,
-            parent_run_id=parent.run_id,
-            trials=table,
-            pick=pick_trial(table, band),
-            trials_run=s.n_trials,
-            pruned=c.pruned,
-            failed=c.failed,
-            steps_run=c.steps_run,
-            steps_budget=s.n_trials * cfg.steps,
-            seconds_saved_est=c.seconds_saved,
-            prune_overhead_s=c.prune_overhead,
-            wall_s=time.perf_counter() - t0,
-            anchor=anchor,
-            band=band,
-        )
-        write_parent_artifacts(parent, result)
-        write_sweep_report(parent, result)
-        log_parent_summary(parent, result)
-        status = "FINISHED"
-        return result
+            band = tuple(s.target_clip)
+            table = trials_table(study, band)
+            c = ctx.counters
+            result = SweepResult(
+                study_name=name,
+                storage=shown_storage,
+                mode=s.mode,
+                parent_run_id=parent.run_id,
+                trials=table,
+                pick=pick_trial(table, band),
+                trials_run=s.n_trials,
+                pruned=c.pruned,
+                failed=c.failed,
+                steps_run=c.steps_run,
+                steps_budget=s.n_trials * cfg.steps,
+                seconds_saved_est=c.seconds_saved,
+                prune_overhead_s=c.prune_overhead,
+                wall_s=time.perf_counter() - t0,
+                anchor=anchor,
+                band=band,
+            )
+            write_parent_artifacts(parent, result)
+            write_sweep_report(parent, result)
+            log_parent_summary(parent, result)
+            return result
     finally:
         torch.set_num_threads(threads)
-        parent.end(status)
 
 
 def _set_up(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from clipamp_engine import AmpTrainState, HysteresisScaler, StepCSVWriter
 from sweep.run.loop import APP_COLUMNS, RunRecords, run_steps
 from tests.engine.test_fused import _script
-from tests.engine.test_step import Tiny
+from tests.engine.test_step import Tiny, _batch
 
 
 class MetricLog:
@@ -152,7 +152,7 @@ def test_a_stop_seen_at_a_flush_still_records_the_steps_that_ran_after_it(tmp_pa
         if log.step == 2:
             raise StopRun("pruned at step 2")
 
-    batches = (SimpleNamespace(inputs=x, targets=y, data_source="b") for x, y in map(_batch_of, range(12)))
+    batches = (SimpleNamespace(inputs=x, targets=y, data_source="b") for x, y in map(_batch, range(12)))
     tracker, records = MetricLog(), RunRecords()
     path = tmp_path / "steps.csv"
     with pytest.raises(StopRun) as e, StepCSVWriter(path, APP_COLUMNS) as writer:
@@ -163,9 +163,3 @@ def test_a_stop_seen_at_a_flush_still_records_the_steps_that_ran_after_it(tmp_pa
     assert seen == [1, 2] and [log.step for log in e.value.late] == [3, 4, 5]
     assert [int(line.split(",")[0]) for line in path.read_text().splitlines()[1:]] == [1, 2, 3, 4, 5]  # before: 1, 2
     assert [step for step, _ in tracker.steps] == [1, 2, 3, 4, 5] and state.step_count == 5
-
-
-def _batch_of(i):
-    from tests.engine.test_step import _batch
-
-    return _batch(i)
