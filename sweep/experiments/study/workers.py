@@ -5,8 +5,9 @@ Liveness: a worker holds ``run.lock`` beside its parent run's checkpoint folder 
 carries the lock's host and path (tags ``worker_host``, ``worker_lock``) and each of its trials names
 the parent (user attr ``parent_run_id``). A worker on this host whose lock can be taken is provably
 dead: its RUNNING trials are failed and re-enqueued once (Optuna's ``RetryFailedTrialCallback``) and
-its RUNNING runs (parent, anchor window, trial) end KILLED, at once. A worker on another host cannot
-be probed: Optuna's heartbeats judge it (``fail_stale_trials`` after ``study.grace_period`` s).
+its RUNNING runs (parent, anchor window, trial) end KILLED, at once. A worker on this host that holds
+its lock is alive, whatever its heartbeat says. A worker on another host cannot be probed: Optuna's
+heartbeat rule judges it (``fail_stale_trials``' rule: silent for ``study.grace_period`` s).
 
 Set-up: recovery, the anchor window, the dtype trials enqueued first and the sampler's seed run under
 a lock on the study (beside a sqlite Optuna database; for a server storage, in the host's temporary
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import optuna
 from filelock import FileLock, Timeout
+from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from sweep.run.checkpoint import lock_run
@@ -42,18 +44,19 @@ def hold_worker(store: Store, parent: RunTracker) -> FileLock:
     return lock
 
 
-def _provably_dead(tags: dict[str, str]) -> bool:
-    """The worker ran on this host and its lock is free (the OS released it: the process is gone)."""
+def _lock_says(tags: dict[str, str]) -> bool | None:
+    """Is the worker alive? True: it ran on this host and holds its lock; False: on this host with its lock
+    free (the OS released it: the process is gone); None: this host cannot tell (another host, no lock)."""
     path = tags.get("worker_lock")
     if tags.get("worker_host") != socket.gethostname() or not path or not Path(path).exists():
-        return False
+        return None
     lock = FileLock(path)
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        return False
+        return True
     lock.release()
-    return True
+    return False
 
 
 @contextmanager
@@ -81,20 +84,23 @@ def study_lock(storage_url: str, name: str, say) -> Iterator[None]:
 def recover_dead_workers(study, store: Store, say) -> list[int]:
     """FAIL (and re-enqueue once) the trials of dead workers, end their runs KILLED; one line saying what.
 
-    Dead: provably (a worker of this host whose lock is free), or silent past the grace period
-    (Optuna's heartbeat: workers on other hosts)."""
+    Dead: provably (a worker of this host whose lock is free), or silent past the grace period (Optuna's
+    heartbeat rule, for workers this host cannot probe). A worker of this host that holds its lock is alive
+    whatever its heartbeat says. Only the trials this call fails are blamed: a trial that its own worker
+    ends meanwhile, FAIL included, leaves that worker's runs alone."""
     client, name = store.client, study.study_name
     parents = client.search_runs(
         [store.experiment_id],
         filter_string=(f"tags.study = '{name}' and tags.sweep_role = 'parent' and attributes.status = 'RUNNING'"),
     )
-    dead = {r.info.run_id for r in parents if _provably_dead(r.data.tags)}
+    says = {r.info.run_id: _lock_says(r.data.tags) for r in parents}
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    failed = _fail([t for t in running if t.user_attrs.get("parent_run_id") in dead], study)
-    before = {t.number: t.user_attrs.get("parent_run_id") for t in running if t.number not in failed}
-    optuna.storages.fail_stale_trials(study)  # the heartbeat rule
-    stale = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if t.number in before]
-    dead |= {before[n] for n in stale if before[n]}
+    parent_of = {t.number: t.user_attrs.get("parent_run_id") for t in running}
+    failed = _fail([t for t in running if says.get(parent_of[t.number]) is False], study)
+    stale_ids = _stale_trial_ids(study)
+    silent = [t for t in running if t._trial_id in stale_ids and says.get(parent_of[t.number]) is not True]
+    stale = _fail([t for t in silent if t.number not in failed], study)
+    dead = {run_id for run_id, alive in says.items() if alive is False} | {parent_of[n] for n in stale if parent_of[n]}
     killed = [_kill(client, store.experiment_id, name, run_id) for run_id in sorted(dead)]
     trials = sorted(failed + stale)
     if trials or any(killed):
@@ -110,6 +116,15 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
             f"study.grace_period s without a heartbeat)"
         )
     return trials
+
+
+def _stale_trial_ids(study) -> set[int]:
+    """The RUNNING trials silent past ``grace_period``: the rule of Optuna's ``fail_stale_trials``, asked of
+    the storage so that the trials this host can vouch for are left out and only those failed here are named."""
+    storage = study._storage
+    if not is_heartbeat_enabled(storage):
+        return set()
+    return set(storage._get_stale_trial_ids(study._study_id))
 
 
 def _fail(trials: list, study) -> list[int]:
