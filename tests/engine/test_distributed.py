@@ -104,9 +104,17 @@ class RecordingClip(GlobalNormClip):
         return post
 
 
-def build(wrap=None, dtype="fp32", k=1, loss_fn=mean_loss, clip=None):
+class NetWithUnused(Net):
+    """A layer forward never uses: DDP must be told (``find_unused_parameters=True``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(4, 4)
+
+
+def build(wrap=None, dtype="fp32", k=1, loss_fn=mean_loss, clip=None, net=Net):
     torch.manual_seed(0)
-    model = Net()
+    model = net()
     if wrap is not None:
         model = wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
@@ -135,6 +143,10 @@ def run(state, rank=0, world=1, steps=STEPS) -> dict:
 
 def ddp(model):
     return nn.parallel.DistributedDataParallel(model)
+
+
+def ddp_unused(model):
+    return nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
 
 
 def fsdp2(model):
@@ -240,6 +252,7 @@ SCENARIOS = {
     "ddp_mean": lambda r, w: run(build(ddp), r, w),
     "ddp_token_k2": lambda r, w: run(build(ddp, k=2, loss_fn=token_loss), r, w),
     "ddp_comm": scenario_comm,
+    "ddp_unused_k2": lambda r, w: run(build(ddp_unused, k=2, loss_fn=token_loss, net=NetWithUnused), r, w),
     "fsdp_fp32_norms": scenario_norms,
     "fsdp_token_k2": lambda r, w: run(build(fsdp2, k=2, loss_fn=token_loss), r, w),
     "fsdp_bf16": lambda r, w: run(build(fsdp2, dtype="bf16"), r, w),
@@ -278,7 +291,8 @@ def _spawn(tmp_path, names) -> list[dict]:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     return _spawn(
-        tmp_path_factory.mktemp("ddp"), ["refusals", "ddp_checkpoint", "ddp_mean", "ddp_token_k2", "ddp_comm"]
+        tmp_path_factory.mktemp("ddp"),
+        ["refusals", "ddp_checkpoint", "ddp_mean", "ddp_token_k2", "ddp_comm", "ddp_unused_k2"],
     )
 
 
@@ -333,6 +347,19 @@ def test_ddp_matches_one_process_with_global_skips(ddp_results):
     _assert_same_on_every_rank(per_rank)
     ref = run(build())
     _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"])
+
+
+def test_ddp_with_unused_parameters_skips_globally_without_a_hang(ddp_results):
+    """``find_unused_parameters=True``, a layer forward never uses, accumulation 2: the skipped steps
+    forward micro-batches with no backward, and the next step's reduction still completes."""
+    per_rank = _get(ddp_results, "ddp_unused_k2")
+    _assert_same_on_every_rank(per_rank)
+    ref = run(build(k=2, loss_fn=token_loss, net=NetWithUnused))
+    _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"])
+    *_, unused_w, unused_b = per_rank[0]["params"]
+    torch.manual_seed(0)
+    untouched = NetWithUnused().unused
+    assert torch.equal(unused_w, untouched.weight) and torch.equal(unused_b, untouched.bias)
 
 
 def test_ddp_token_mean_over_unequal_shards_with_accumulation(ddp_results):
