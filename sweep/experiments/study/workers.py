@@ -4,10 +4,11 @@ Liveness: a worker holds ``run.lock`` beside its parent run's checkpoint folder 
 (``filelock``: an ``flock`` the OS releases when the process dies, SIGKILL included). Its parent run
 carries the lock's host and path (tags ``worker_host``, ``worker_lock``) and each of its trials names
 the parent (user attr ``parent_run_id``). A worker on this host whose lock can be taken is provably
-dead: its RUNNING trials are failed and re-enqueued once (Optuna's ``RetryFailedTrialCallback``) and
-its RUNNING runs (parent, anchor window, trial) end KILLED, at once. A worker on this host that holds
-its lock is alive, whatever its heartbeat says. A worker on another host cannot be probed: Optuna's
-heartbeat rule judges it (``fail_stale_trials``' rule: silent for ``study.grace_period`` s).
+dead: its RUNNING trials are failed and re-enqueued once (Optuna's
+``RetryHeartbeatStaleTrialCallback``) and its RUNNING runs (parent, anchor window, trial) end KILLED,
+at once. A worker on this host that holds its lock is alive, whatever its heartbeat says. A worker on
+another host cannot be probed: Optuna's heartbeat rule judges it (``fail_stale_trials``' rule: silent
+for ``study.grace_period`` s).
 
 Set-up: recovery, the anchor window, the dtype trials enqueued first and the sampler's seed run under
 a lock on the study (beside a sqlite Optuna database; for a server storage, in the host's temporary
