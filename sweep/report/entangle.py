@@ -18,6 +18,8 @@ def plot_entangle(cells, verdict, path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from sweep.report.plots import legend
+
     lrs = sorted(cells["lr"].unique())
     taus = [NONE] + sorted(
         (t for t in cells["tau"].unique() if t != NONE),
@@ -65,7 +67,7 @@ def plot_entangle(cells, verdict, path: Path, title: str = "") -> Path:
     ax.set_xlabel("optim.lr")
     ax.set_ylabel("clip.max_norm τ")
     fig.colorbar(im, ax=ax, label="eval loss (mean over seeds)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=7)
+    legend(ax, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=7)
     ax.set_title((title + "\n" if title else "") + verdict.kind, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,13 @@ def _finite(xs):
     return [x for x in xs if x is not None and math.isfinite(x)]
 
 
+def legend(ax, **kwargs) -> None:
+    """``ax.legend(**kwargs)`` when something on ``ax`` has a label (matplotlib warns otherwise, e.g. for
+    a study with no complete trial)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
 def save(fig, path: Path, dpi: int = 90) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -82,7 +89,7 @@ def _grad_norm_trace(rows, quantiles: dict[str, float], tau: float | None, title
         ax.scatter(skipped, [ymax] * len(skipped), marker="x", color="black", zorder=5, label="skipped step")
     ax.set_yscale("log")
     ax.set(xlabel="step", ylabel="global L2 norm", title=f"gradient norm {title}".strip())
-    ax.legend(fontsize=7, loc="upper right")
+    legend(ax, fontsize=7, loc="upper right")
     return save(fig, path)
 
 
@@ -156,8 +163,8 @@ def plot_sweep(
     a.set(xlabel="clipping ratio (share of taken steps clipped)", ylabel="eval loss")
     b.set_xscale("log")
     b.set(xlabel="max_norm τ", ylabel="eval loss")
-    a.legend(fontsize=7)
-    b.legend(fontsize=7)
+    legend(a, fontsize=7)
+    legend(b, fontsize=7)
     other = df[df["state"] != "COMPLETE"]["state"].value_counts().to_dict()
     fig.suptitle(
         f"{title}  ({len(done)} complete" + "".join(f", {v} {k.lower()}" for k, v in other.items()) + ")", fontsize=9

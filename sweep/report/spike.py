@@ -13,7 +13,7 @@ from rich.table import Table
 
 from sweep.config.schema import Config, window_ranges
 from sweep.report.format import markdown_table, pct
-from sweep.report.plots import plt, save
+from sweep.report.plots import legend, plt, save
 from sweep.results.spike import Arm, loss_excess
 from sweep.tasks.build import count_text
 
@@ -188,4 +188,4 @@ def _decorate(ax_loss, ax_ex, ax_norm, ax_16, pairs: Pairs, fp16: Pairs, cfg: Co
     for ax in (ax_loss, ax_ex, ax_norm) + ((ax_16,) if fp16 else ()):
         ax.axvline(at, color="red", lw=0.8, alpha=0.5)
         ax.set_xlabel("step")
-        ax.legend(fontsize=7, loc="best")
+        legend(ax, fontsize=7, loc="best")
