@@ -97,7 +97,7 @@ def test_a_silent_worker_that_holds_its_lock_on_this_host_is_alive(tmp_path, swe
     for parent, trial in ((gone, gone_trial), (away, away_trial)):
         assert states[trial.number] == TrialState.FAIL
         assert (_status(store, parent), _children(store, parent)) == ("KILLED", ["KILLED"])
-    retried = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    retried = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     assert sorted(t.system_attrs["failed_trial"] for t in retried) == sorted([gone_trial.number, away_trial.number])
     assert said[0].startswith(
         f"recovered 2 dead sweep worker(s): trials {sorted([gone_trial.number, away_trial.number])}"
