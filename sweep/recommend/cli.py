@@ -98,8 +98,12 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
     n, taken = series.interval, int(series.taken.sum())
     if taken < max(2, grid.window // n):
         every = f" (one every {n} steps)" if n > 1 else ""
+        left = len(series.steps) - taken
+        counted = f"{taken} finite norm{'' if taken == 1 else 's'}" + (
+            f" ({left} more non-finite or skipped)" if left else ""
+        )
         raise UserError(
-            f"{series.source}: {taken} finite norms over steps {series.steps[0]}–{series.steps[-1]}{every}, fewer "
+            f"{series.source}: {counted} over steps {series.steps[0]}–{series.steps[-1]}{every}, fewer "
             f"than one {grid.window}-step window holds ({grid.window // n}): lower --window or read a longer log"
         )
     replayed, gaps = with_gaps_skipped(series)

@@ -256,6 +256,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "grad_l2_post_clip is the norm after clipping" in _error(capsys, [str(ours), "--norm", "grad_l2_post_clip"])
     short = write_csv(tmp_path / "short.csv", {"step": steps[:60], "grad_norm": norms[:60]})
     assert "60 finite norms over steps 1–60, fewer than one 100-step window holds (100)" in _error(capsys, [str(short)])
+    few = write_csv(tmp_path / "few.csv", {"step": [1, 2, 3], "grad_norm": ["nan", "inf", 0.5]})
+    assert "1 finite norm (2 more non-finite or skipped) over steps 1–3, fewer than" in _error(capsys, [str(few)])
     assert "--max-grad-norm 0: pass the τ > 0" in _error(capsys, [str(short), "--max-grad-norm", "0"])
     assert "--quantile x" in _error(capsys, [str(short), "--quantile", "x"])
     assert "window=1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
