@@ -90,15 +90,12 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
     parent = open_parent_run(
         cfg, store, f"sweep-{name}", "parent", study=name, study_mode=s.mode, optuna_storage=shown_storage
     )
-    try:
+    with parent:  # ends it if taking the lock fails; otherwise _sweep_as_worker ends it, before the lock goes
         worker = hold_worker(store, parent)
-    except BaseException:
-        parent.end("FAILED")
-        raise
-    try:
-        return _sweep_as_worker(cfg, store, console, study, storage, storage_url, parent)
-    finally:
-        release_run(worker, finished=True)
+        try:
+            return _sweep_as_worker(cfg, store, console, study, storage, storage_url, parent)
+        finally:
+            release_run(worker, finished=True)
 
 
 def _sweep_as_worker(
