@@ -68,9 +68,11 @@ def per_tensor_norms(tensors: list[torch.Tensor], norm_type: float = 2.0) -> tor
 
     One fused ``_foreach_norm`` per (device, dtype) group, accumulating in
     ``accumulation_dtype`` (fp16/bf16/fp32 → fp32, fp64 → fp64); the result is fp64 if any
-    tensor is fp64, else fp32, and lives on the first tensor's device.
+    tensor is fp64, else fp32, and lives on the first tensor's device. An uncoalesced sparse
+    tensor (an embedding row looked up twice holds two entries) is normed from its coalesced copy:
+    its raw values are not the gradient's entries.
     """
-    views = dense_views(tensors)
+    views = [sparse_values(t if t.is_coalesced() else t.coalesce()) if t.is_sparse else t for t in tensors]
     if not views:
         return torch.zeros(0, dtype=torch.float32)
     out: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]

@@ -105,6 +105,18 @@ def test_sparse_grads_coalesced_and_never_densified():
     assert torch.allclose(emb.weight.grad.to_dense(), dense * min(1.0, 1.0 / (float(pre) + 1e-6)))
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_total_norm_of_an_uncoalesced_sparse_grad_is_its_dense_norm(norm_type):
+    """``total_norm`` alone (no ``grads_of`` before it) norms the gradient, not its duplicated raw values."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 1, 2])).sum().backward()
+    grad = emb.weight.grad
+    assert not grad.is_coalesced()
+    expected = torch.nn.utils.get_total_norm([grad.to_dense()], norm_type)
+    assert torch.equal(total_norm([grad], norm_type), expected)
+    assert not grad.is_coalesced()  # measured, not mutated
+
+
 def test_half_grads_accumulate_in_fp32():
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
     p.grad = torch.full((4,), 60000.0, dtype=torch.float16)  # squares overflow fp16
