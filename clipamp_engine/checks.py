@@ -7,6 +7,7 @@ The checks read Python objects and tensor metadata only (types, shapes, ``numel`
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -30,6 +31,37 @@ def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: An
             f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: every step would "
             "update nothing; build it from this model, e.g. torch.optim.AdamW(model.parameters())"
         )
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """At construction: the step calls ``scheduler.step()`` with no argument, after each taken update, so the
+    scheduler must be of this optimizer and step without a metric (``ReduceLROnPlateau`` needs one)."""
+    if scheduler is None:
+        return
+    name = type(scheduler).__name__
+    step = getattr(scheduler, "step", None)
+    if not callable(step) or _required_positionals(step):
+        raise ValueError(
+            f"scheduler={name}: its step() needs an argument (a metric such as the validation loss), and the "
+            f"engine steps the scheduler with none after each taken update; pass scheduler=None and call "
+            f"{name}.step(metric) yourself after each evaluation"
+        )
+    own = getattr(scheduler, "optimizer", optimizer)
+    if own is not optimizer:
+        raise ValueError(
+            f"scheduler={name} schedules another optimizer ({type(own).__name__} at {id(own):#x}), not the one "
+            "the step updates: build it from the same optimizer you pass to AmpTrainState"
+        )
+
+
+def _required_positionals(fn: Any) -> list[str]:
+    """The positional parameters of ``fn`` without a default (an unreadable signature counts as none)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
 def model_device_type(model: nn.Module) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_accumulation, check_checkpoint_fits, check_setup, model_device_type
+from .checks import check_accumulation, check_checkpoint_fits, check_scheduler, check_setup, model_device_type
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
@@ -90,7 +90,8 @@ class AmpTrainState:
         dtype: ``"bf16"`` (default), ``"fp16"`` (with dynamic loss scaling) or ``"fp32"``.
         max_norm: τ for the default global-norm policy (ignored when ``clip`` is given).
         clip: a ``ClipPolicy`` (see ``make_clip_policy``); default ``GlobalNormClip(max_norm)``.
-        scheduler: optional LR scheduler, stepped only on taken steps.
+        scheduler: optional LR scheduler of ``optimizer``, stepped with no argument on taken steps only
+            (a metric-driven one such as ``ReduceLROnPlateau`` is refused: step it yourself).
         accumulation_steps: micro-batches per step; gradients are clipped once, after accumulation.
         device_type: must agree with the model's parameters when given.
         scaler: a ``LossScaler`` (or ``HysteresisScaler``) carrying every loss-scale setting
@@ -149,6 +150,7 @@ class AmpTrainState:
                 "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
             )
         check_setup(model, optimizer, max_norm, clip)
+        check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)

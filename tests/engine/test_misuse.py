@@ -207,3 +207,28 @@ def test_a_checkpoint_of_another_setup_is_refused_before_anything_loads(change):
     with pytest.raises(ValueError, match=message):
         target.load_state_dict(saved)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and target.step_count == 0
+
+
+def test_a_scheduler_that_steps_on_a_metric_is_refused_before_any_update():
+    """``ReduceLROnPlateau.step(metrics)`` cannot be stepped by the engine; accepted, it raised after the
+    optimizer had updated, lost the record and left an fp16 scaler unable to step again."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        ValueError,
+        match=r"scheduler=ReduceLROnPlateau: its step\(\) needs an argument .* pass scheduler=None and call "
+        r"ReduceLROnPlateau.step\(metric\) yourself",
+    ):
+        AmpTrainState(model, optimizer, F.mse_loss, dtype="fp16", scheduler=plateau)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert optimizer.state == {}
+
+
+def test_a_scheduler_of_another_optimizer_is_refused():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"scheduler=StepLR schedules another optimizer \(SGD at 0x"):
+        AmpTrainState(model, optimizer, F.mse_loss, dtype="fp32", scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
