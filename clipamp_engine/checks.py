@@ -15,6 +15,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from .scaling import LossScaler
+
+
+def check_arguments(model_device: str, device_type: Any, dtype: str, accumulation_steps: Any, scaler: Any) -> None:
+    """At construction: the arguments agree with each other and with the model's device."""
+    if device_type is not None and device_type != model_device:
+        raise ValueError(
+            f"device_type={device_type!r} disagrees with the model's parameters on {model_device!r}: "
+            f"autocast must run on the optimizer's device (pass device_type={model_device!r} or move the model)"
+        )
+    if dtype != "fp32" and not torch.amp.is_autocast_available(model_device):
+        raise ValueError(f"dtype={dtype!r}: autocast is not available on device {model_device!r}; use dtype='fp32'")
+    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an integer >= 1")
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise ValueError(
+            "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
+        )
+
 
 def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any) -> None:
     """At construction: ``max_norm`` is a number (when the default policy uses it) and the optimizer
@@ -62,6 +81,35 @@ def _required_positionals(fn: Any) -> list[str]:
         return []
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
+#: ``GradScaler`` settings ``AmpTrainState`` does not take: they belong to the scaler.
+SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+def unknown_arguments_message(unknown: dict[str, Any]) -> str:
+    """The ``TypeError`` message for keyword arguments ``AmpTrainState`` does not take."""
+    settings = [k for k in unknown if k in SCALER_SETTINGS]
+    if settings:
+        given = ", ".join(f"{k}={unknown[k]!r}" for k in settings)
+        return (
+            f"AmpTrainState takes loss-scale settings through scaler=, not {', '.join(settings)}: "
+            f"pass scaler=LossScaler(device, {given}) (or HysteresisScaler)"
+        )
+    return f"AmpTrainState got unexpected keyword arguments: {', '.join(sorted(unknown))}"
+
+
+def check_scheduler_groups(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """After ``add_param_group``: a scheduler built for fewer groups cannot step them (torch's ``step()`` raises
+    after the optimizer has updated), so the step refuses before it runs anything."""
+    built_for, groups = len(getattr(scheduler, "base_lrs", optimizer.param_groups)), len(optimizer.param_groups)
+    if built_for != groups:
+        raise ValueError(
+            f"the optimizer now has {groups} param groups and its scheduler ({type(scheduler).__name__}) was "
+            f"built for {built_for}: torch's schedulers step only the groups they were built with (their step() "
+            "raises); add every group before building the scheduler (a frozen one with lr=0, say), or pass "
+            "scheduler=None and step the schedule yourself"
+        )
 
 
 def model_device_type(model: nn.Module) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["optimizer_params_in_model_order"]
+__all__ = ["optimizer_params_in_model_order", "param_groups_key"]
 
 
 def optimizer_params_in_model_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -34,3 +34,12 @@ def optimizer_params_in_model_order(model: nn.Module, optimizer: torch.optim.Opt
     for pid, p in held.items():
         ordered.setdefault(pid, p)
     return list(ordered.values())
+
+
+def param_groups_key(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
+    """What changes when the optimizer's parameters do: each group's list and its length.
+
+    ``add_param_group`` (progressive unfreezing) appends a group; editing a group's ``params`` list
+    changes its length, replacing it changes its identity. A loop over the groups, not the parameters.
+    """
+    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)

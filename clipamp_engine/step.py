@@ -22,7 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_accumulation, check_checkpoint_fits, check_scheduler, check_setup, model_device_type
+from .checks import (
+    check_accumulation,
+    check_arguments,
+    check_checkpoint_fits,
+    check_scheduler,
+    check_scheduler_groups,
+    check_setup,
+    model_device_type,
+    unknown_arguments_message,
+)
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import CLIP_MODES
@@ -36,7 +45,7 @@ from .micro_batches import split as _split
 from .model_loss import loss_function
 from .monitors import ClipRatioMonitor, SkipRateExceeded, SkipRateMonitor
 from .norms import full_tensor, grads_of, scale_grads_, total_norm
-from .param_order import optimizer_params_in_model_order
+from .param_order import optimizer_params_in_model_order, param_groups_key
 from .records import SkipLog, StepLog
 from .scaling import LossScaler
 
@@ -46,21 +55,6 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 _SCALED_BACKWARD = ScaledBackward()
-
-#: ``GradScaler`` settings ``AmpTrainState`` does not take: they belong to the scaler.
-SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-
-
-def _unknown_arguments(unknown: dict[str, Any]) -> str:
-    """The ``TypeError`` message for keyword arguments ``AmpTrainState`` does not take."""
-    settings = [k for k in unknown if k in SCALER_SETTINGS]
-    if settings:
-        given = ", ".join(f"{k}={unknown[k]!r}" for k in settings)
-        return (
-            f"AmpTrainState takes loss-scale settings through scaler=, not {', '.join(settings)}: "
-            f"pass scaler=LossScaler(device, {given}) (or HysteresisScaler)"
-        )
-    return f"AmpTrainState got unexpected keyword arguments: {', '.join(sorted(unknown))}"
 
 
 def whole_param_modes() -> list[str]:
@@ -131,24 +125,12 @@ class AmpTrainState:
         **unknown: Any,
     ) -> None:
         if unknown:
-            raise TypeError(_unknown_arguments(unknown))
+            raise TypeError(unknown_arguments_message(unknown))
         self.autocast_dtype = parse_dtype(dtype)
         self.dtype = dtype
         model_device = model_device_type(model)
-        if device_type is not None and device_type != model_device:
-            raise ValueError(
-                f"device_type={device_type!r} disagrees with the model's parameters on {model_device!r}: "
-                f"autocast must run on the optimizer's device (pass device_type={model_device!r} or move the model)"
-            )
+        check_arguments(model_device, device_type, dtype, accumulation_steps, scaler)
         self.device_type = model_device
-        if dtype != "fp32" and not torch.amp.is_autocast_available(model_device):
-            raise ValueError(f"dtype={dtype!r}: autocast is not available on device {model_device!r}; use dtype='fp32'")
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an integer >= 1")
-        if scaler is not None and not isinstance(scaler, LossScaler):
-            raise ValueError(
-                "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
-            )
         check_setup(model, optimizer, max_norm, clip)
         check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
@@ -177,6 +159,7 @@ class AmpTrainState:
         self.clip_monitor = ClipRatioMonitor(clip_window)
         self.forensics = forensics if forensics is not None else NoForensics()
         self.params = optimizer_params_in_model_order(model, optimizer)  # the sum order of clip_grad_norm_
+        self._groups_key = param_groups_key(optimizer)
         self.step_count = 0  # optimizer steps attempted (taken + skipped)
         self._init_pipeline(fused, log_every, forensics is not None)
 
@@ -258,6 +241,8 @@ class AmpTrainState:
         return records
 
     def _run(self, inputs: Any, targets: Any) -> None:
+        if param_groups_key(self.optimizer) != self._groups_key:
+            self._follow_param_groups()
         self.step_count += 1
         try:
             if self.pipeline == "fused":
@@ -268,6 +253,22 @@ class AmpTrainState:
                 self._ready.append(self._step(inputs, targets, lr, scale))
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _follow_param_groups(self) -> None:
+        """The optimizer's parameters changed since the last step (``add_param_group``, say): norm, check
+        and clip exactly the parameters it now updates. A group the scheduler was not built for, or (on the
+        fused path) one the fused kernels cannot take, is a ``ValueError`` before anything runs."""
+        check_scheduler_groups(self.scheduler, self.optimizer)
+        params = optimizer_params_in_model_order(self.model, self.optimizer)
+        if self.pipeline == "fused":
+            refusal = fused_path_refusal(self.optimizer, self.clip, forensics=False)
+            if refusal is not None:
+                raise ValueError(
+                    f"the optimizer's param groups changed and the fused path cannot run for them: {refusal}; "
+                    "build AmpTrainState with fused=False to take any param group"
+                )
+            self.fused_recipe = factor_recipe(params)
+        self.params, self._groups_key = params, param_groups_key(self.optimizer)
 
     def _step(self, inputs: Any, targets: Any, lr: float, scale: float) -> StepLog:
         """The default path: per micro-batch one (global) finite-loss check before backward, then the
