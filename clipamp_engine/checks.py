@@ -33,6 +33,14 @@ def check_arguments(model_device: str, device_type: Any, dtype: str, accumulatio
         raise ValueError(
             "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
         )
+    scaler_device = getattr(scaler, "_device", model_device)  # GradScaler's device argument
+    if torch.device(scaler_device).type != model_device:
+        name = type(scaler).__name__
+        raise ValueError(
+            f"scaler={name}({scaler_device!r}, ...) is for another device than the model's parameters on "
+            f"{model_device!r} (torch disables a GradScaler whose device it cannot use, so fp16 would train "
+            f"unscaled): build it with {name}({model_device!r}, ...)"
+        )
 
 
 def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any) -> None:

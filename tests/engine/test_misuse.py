@@ -4,12 +4,13 @@ wrong reason, or an error from deep inside torch)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from clipamp_engine import AmpTrainState
+from clipamp_engine import AmpTrainState, HysteresisScaler, LossScaler
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -232,3 +233,22 @@ def test_a_scheduler_of_another_optimizer_is_refused():
     other = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"scheduler=StepLR schedules another optimizer \(SGD at 0x"):
         AmpTrainState(model, optimizer, F.mse_loss, dtype="fp32", scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+@pytest.mark.parametrize("make", [lambda: LossScaler("cuda"), lambda: HysteresisScaler(hysteresis=2)])
+def test_a_scaler_for_another_device_is_refused_not_silently_disabled(make):
+    """torch disables a GradScaler whose device it cannot use (a warning at most): fp16 would train with
+    no loss scaling while the records said scaler_scale 1.0."""
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "CUDA is not available. Disabling" on a CPU-only machine
+        scaler = make()
+    name = type(scaler).__name__
+    with pytest.raises(
+        ValueError, match=rf"scaler={name}\('cuda', \.\.\.\) is for another device .* {name}\('cpu', \.\.\.\)"
+    ):
+        AmpTrainState(model, torch.optim.AdamW(model.parameters()), F.mse_loss, dtype="fp16", scaler=scaler)
+    state = AmpTrainState(
+        model, torch.optim.AdamW(model.parameters()), F.mse_loss, dtype="fp16", scaler=HysteresisScaler("cpu")
+    )
+    assert state.step(*_batch()).scaler_scale == 2.0**16
