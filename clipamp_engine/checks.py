@@ -43,6 +43,16 @@ def check_arguments(model_device: str, device_type: Any, dtype: str, accumulatio
         )
 
 
+def check_sharding(world_kind: str, clip: Any, forensics: bool, whole_param_modes: list[str]) -> None:
+    """At construction: FSDP2 keeps no whole parameters, which some clip modes and forensics read."""
+    if world_kind == "fsdp2" and (clip.needs_whole_params or forensics):
+        what = f"clip mode {clip.mode!r}" if clip.needs_whole_params else "forensics"
+        raise ValueError(
+            f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
+            f"or a clip mode other than {', '.join(whole_param_modes)} without forensics"
+        )
+
+
 def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any) -> None:
     """At construction: ``max_norm`` is a number (when the default policy uses it) and the optimizer
     updates at least one of ``model``'s parameters."""

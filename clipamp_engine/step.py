@@ -29,12 +29,13 @@ from .checks import (
     check_scheduler,
     check_scheduler_groups,
     check_setup,
+    check_sharding,
     model_device_type,
     unknown_arguments_message,
 )
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
-from .clip.registry import CLIP_MODES
+from .clip.registry import whole_param_modes
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
 from .fused import DeviceLambdaLR, RecordBuffer, factor_recipe, fused_path_refusal
@@ -55,11 +56,6 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 _SCALED_BACKWARD = ScaledBackward()
-
-
-def whole_param_modes() -> list[str]:
-    """The clip modes whose policies need whole (unsharded) parameters."""
-    return [mode for mode, cls in CLIP_MODES.items() if cls.needs_whole_params]
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -146,12 +142,7 @@ class AmpTrainState:
         )
         if refusal is not None:
             raise ValueError(refusal)
-        if self.replicas.kind == "fsdp2" and (self.clip.needs_whole_params or forensics is not None):
-            what = f"clip mode {self.clip.mode!r}" if self.clip.needs_whole_params else "forensics"
-            raise ValueError(
-                f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
-                f"or a clip mode other than {', '.join(whole_param_modes())} without forensics"
-            )
+        check_sharding(self.replicas.kind, self.clip, forensics is not None, whole_param_modes())
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.scaler = scaler if scaler is not None else LossScaler(model_device, enabled=dtype == "fp16")

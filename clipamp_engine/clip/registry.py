@@ -37,7 +37,7 @@ from .dpsgd import DPSGDClip
 from .fixed import GlobalNormClip, NoClip, PerGroupClip, StagedNormClip, ValueClip
 from .update import UpdateNormClip
 
-__all__ = ["CLIP_MODES", "CONTEXT_ARGS", "clip_mode_options", "make_clip_policy"]
+__all__ = ["CLIP_MODES", "CONTEXT_ARGS", "clip_mode_options", "make_clip_policy", "whole_param_modes"]
 
 
 CLIP_MODES: dict[str, type[ClipPolicy]] = {
@@ -124,3 +124,8 @@ def make_clip_policy(
         return cls(**options, **context)
     except TypeError as e:
         raise ValueError(f"clip mode {mode!r}: {e}") from None
+
+
+def whole_param_modes() -> list[str]:
+    """The clip modes whose policies need whole (unsharded) parameters."""
+    return [mode for mode, cls in CLIP_MODES.items() if cls.needs_whole_params]
