@@ -173,10 +173,10 @@ class DeviceLambdaLR:
 
     A device counter holds the number of taken steps; each group's ``lr`` is a 0-dim tensor
     set from a window of precomputed factors ``lr_lambda(T₀ … T₀ + W − 1)`` indexed by
-    ``counter − T₀``. Between two flushes at most ``W − 1`` steps run, so the window always
-    holds the next LR; ``sync(taken)`` (at a flush, where the count is on the host anyway)
-    moves the window and brings the scheduler object (``last_epoch``, ``get_last_lr()``) up to date
-    for checkpoints.
+    ``counter − T₀``. Between two flushes at most ``W − 1`` steps run (fewer where the schedule ends
+    sooner: ``known``), so the window always holds the next LR; ``sync(taken)`` (at a flush, where the
+    count is on the host anyway) moves the window and brings the scheduler object (``last_epoch``,
+    ``get_last_lr()``) up to date for checkpoints.
     """
 
     def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR, window: int) -> None:
@@ -192,12 +192,17 @@ class DeviceLambdaLR:
         self.sync(scheduler.last_epoch)
 
     def sync(self, taken: int) -> None:
+        """Move the window to ``taken`` taken steps. ``lr_lambda(taken)`` raises here as it would in
+        ``LambdaLR.step()``; ahead of it the window stops at the first factor the lambda cannot give (a
+        schedule defined up to the end of the run), and ``known`` says how many steps it covers."""
         s = self.scheduler
         s.last_epoch = taken
         lrs = [base * fn(taken) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
         set_last_lr(s, lrs)
         self.start = taken
-        rows = [[base * fn(taken + i) for i in range(self.window)] for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        rows = [[lr, *_ahead(fn, base, taken, self.window)] for lr, base, fn in zip(lrs, s.base_lrs, s.lr_lambdas)]
+        self.known = min(map(len, rows))  # steps the window covers; the caller flushes before it runs out
+        rows = [row[: self.known] + [row[self.known - 1]] * (self.window - self.known) for row in rows]
         self.table = torch.tensor(rows, dtype=self.dtype, device=self.taken.device)
         self.taken.fill_(taken)
         for g, lr in zip(s.optimizer.param_groups, lrs):
@@ -209,6 +214,18 @@ class DeviceLambdaLR:
         lrs = torch.index_select(self.table, 1, (self.taken - self.start).reshape(1))  # no host index
         for i, g in enumerate(self.scheduler.optimizer.param_groups):
             g["lr"].copy_(lrs[i, 0])
+
+
+def _ahead(fn: Any, base: float, taken: int, window: int) -> list[float]:
+    """``base · fn(taken + i)`` for ``i`` = 1 … window − 1, up to the first that raises (not yet asked for:
+    ``LambdaLR`` asks for it only once that step is taken, and raises then)."""
+    out = []
+    for i in range(1, window):
+        try:
+            out.append(base * fn(taken + i))
+        except Exception:
+            break
+    return out
 
 
 #: Layout of one pending record row (fp64 on the device, fp32 on MPS: an fp64 LR stays exact).

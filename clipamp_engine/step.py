@@ -203,6 +203,7 @@ class AmpTrainState:
         """
         self._run(inputs, targets)
         due = len(self._pending) + len(self._ready) >= self.log_every or self.clip.needs_records(self.step_count)
+        due = due or (self._device_lr is not None and len(self._pending) >= self._device_lr.known)
         return self.flush() if due or self._ready else []
 
     def flush(self) -> list[StepLog]:
@@ -215,7 +216,11 @@ class AmpTrainState:
         records, self._ready = self._ready + self._pending.drain(), []
         self.scaler.poll()  # a device-side scaler's counters (and its floor warning) reach the host
         if self._device_lr is not None and records:
-            self._device_lr.sync(self._device_lr.start + sum(not r.skipped for r in records))
+            try:  # the LR lambda raises here where LambdaLR.step() would raise (past the end of a schedule)
+                self._device_lr.sync(self._device_lr.start + sum(not r.skipped for r in records))
+            except Exception as e:
+                e.records = records  # type: ignore[attr-defined]
+                raise
         for record in records:
             try:
                 self.clip.observe(record)  # e.g. a calibration window closes
