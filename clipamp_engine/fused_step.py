@@ -70,7 +70,7 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
             loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
             tokens = count if tokens is None else tokens + count
         else:  # mean loss: weight each micro-batch by its share of the samples
-            loss = result.float() / (total / batch_size(y)) if k > 1 else result.float()  # loss / k
+            loss = result.float() / (total / batch_size(x)) if k > 1 else result.float()  # loss / k
             loss_acc = loss if loss_acc is None else loss_acc + loss
         state._backward(loss, x, y)
     if tokens is not None and host_tokens is not None and not host_tokens > 0:

@@ -10,6 +10,7 @@ a ``loss_fn``'s result is checked by ``clipamp_engine.checks.checked_loss``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,11 +61,44 @@ def model_loss(output: Any) -> torch.Tensor:
 
 
 def loss_function(model: nn.Module, loss_fn: Callable[[Any, Any], Any] | None) -> Callable[[Any, Any], Any]:
-    """``(inputs, targets) -> loss`` for one micro-batch, run inside the step's autocast."""
+    """``(inputs, targets) -> loss`` for one micro-batch, run inside the step's autocast.
+
+    With ``loss_fn=None``: ``model(inputs, targets)``, or ``model(**inputs, labels=targets)`` for a mapping;
+    ``targets=None`` calls ``model(inputs)`` (``model(**inputs)``: a batch that holds its own ``labels``).
+    A model whose ``forward`` takes neither the targets nor ``labels`` is a ``ValueError`` here, at
+    construction; a mapping that holds ``labels`` with targets given too, at the step.
+    """
     if loss_fn is not None:
         return lambda x, y: checked_loss(loss_fn(model(x), y))
+    if not _takes_targets(model):
+        raise ValueError(
+            f"loss_fn=None means the model computes its own loss from the targets (model(inputs, targets), or "
+            f"model(**inputs, labels=targets)), and {type(model).__name__}.forward takes neither: pass "
+            "loss_fn (e.g. torch.nn.functional.mse_loss), which the step calls as loss_fn(model(inputs), targets)"
+        )
 
     def own(x: Any, y: Any) -> torch.Tensor:
-        return model_loss(model(**x, labels=y) if isinstance(x, Mapping) else model(x, y))
+        if isinstance(x, Mapping):
+            if y is not None and "labels" in x:
+                raise ValueError(
+                    "the batch holds 'labels' and targets were given too: pass targets=None to train on the "
+                    "batch's own labels (state.step(batch, None)), or leave 'labels' out of the batch"
+                )
+            return model_loss(model(**x) if y is None else model(**x, labels=y))
+        return model_loss(model(x) if y is None else model(x, y))
 
     return own
+
+
+def _takes_targets(model: nn.Module) -> bool:
+    """Whether ``model.forward`` can take ``(inputs, targets)`` or ``labels=`` (an unreadable signature: yes)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    kinds = {p.kind for p in params}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = {p.name for p in params}
+    return bool(kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}) or (
+        len(positional) >= 2 or "labels" in names
+    )

@@ -275,7 +275,7 @@ class AmpTrainState:
         acc = GlobalBatchLoss(_batch_size(inputs), k, world)
         for i, (x, y) in enumerate(self._micro_batches(inputs, targets)):
             with world.micro_batch(last=i == k - 1):  # DDP no_sync / FSDP2 no reduce-scatter before the last
-                loss = acc.add(self._forward(x, y), _batch_size(y))  # sync: the finite-loss check, global
+                loss = acc.add(self._forward(x, y), _batch_size(x))  # sync: the finite-loss check, global
                 bad = bad or loss is None  # a non-finite loss on some rank never reaches backward on any rank
                 if not bad:
                     self._backward(loss, x, y)

@@ -119,3 +119,100 @@ def test_per_example_clipping_needs_a_loss_fn():
 
     with pytest.raises(ValueError, match="needs a loss_fn"):
         AmpTrainState(model, opt, dtype="fp32", clip=DPSGDClip(1.0, 0.0))
+
+
+class HFStyle(torch.nn.Module):
+    """``forward(input_ids, labels=None)`` returning ``{"logits", "loss"}``, like a transformers model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids))
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _ids(n=4):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 20, (8, 5), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_batch_that_holds_its_labels_trains_with_targets_none(k):
+    """A collator's batch (``labels`` inside) goes in as ``step(batch, None)``: the same run as ``labels=``."""
+    runs = []
+    for inside in (False, True):
+        model = HFStyle()
+        state = AmpTrainState(model, torch.optim.AdamW(model.parameters()), dtype="bf16", accumulation_steps=k)
+        for ids in _ids():
+            log = state.step({"input_ids": ids, "labels": ids}, None) if inside else state.step({"input_ids": ids}, ids)
+        runs.append((log.loss, log.grad_l2_pre_clip, [p.detach().clone() for p in model.parameters()]))
+    (loss_a, norm_a, params_a), (loss_b, norm_b, params_b) = runs
+    assert (loss_a, norm_a) == (loss_b, norm_b)
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+
+
+def test_labels_in_the_batch_and_targets_too_is_one_line_and_changes_nothing():
+    model = HFStyle()
+    state = AmpTrainState(model, torch.optim.AdamW(model.parameters()), dtype="bf16")
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = _ids(1)[0]
+    with pytest.raises(ValueError, match=r"^the batch holds 'labels' and targets were given too: pass targets=None"):
+        state.step({"input_ids": ids, "labels": ids}, ids)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_model_that_takes_no_targets_needs_a_loss_fn_said_at_construction():
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match=r"Linear.forward takes neither: pass loss_fn \(e.g. torch.nn.functional.mse"):
+        AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_loss_without_targets_is_the_canonical_loop_bit_for_bit(k):
+    """An unsupervised loss (``loss_fn(output, None)``), with accumulation: ``step(inputs, None)``."""
+    data = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def loss_fn(out, _):
+        return out.pow(2).mean()
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = AmpTrainState(model, opt, loss_fn, dtype="fp32", max_norm=0.1, accumulation_steps=k)
+    for x in data:
+        for xm in x.tensor_split(k):
+            (loss_fn(ref(xm), None) / k).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        assert state.step(x, None).grad_l2_pre_clip == float(norm)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_a_mapping_batch_with_a_list_of_samples_first_splits_with_its_tensors():
+    """``{"texts": [...], "input_ids": tensor}``: the batch size is the list's length, and each micro-batch
+    gets its share of the list as ``tensor_split`` gives it its rows."""
+    seen = []
+
+    class TextModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, batch):
+            seen.append((list(batch["texts"]), batch["x"].shape[0]))
+            return self.lin(batch["x"])
+
+    model = TextModel()
+    state = AmpTrainState(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, dtype="fp32", accumulation_steps=3
+    )
+    texts = [f"t{i}" for i in range(7)]
+    state.step({"texts": texts, "x": torch.randn(7, 4)}, torch.randn(7, 1))
+    assert seen == [(["t0", "t1", "t2"], 3), (["t3", "t4"], 2), (["t5", "t6"], 2)]
