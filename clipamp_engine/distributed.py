@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .norms import record_dtype
+
 __all__ = ["DDPReplicas", "FSDPReplicas", "GlobalBatchLoss", "Replicas", "replicas_of", "unwrap"]
 
 
@@ -109,7 +111,7 @@ class GlobalBatchLoss:
         """Account one micro-batch; return its backward loss, or None if the loss is non-finite."""
         tokenwise = isinstance(result, tuple)
         loss = (result[0] if tokenwise else result).float()
-        wide = torch.float32 if loss.device.type == "mps" else torch.float64
+        wide = record_dtype(loss.device)
         count = torch.as_tensor(result[1] if tokenwise else 0, device=loss.device).to(wide)
         part = loss.detach().to(wide) * (1 if tokenwise else micro_batch)
         local_batch = torch.tensor(self.local_batch, dtype=wide, device=loss.device)

@@ -61,7 +61,7 @@ import torch
 
 from ._torch_compat import fused_kernel_devices, set_last_lr, takes_grad_scale
 from .clip.base import ClipPolicy
-from .norms import scale_grads_
+from .norms import record_dtype, scale_grads_
 from .records import SkipLog, StepLog
 
 __all__ = [
@@ -246,7 +246,7 @@ class RecordBuffer:
     def add(self, step: int, max_norm: float | None, values: Sequence[torch.Tensor | float]) -> None:
         """Queue one row (``ROW`` order); floats become device scalars without a host transfer."""
         device = next(v.device for v in values if isinstance(v, torch.Tensor))
-        wide = torch.float32 if device.type == "mps" else torch.float64
+        wide = record_dtype(device)
         self.rows.append(
             torch.stack(
                 [

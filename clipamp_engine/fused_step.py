@@ -22,7 +22,7 @@ import torch
 from .checks import is_number
 from .fused import apply_factor_and_step, global_coefficient, is_fusable
 from .micro_batches import batch_size
-from .norms import grads_of, total_norm
+from .norms import grads_of, record_dtype, total_norm
 
 if TYPE_CHECKING:
     from .step import AmpTrainState
@@ -67,12 +67,16 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
             first = count.float() * k
             ref = first if ref is None else torch.where(ref > 0, ref, first)
             loss = loss_sum / torch.where(ref > 0, ref, torch.ones_like(ref))
-            loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
+            part = loss_sum.detach().to(record_dtype(loss_sum.device))
             tokens = count if tokens is None else tokens + count
         else:  # mean loss: weight each micro-batch by its share of the samples
             loss = result.float() / (total / batch_size(x)) if k > 1 else result.float()  # loss / k
-            loss_acc = loss if loss_acc is None else loss_acc + loss
+            part = result.detach().float().to(record_dtype(result.device)) * batch_size(x)
+        # the record's loss, summed wide as the default path sums it (GlobalBatchLoss): the same value
+        loss_acc = part if loss_acc is None else loss_acc + part
         state._backward(loss, x, y)
+    if tokens is None:
+        loss_acc = loss_acc / total  # the samples' mean
     if tokens is not None and host_tokens is not None and not host_tokens > 0:
         raise ValueError(
             "loss_fn returned (loss_sum, token_count) with 0 tokens in the whole batch: the token count must be > 0 "
@@ -111,7 +115,7 @@ def fused_update(
     if tokens is not None and state.accumulation_steps > 1:
         factor = factor * (ref / tokens.float()).to(norm.device)
     pre = norm * factor
-    mean_loss = (loss_acc / tokens.float() if tokens is not None else loss_acc).detach().to(norm.device)
+    mean_loss = (loss_acc / tokens.to(loss_acc.dtype) if tokens is not None else loss_acc).to(norm.device)
     loss_finite = torch.isfinite(mean_loss)
     found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
     coef = global_coefficient(state.clip, pre, state.step_count)

@@ -63,6 +63,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def record_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a step's scalars (its loss, token count, record row) are summed and kept in on ``device``:
+    fp64, in which an fp32 loss times a batch size is exact; fp32 on MPS, which has no fp64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def per_tensor_norms(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """Norm of each tensor (sparse: of its values) as one 1-D tensor, in input order.
 

@@ -254,6 +254,16 @@ def test_bf16_parameters_run_the_multiply_recipe_on_cpu_and_equal_default_bit_fo
     _assert_fused_equals_default(st_f, rec_f, rec_d, m_f, m_d, o_f, o_d)
 
 
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_multiply_recipe_records_equal_default_bit_for_bit_with_accumulation(accumulation):
+    """Equal and unequal micro-batches: the record's loss is summed wide on both paths, so every field of
+    every record is the default path's (the fused path summed ``loss / k`` in fp32 before)."""
+    m_f, o_f, _, st_f, rec_f, _ = _run("bf16", None, accumulation=accumulation, param_dtype=torch.bfloat16)
+    m_d, o_d, _, st_d, rec_d, _ = _run("bf16", False, accumulation=accumulation, param_dtype=torch.bfloat16)
+    assert st_f.fused_recipe == "multiply" and any(r.clipped for r in rec_d)
+    _assert_fused_equals_default(st_f, rec_f, rec_d, m_f, m_d, o_f, o_d)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_calibrated_tau_applies_from_the_same_step_with_deferred_records(recipe):
     """Records flushed every 8 steps, a window closing at step 9 (not a flush step): the policy asks
