@@ -101,9 +101,11 @@ def check_band(
     confidence: float = CONFIDENCE,
     *,
     repeating: bool = False,
+    placed_auto: bool = False,
 ) -> BandCheck:
     """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
-    ``repeating``: the run already re-calibrates (``calibrate.every``), which the next action accounts for."""
+    ``repeating``: the run already re-calibrates (``calibrate.every``); ``placed_auto``: the window was placed
+    by ``calibrate.start=auto``. The next action accounts for both."""
     low, high = validate_band(band)
     if steps < 1:
         raise ValueError("no validation step was taken: raise calibrate.validate or steps")
@@ -137,7 +139,7 @@ def check_band(
         consistent,
         within,
         verdict,
-        _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating),
+        _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating, placed_auto),
     )
 
 
@@ -150,6 +152,7 @@ def _action(
     inside: bool,
     consistent: bool,
     repeating: bool = False,
+    placed_auto: bool = False,
 ) -> str:
     low, high = band
     if inside:
@@ -178,7 +181,9 @@ def _action(
             f"the norms rose after the window: {again}; clipping that stays above the band after warm-up "
             "points at the LR or loss scale"
         )
-    return (
-        "the norms fell after the window, which caught a transient: start it later (calibrate.start=auto "
-        "or a larger N) or lengthen it"
+    later = (
+        "calibrate.start=N, past the step the automatic placement chose"
+        if placed_auto
+        else "calibrate.start=auto or a larger N"
     )
+    return f"the norms fell after the window, which caught a transient: start it later ({later}) or lengthen it"

@@ -231,6 +231,7 @@ class CalibratedClip(ClipPolicy):
                 self.band,
                 self.confidence,
                 repeating=bool(self.every),
+                placed_auto=self.start == "auto",
             )
             if taken
             else None

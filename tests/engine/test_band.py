@@ -48,6 +48,9 @@ def test_norms_that_fell_after_the_window_are_drift_down():
     c = check_band(4.0, predicted=0.05, clipped=0, steps=200, band=(0.01, 0.05))
     assert not c.consistent and c.factor == 0 and "drifted" in c.verdict
     assert "calibrate.start=auto" in c.action
+    placed = check_band(4.0, predicted=0.05, clipped=0, steps=200, band=(0.01, 0.05), placed_auto=True)
+    assert "start it later (calibrate.start=N, past the step the automatic placement chose)" in placed.action
+    assert "start=auto" not in placed.action  # the window was placed that way already
 
 
 def test_norms_that_rose_after_the_window_are_drift_up():
