@@ -24,8 +24,9 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   ``on_pre_optimizer_step`` clips them as Trainer would have: ``clip_grad_norm_(model.parameters(),
   max_grad_norm)`` on a finite norm — or, with ``apply=True``, at the policy's τ (your
   ``max_grad_norm`` until the window closes, the calibrated τ after). ``args`` is restored at train
-  end. ``grad_l2_pre_clip`` is therefore Trainer's own ``grad_norm`` (NaN on a step whose norm is
-  not finite); ``grad_l2_post_clip`` the norm the optimizer received.
+  end; a ``train()`` cut short by an exception leaves it set, and the next ``train()`` still finds the
+  user's τ (kept beside it on ``args``). ``grad_l2_pre_clip`` is therefore Trainer's own ``grad_norm``
+  (NaN on a step whose norm is not finite); ``grad_l2_post_clip`` the norm the optimizer received.
 - Loss: the model's own ``outputs.loss`` (a forward hook), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
   mean over the accumulated batch), else averaged. With a ``compute_loss_func`` or label
@@ -57,6 +58,10 @@ from .recorder import StepRecorder
 #: inf instead, and inf / inf is NaN: every gradient NaN. bf16's largest finite value, so that a
 #: bf16 norm does not turn it into inf.
 NORM_ONLY_MAX_NORM = float(torch.finfo(torch.bfloat16).max)
+#: Where ``args`` keeps the user's ``max_grad_norm`` while the callback runs: a ``train()`` that an exception
+#: (Ctrl-C in a notebook) cut short never reaches ``on_train_end``, and the next one must not take
+#: ``NORM_ONLY_MAX_NORM`` for the user's τ.
+_USER_MAX_GRAD_NORM = "_clipamp_user_max_grad_norm"
 
 
 class ClipampCallback(TrainerCallback):
@@ -125,9 +130,15 @@ class ClipampCallback(TrainerCallback):
                 "ClipampCallback does not support DeepSpeed or FSDP (they clip inside their engines); "
                 "run without them, or drop the callback"
             )
-        self._args, self._user_tau, self._model = args, args.max_grad_norm, model
+        user_tau = args.max_grad_norm
+        if user_tau == NORM_ONLY_MAX_NORM:  # a train() that an exception cut short left it so: the user's τ
+            user_tau = getattr(args, _USER_MAX_GRAD_NORM, self._user_tau)
+        self._args, self._user_tau, self._model = args, user_tau, model
         if self.apply or self._user_tau > 0:  # else Trainer clips nothing and its norm pass stays as it is
+            setattr(args, _USER_MAX_GRAD_NORM, user_tau)  # for a later callback on the same args
             args.max_grad_norm = NORM_ONLY_MAX_NORM  # Trainer measures ‖g‖; the clip runs in on_pre_optimizer_step
+        if self._hook is not None:  # left by a train() cut short: one hook per forward
+            self._hook.remove()
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.recorder.begin(
             total_steps=state.max_steps if state.max_steps > 0 else None,
@@ -151,6 +162,7 @@ class ClipampCallback(TrainerCallback):
         args.max_grad_norm = self._user_tau
         if self._hook is not None:
             self._hook.remove()
+            self._hook = None
         self.recorder.end(state.global_step)
 
     # -- one optimizer step --------------------------------------------------------------------

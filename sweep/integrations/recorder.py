@@ -114,7 +114,15 @@ class StepRecorder:
         tags: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
     ) -> None:
-        """Build the policy for a run of ``total_steps`` and open its CSV (and MLflow run) on the main process."""
+        """Build the policy for a run of ``total_steps`` and open its CSV (and MLflow run) on the main process.
+        A run an exception cut short (``end`` never called) is closed first: its CSV, and its MLflow run as
+        KILLED."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.tracker is not None and not self.tracker.ended:
+            self.tracker.end("KILLED")
+        self.tracker = None
         self.set_user_tau(user_tau)
         cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
         self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)

@@ -195,3 +195,38 @@ def test_a_cap_is_refused_naming_the_hosts_own_threshold(tmp_path):
     with pytest.raises(ValueError, match=r"cap: the τ until the first window closes is the host's own"):
         ClipampCallback(apply=True, cap=0.5, tracking=None, csv_path=tmp_path / "s.csv")
     assert not (tmp_path / "s.csv").exists()
+
+
+class StopAt(TrainerCallback):
+    """``KeyboardInterrupt`` at the end of optimizer step ``at``, once: Ctrl-C in a notebook cell."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.fired = at, False
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def test_a_train_cut_short_then_run_again_is_the_same_run_as_without_the_callback(tmp_path, store):
+    """The interrupted ``train()`` never reached ``on_train_end``: the next one must still clip at the
+    user's τ (not at the norm-only τ left in ``args``), hook the forward once, and close the first run."""
+    runs = []
+    for callbacks in ([ClipampCallback(tracking=store, verbose=False)], []):
+        t = trainer(tmp_path / str(len(runs)), [*callbacks, StopAt(3)], steps=5, max_grad_norm=0.3)
+        with pytest.raises(KeyboardInterrupt):
+            t.train()
+        t.train()
+        runs.append((t, callbacks))
+    (ours, [cb]), (ref, _) = runs
+    assert ours.args.max_grad_norm == ref.args.max_grad_norm == 0.3
+    for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
+        assert torch.equal(p, q), name
+    second = [h for h in ours.state.log_history if "grad_norm" in h][-5:]
+    assert sum(h["grad_norm"] > 0.3 for h in second) >= 3  # the second train() clips: τ matters
+    df = pd.read_csv(MlflowClient(store).download_artifacts(cb.tracker.run_id, "steps.csv", str(tmp_path)))
+    assert df["step"].tolist() == list(range(1, 6)) and (df["max_norm"] == 0.3).all()
+    np.testing.assert_allclose(df["loss"], [h["loss"] for h in second], rtol=1e-5)  # one hook, not two
+    runs = MlflowClient(store).search_runs([cb.tracker.experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]
