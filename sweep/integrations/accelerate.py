@@ -108,8 +108,16 @@ class ClipampAccelerate:
         )
         self._begun = True
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-        """Unscale, norm and clip as ``accelerator.clip_grad_norm_`` (or at the calibrated τ); the pre-clip norm."""
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2
+    ) -> torch.Tensor:
+        """Unscale, norm and clip as ``accelerator.clip_grad_norm_`` (or at the calibrated τ); the pre-clip norm.
+        ``norm_type`` is accelerate's argument: the L2 norm (2) is the one clipamp records and calibrates."""
+        if norm_type != 2:
+            raise ValueError(
+                f"norm_type={norm_type!r}: ClipampAccelerate records and calibrates the global L2 norm "
+                "(norm_type=2); call accelerator.clip_grad_norm_ for another norm"
+            )
         if not self._begun:
             self._begin(max_norm)
         elif not self.recorder.apply:  # the τ of this call, as accelerate would clip at it

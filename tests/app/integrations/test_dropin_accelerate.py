@@ -41,7 +41,7 @@ def run(tmp_path, steps, tau, clipamp: bool):
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 clip = cb.clip_grad_norm_ if cb else accelerator.clip_grad_norm_
-                norms.append(float(clip(model.parameters(), tau_at(len(norms) + 1))))
+                norms.append(float(clip(model.parameters(), tau_at(len(norms) + 1), norm_type=2)))  # accelerate's call
             optimizer.step()
             optimizer.zero_grad()
             if cb and accelerator.sync_gradients:
@@ -75,3 +75,14 @@ def test_apply_false_follows_a_max_norm_that_changes_between_calls(tmp_path):
         assert torch.equal(p, q), name
     df = pd.read_csv(tmp_path / "steps.csv")
     assert df["max_norm"].tolist() == [1.0] * 5 + [0.2] * 7
+
+
+def test_another_norm_type_is_refused_naming_the_call_to_use(tmp_path):
+    from accelerate import Accelerator
+
+    accelerate.state.AcceleratorState._reset_state(True)
+    cb = ClipampAccelerate(Accelerator(cpu=True), tracking=None, csv_path=tmp_path / "steps.csv")
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"^norm_type=1: .* global L2 norm \(norm_type=2\); call accelerator"):
+        cb.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
+    assert not (tmp_path / "steps.csv").exists()
