@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
         "--norm",
         default=None,
         help="tag / column / metric of the pre-clip norm "
-        "(default: the first of grad_l2_pre_clip, grad_norm, train/grad_norm, one */grad_norm)",
+        "(default: the first of grad_l2_pre_clip, grad_norm, train/grad_norm, grad_2.0_norm_total, "
+        "one */grad_norm)",
     )
     ap.add_argument("--lr", default=None, help="tag / column / metric of the learning rate (default: lr …)")
     ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")

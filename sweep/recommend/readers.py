@@ -26,8 +26,9 @@ from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.errors import UserError, one_line
 from sweep.recommend.series import NormSeries, make_series
 
-#: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback.
-NORM_NAMES = ("grad_l2_pre_clip", "grad_norm", "train/grad_norm")
+#: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
+#: Lightning's ``grad_norm(module, norm_type=2)`` utility (logged from ``on_before_optimizer_step``).
+NORM_NAMES = ("grad_l2_pre_clip", "grad_norm", "train/grad_norm", "grad_2.0_norm_total")
 LR_NAMES = ("lr", "learning_rate", "train/learning_rate")
 STEP_NAMES = ("step", "global_step", "Step", "iteration")
 HF_PRE_CLIP = (
@@ -193,12 +194,14 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
 def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step: str | None = None) -> NormSeries:
     """A step and a norm column; clipamp's own CSV (its canonical eight columns first) also gives the
     skipped steps, the τ in force and the rows the diagnosis reads."""
-    try:
-        df = pd.read_csv(path, sep="\t" if path.suffix == ".tsv" else ",")
+    try:  # cells as text: a blank cell (a row that logged other metrics) is not a logged "nan"
+        df = pd.read_csv(path, sep="\t" if path.suffix == ".tsv" else ",", dtype=str, keep_default_na=False)
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not a readable CSV ({one_line(e)})") from None
     cols = [str(c) for c in df.columns]
     name = _need(pick(cols, norm, NORM_NAMES, "column", str(path), "--norm"), cols, "column", str(path), "--norm")
+    logged = (df[name].str.strip() != "").to_numpy()  # Lightning's CSVLogger: validation rows leave it blank
+    df = df[logged].reset_index(drop=True)
     step_name = pick(cols, step, STEP_NAMES, "column", str(path), "--step-column")
     lr_name = pick(cols, lr, LR_NAMES, "column", str(path), "--lr")
     values = pd.to_numeric(df[name], errors="coerce")
@@ -212,7 +215,7 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     if ours:
         extra["skipped"] = df["skipped"].astype(str).str.strip().str.lower().isin(["true", "1", "yes"]).to_numpy()
         with open(path, newline="", encoding="utf-8") as f:
-            extra["rows"] = list(csv.DictReader(f))
+            extra["rows"] = [row for row, kept in zip(csv.DictReader(f), logged) if kept]
     if "max_norm" in cols:
         extra["max_norm"] = pd.to_numeric(df["max_norm"], errors="coerce").to_numpy()
     lrs = pd.to_numeric(df[lr_name], errors="coerce").to_numpy() if lr_name else None

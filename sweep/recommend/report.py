@@ -100,7 +100,8 @@ def print_report(rec: Recommendation, console: Console | None = None) -> None:
     console.print(format_findings(rec.findings), markup=False, highlight=False)
     console.print(
         f"max_grad_norm={rec.tau:.4g}  (Trainer: TrainingArguments(max_grad_norm={rec.tau:.4g}); "
-        f"torch: clip_grad_norm_(params, {rec.tau:.4g}); clipamp: clip.max_norm={rec.tau:.4g})",
+        f"Lightning: Trainer(gradient_clip_val={rec.tau:.4g}); torch: clip_grad_norm_(params, {rec.tau:.4g}); "
+        f"clipamp: clip.max_norm={rec.tau:.4g})",
         markup=False,
         highlight=False,
     )

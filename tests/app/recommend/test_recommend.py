@@ -347,3 +347,24 @@ def test_tensor_style_scalars_are_read_too(tmp_path):
     stored = norms.astype(np.float32).astype(np.float64)
     assert rec.tau == pytest.approx(numpy_tau(steps, stored, 51, 150), rel=1e-12)
     assert any("no learning rate in the log" in n for n in parse([str(tmp_path / "tb")]).notes)
+
+
+def test_rows_that_log_other_metrics_leave_the_norm_blank_and_are_not_skipped_steps(tmp_path):
+    """Lightning's CSVLogger writes a validation row at the step of a training row with the norm cell blank:
+    it is no value of the norm (a logged "nan" is), so it neither replaces that step's norm nor counts as a skip."""
+    steps, lr, norms = trace()
+    path = tmp_path / "metrics.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["epoch", "grad_2.0_norm_total", "lr", "step", "val_loss"])
+        for s, l, n in zip(steps, lr, norms):
+            w.writerow([0, repr(float(n)), repr(float(l)), s, ""])
+            if s % 10 == 0:
+                w.writerow([0, "", "", s, "1.5"])  # validation: same step, other metrics
+        w.writerow([0, "nan", "", N + 1, ""])  # a logged non-finite norm stays a skipped step
+    rec = parse([str(path), "--start", "60", "--window", "120"])
+    w = rec.clip.summaries[0]
+    assert (w.start_step, w.end_step, w.n_finite, w.n_skipped) == (61, 180, 120, 0)
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, 61, 180), rel=1e-12)
+    assert not any("repeated step" in note for note in rec.notes)
+    assert rec.series.steps.tolist() == [*steps, N + 1] and math.isnan(rec.series.norms[-1])
