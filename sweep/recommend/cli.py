@@ -92,6 +92,17 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
         series.max_norm = (
             tau if series.max_norm is None else np.where(np.isfinite(series.max_norm), series.max_norm, tau)
         )
+    values = series.norms[series.taken]
+    if len(values) and values.min() < 0:
+        raise UserError(
+            f"{series.source}: {series.name} holds negative values (down to {values.min():.4g}), which no norm "
+            f"does: pass --norm NAME of the gradient norm"
+        )
+    if len(values) and values.max() == 0:
+        raise UserError(
+            f"{series.source}: every finite {series.name} is 0: the run's gradients were zero (a detached loss "
+            f"or frozen parameters?), so there is nothing to calibrate; check the run, or pass --norm NAME"
+        )
     reason = post_clip_reason(series)
     if reason:
         raise UserError(f"{series.source}: {reason}")

@@ -261,6 +261,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--max-grad-norm 0: pass the τ > 0" in _error(capsys, [str(short), "--max-grad-norm", "0"])
     assert "--quantile x" in _error(capsys, [str(short), "--quantile", "x"])
     assert "window=1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
+    zeros = write_csv(tmp_path / "zeros.csv", {"step": steps, "grad_norm": np.zeros(N)})
+    assert "every finite grad_norm is 0: the run's gradients were zero (a detached loss" in _error(capsys, [str(zeros)])
+    negative = write_csv(tmp_path / "negative.csv", {"step": steps, "grad_norm": -norms})
+    assert "grad_norm holds negative values (down to -" in _error(capsys, [str(negative)])
 
 
 def test_every_event_is_read_past_tensorboards_10000_value_reservoir(tmp_path):
