@@ -7,6 +7,7 @@ store) print one line and exit 2; Ctrl-C / SIGTERM end the run as KILLED and exi
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -42,6 +43,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from sweep.config.convert import refuse_renamed, to_config  # noqa: E402
+from sweep.config.keys import unknown_key  # noqa: E402
 from sweep.config.schema import register  # noqa: E402
 from sweep.errors import UserError, fail, one_line  # noqa: E402
 from sweep.offline import stay_offline  # noqa: E402
@@ -89,7 +91,15 @@ def precheck(argv: list[str]) -> None:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             to_config(compose(config_name="config", overrides=overrides))
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
-        fail(_user_line(e))
+        fail(_user_line(_unknown_override(e) or e))
+
+
+def _unknown_override(e: Exception) -> Exception | None:
+    """Hydra's "Could not override 'clip.maxnorm'. To append to your config use +clip.maxnorm=…" for a key
+    the schema lacks: the schema's own line (the closest key and the section's keys) instead, since with
+    the ``+`` the key would be refused too."""
+    found = re.match(r"Could not override '([\w.]+)'", str(e))
+    return unknown_key(found.group(1)) if found else None
 
 
 def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from sweep.config.keys import refuse_unknown_keys
 from sweep.config.schema import RENAMED, Config, ModelConfig
 from sweep.errors import UserError
 
@@ -42,6 +43,8 @@ def to_config(node: Any) -> Config:
                 raise UserError(f"model.{key} and model.kwargs.{key} are both set: keep one")
             kwargs[key] = plain.pop(key)
         node.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), plain)
+    if OmegaConf.is_dict(node):
+        refuse_unknown_keys(OmegaConf.to_container(node, resolve=False))  # +clip.maxnorm=1 would be ignored
     return OmegaConf.to_object(node)
 
 

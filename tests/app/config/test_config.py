@@ -117,6 +117,27 @@ def test_semantic_checks_name_the_value(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("+clip.maxnorm=0.1", "clip.maxnorm is not a key of clip: did you mean clip.max_norm? its keys are alpha, "),
+        ("+stepz=60", "stepz is not a key of the config: did you mean steps? its keys are accumulation_steps, "),
+        ("+calibrate.windw=3", "calibrate.windw is not a key of calibrate: did you mean calibrate.window? its keys"),
+        ("+tracking.foo.bar=1", "tracking.foo is not a key of tracking: its keys are "),
+    ],
+)
+def test_a_key_the_schema_lacks_is_refused_not_ignored(override, message):
+    """Hydra adds a ``+key`` to the composed tree and the run then ignored it (``+stepz=60`` ran 300 steps)."""
+    with pytest.raises(UserError) as e:
+        compose_cfg("+experiment=train", override)
+    assert str(e.value).startswith(message)
+
+
+def test_keys_under_a_free_form_field_are_the_users_own():
+    cfg = compose_cfg("+experiment=train", "model=custom", "model._target_=m.M", "+model.kwargs.width=3")
+    assert cfg.model.kwargs == {"width": 3}
+
+
 BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with steps=5
     (["+experiment=calibrate", "clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
     (["+experiment=calibrate", "clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
@@ -143,7 +164,9 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
         "error: clip.quantile=0.9: clip=calibrated reads its options from calibrate.*; pass calibrate.quantile=0.9",
     ),
     (["+experiment=train", "clip=calibrated", "clip.window=50"], "error: clip.window is now calibrate.window"),
-    (["+experiment=calibrate", "stepz=3"], "Could not override 'stepz'"),
+    (["+experiment=calibrate", "stepz=3"], "stepz is not a key of the config: did you mean steps?"),
+    (["+experiment=calibrate", "+stepz=3"], "stepz is not a key of the config: did you mean steps?"),
+    (["+experiment=train", "+clip.maxnorm=1"], "clip.maxnorm is not a key of clip: did you mean clip.max_norm?"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
     (
