@@ -80,7 +80,12 @@ def _user_line(e: BaseException) -> str:
 
 
 def precheck(argv: list[str]) -> None:
-    """Compose once with the user's overrides so composition errors become one line, exit 2."""
+    """Compose once with the user's overrides so composition errors become one line, exit 2; and refuse
+    an output folder Hydra could not create (it would end in a traceback)."""
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and value:
+            _refuse_unwritable(key, Path(value))
     if any(a.startswith("-") for a in argv):  # --help, --cfg, -m …: leave them to Hydra
         return
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]
@@ -92,6 +97,16 @@ def precheck(argv: list[str]) -> None:
             to_config(compose(config_name="config", overrides=overrides))
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or e))
+
+
+def _refuse_unwritable(key: str, folder: Path) -> None:
+    """One line, exit 2, when the nearest existing folder of ``folder`` cannot be written (read-only, or a file)."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is a file" if not existing.is_dir() else "is not writable"
+        fail(f"{key}={folder}: {existing} {why}, so Hydra cannot create its folder there: pass a writable {key}")
 
 
 def _unknown_override(e: Exception) -> Exception | None:

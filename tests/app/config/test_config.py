@@ -307,3 +307,21 @@ def test_the_clip_policy_checks_its_options_named_by_config_key(args, message):
 def test_the_band_is_one_key():
     cfg = compose_cfg("+experiment=sweep", "study.target_clip=[0.02,0.1]")
     assert cfg.study.target_clip == [0.02, 0.1] and compose_cfg().study.target_clip == [0.01, 0.2]
+
+
+@pytest.mark.parametrize("flag", [[], ["-m"]])
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_an_output_folder_hydra_cannot_create_is_one_line_before_anything_runs(tmp_path, capsys, key, flag):
+    """Hydra creates its folder before the job and raised an OSError traceback there (exit 1)."""
+    from sweep.__main__ import precheck
+
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    with pytest.raises(SystemExit) as e:
+        precheck([*flag, "+experiment=train", f"{key}={tmp_path}/blocker/out"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {key}={tmp_path}/blocker/out: {tmp_path}/blocker is a file, so Hydra cannot create its folder "
+        f"there: pass a writable {key}"
+    )
+    assert list(tmp_path.iterdir()) == [tmp_path / "blocker"]
+    precheck(["+experiment=train", f"{key}={tmp_path}/new/out"])  # a folder it can create passes
