@@ -47,6 +47,7 @@ from sweep.config.keys import unknown_key  # noqa: E402
 from sweep.config.schema import register  # noqa: E402
 from sweep.errors import UserError, fail, one_line  # noqa: E402
 from sweep.offline import stay_offline  # noqa: E402
+from sweep.paths import write_refusal  # noqa: E402
 from sweep.run.loop import RunInterrupted  # noqa: E402
 from sweep.secrets import hide_argv, redact_text  # noqa: E402
 
@@ -100,13 +101,10 @@ def precheck(argv: list[str]) -> None:
 
 
 def _refuse_unwritable(key: str, folder: Path) -> None:
-    """One line, exit 2, when the nearest existing folder of ``folder`` cannot be written (read-only, or a file)."""
-    existing = folder.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "is a file" if not existing.is_dir() else "is not writable"
-        fail(f"{key}={folder}: {existing} {why}, so Hydra cannot create its folder there: pass a writable {key}")
+    """One line, exit 2, when Hydra could not create ``folder`` (under a file, or a read-only folder)."""
+    why = write_refusal(folder)
+    if why is not None:
+        fail(f"{key}={folder}: {why}, so Hydra cannot create its folder there: pass a writable {key}")
 
 
 def _unknown_override(e: Exception) -> Exception | None:

@@ -20,7 +20,8 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
-from sweep.config.schema import CALIBRATED, RUNS, Config, window_ranges
+from sweep.config.schema import CALIBRATED, RUNS, Config
+from sweep.config.validate_spike import check_spike
 from sweep.errors import UserError
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -295,89 +296,6 @@ def check_nproc_per_trial(cfg: Config) -> None:
         )
     if cfg.dist.strategy == "none":
         raise UserError(f"study.nproc_per_trial={n} needs dist.strategy=auto, ddp or fsdp2 for its trials")
-
-
-def check_spike(cfg: Config) -> None:
-    """``+experiment=spike``: byte data, positive sizes, the spike after the window and before the end."""
-    s = cfg.spike
-    if cfg.calibrate.start != 0:
-        raise UserError(
-            f"calibrate.start={cfg.calibrate.start}: the spike replay times its bad batch after a "
-            f"window from step 1; pass calibrate.start=0"
-        )
-    if cfg.data.name == "synthetic":
-        raise UserError(
-            "spike needs byte data (the corrupted batch is a binary blob): "
-            "pass data=stdlib or data=text, not data=synthetic"
-        )
-    for key, example in (("factor", "20"), ("fixed_max_norm", "1.0"), ("recovery_tolerance", "0.05 (5%)")):
-        if not getattr(s, key) > 0:
-            raise UserError(
-                f"spike.{key}={getattr(s, key)} must be > 0, e.g. "
-                + (f"spike.{key}={example}" if key != "recovery_tolerance" else example)
-            )
-    if not s.horizons or any(h < 1 for h in s.horizons):
-        raise UserError(f"spike.horizons={list(s.horizons)} must be positive step counts, e.g. [1,5,20,100]")
-    if s.peak_window < 0:
-        raise UserError(f"spike.peak_window={s.peak_window} must be >= 0 (0: the peak since step 1)")
-    last = max(s.horizons)
-    if not 2 <= s.at_step <= cfg.steps - last:
-        raise UserError(
-            f"spike.at_step={s.at_step} must be in [2, steps - {last}] with steps={cfg.steps} "
-            f"(the last horizon is +{last}): raise steps to >= {s.at_step + last} or lower spike.at_step"
-        )
-    _check_spike_windows(cfg)
-    _check_fp16_overrides(cfg)
-
-
-#: The ``model.*`` keys that act on a ``model=hf`` model; the others (d_model, n_layer, ...) size the built-in ones.
-HF_MODEL_KEYS = ("config", "pretrained", "freeze", "train_only")
-HF_FP16_EXAMPLE = (
-    '\'spike.fp16_overrides=["model.config.hidden_size=32","model.config.intermediate_size=64",'
-    '"model.config.num_hidden_layers=2","data.seq_len=64","amp.growth_interval=20"]\''
-)
-
-
-def _check_fp16_overrides(cfg: Config) -> None:
-    """Under ``model=hf``, refuse fp16 overrides that would silently leave the model at full size
-    (the default ones shrink the built-in GPT: ``model.d_model``...; a pretrained model has a fixed size)."""
-    if not cfg.spike.fp16 or cfg.model.name != "hf":
-        return
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in cfg.spike.fp16_overrides]
-    models = [k for k in keys if k.startswith("model.")]
-    inert = [k for k in models if k.split(".")[1] not in HF_MODEL_KEYS]
-    if cfg.model.pretrained:
-        inert += [k for k in models if k.startswith("model.config.")]
-    if inert:
-        fix = (
-            "'spike.fp16_overrides=[\"amp.growth_interval=20\"]' (a pretrained model keeps its size)"
-            if cfg.model.pretrained
-            else f"shrink the model with model.config keys, e.g. {HF_FP16_EXAMPLE}"
-        )
-        raise UserError(
-            f"spike.fp16_overrides sets {', '.join(inert)}, which do nothing for model=hf"
-            f"{' model.pretrained=DIR' if cfg.model.pretrained else ''} (the fp16 pair would run the "
-            f"full-size model): pass spike.fp16=false, or {fix}"
-        )
-
-
-def _check_spike_windows(cfg: Config) -> None:
-    s, windows = cfg.spike, window_ranges(cfg)
-    if not windows or windows[0][-1] >= s.at_step:
-        w = windows[0] if windows else range(1, 1)
-        raise UserError(
-            f"spike.at_step={s.at_step} must land after the calibration window ends "
-            f"(calibrate.window={cfg.calibrate.window} ends at step {w[-1] if w else '?'}): "
-            f"raise spike.at_step or lower calibrate.window"
-        )
-    late = [w for w in windows if w[-1] >= s.at_step]
-    if late:
-        raise UserError(
-            f"calibrate.every={cfg.calibrate.every} opens a calibration window at steps "
-            f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would turn "
-            f"clipping off after the spike: use calibrate.every=0, or a larger calibrate.every that "
-            f"opens no window in steps {s.at_step}–{cfg.steps}"
-        )
 
 
 def _device_available(device: str) -> bool:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from sweep.config.convert import flat_params, with_overrides
 from sweep.config.schema import Config
-from sweep.config.validate import check_spike
+from sweep.config.validate_spike import check_spike
 from sweep.distributed.launch import Launch
 from sweep.errors import UserError
 from sweep.experiments.spike.arms import play_pair

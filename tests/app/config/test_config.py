@@ -325,3 +325,16 @@ def test_an_output_folder_hydra_cannot_create_is_one_line_before_anything_runs(t
     )
     assert list(tmp_path.iterdir()) == [tmp_path / "blocker"]
     precheck(["+experiment=train", f"{key}={tmp_path}/new/out"])  # a folder it can create passes
+
+
+@pytest.mark.parametrize("where", ["blocker/spike.png", "folder"])
+def test_a_spike_figure_it_cannot_write_is_refused_before_the_replay(tmp_path, where):
+    """The copy came after the whole replay (minutes) and ended in an OSError traceback."""
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    (tmp_path / "folder").mkdir()
+    out = tmp_path / where
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=spike", f"spike.figure_out={out}"))
+    what = f"{tmp_path}/blocker is a file" if where.startswith("blocker") else f"{out} is a folder"
+    assert str(e.value) == f"spike.figure_out={out}: {what}: pass a file path in a writable folder"
+    validate(compose_cfg("+experiment=spike", f"spike.figure_out={tmp_path}/new/spike.png"))  # creatable: fine

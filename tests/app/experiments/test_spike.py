@@ -248,7 +248,7 @@ def test_cli_refuses_a_spike_inside_the_window_in_one_line(tmp_path):
 def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
     """The default fp16 overrides size the built-in GPT (model.d_model...): under model=hf they would leave
     the fp16 pair at full size, so they are refused in one line; the fix the line names shrinks the model."""
-    from sweep.config.validate import HF_FP16_EXAMPLE
+    from sweep.config.validate_spike import HF_FP16_EXAMPLE
     from sweep.experiments.spike.experiment import fp16_config
     from sweep.tasks import hf_model as M
 

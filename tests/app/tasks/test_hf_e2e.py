@@ -184,7 +184,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
 def test_spike_runs_its_fp16_pair_on_the_model_config_shrunk_model(tmp_path, store):
     """+experiment=spike model=hf with the fp16 overrides the refusal names: every arm finishes, the fp16
     pair trains the shrunk model (the others the preset) and survives the overflow at the spike."""
-    from sweep.config.validate import HF_FP16_EXAMPLE
+    from sweep.config.validate_spike import HF_FP16_EXAMPLE
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     cfg = compose_cfg(
