@@ -102,10 +102,12 @@ def check_band(
     *,
     repeating: bool = False,
     placed_auto: bool = False,
+    held_out_by: str = "steps",
 ) -> BandCheck:
     """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
     ``repeating``: the run already re-calibrates (``calibrate.every``); ``placed_auto``: the window was placed
-    by ``calibrate.start=auto``. The next action accounts for both."""
+    by ``calibrate.start=auto``; ``held_out_by``: what ended its validation steps (``"validate"``: their
+    number, ``"every"``: the next window, ``"steps"``: the end of the run). The next action accounts for them."""
     low, high = validate_band(band)
     if steps < 1:
         raise ValueError("no validation step was taken: raise calibrate.validate or steps")
@@ -139,7 +141,7 @@ def check_band(
         consistent,
         within,
         verdict,
-        _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating, placed_auto),
+        _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating, placed_auto, held_out_by),
     )
 
 
@@ -153,6 +155,7 @@ def _action(
     consistent: bool,
     repeating: bool = False,
     placed_auto: bool = False,
+    held_out_by: str = "steps",
 ) -> str:
     low, high = band
     if inside:
@@ -162,9 +165,13 @@ def _action(
         )
     if consistent and low <= predicted <= high:
         need = math.ceil(20 / max(predicted, 1e-9))
+        more = {
+            "validate": "raise calibrate.validate",
+            "every": "space the windows further apart (calibrate.every)",
+        }.get(held_out_by, "train longer after the window (raise steps)")
         return (
-            f"too few validation steps to tell the ratio from the band: raise calibrate.validate "
-            f"(≈{need} steps see ~20 clips at {predicted:.1%})"
+            f"too few validation steps to tell the ratio from the band ({steps}): {more}; "
+            f"≈{need} steps see ~20 clips at {predicted:.1%}"
         )
     if consistent:
         return (

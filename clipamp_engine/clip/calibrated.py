@@ -222,6 +222,7 @@ class CalibratedClip(ClipPolicy):
 
     def checks(self) -> list[BandCheck | None]:
         """Per closed window: its τ judged on its validation steps so far (None: none taken yet)."""
+        last = len(self.summaries) - 1
         return [
             check_band(
                 s.recommended_max_norm,
@@ -232,10 +233,15 @@ class CalibratedClip(ClipPolicy):
                 self.confidence,
                 repeating=bool(self.every),
                 placed_auto=self.start == "auto",
+                held_out_by="validate"
+                if self.validate and taken >= self.validate
+                else "every"
+                if i < last
+                else "steps",
             )
             if taken
             else None
-            for s, (clipped, taken) in zip(self.summaries, self.validation)
+            for i, (s, (clipped, taken)) in enumerate(zip(self.summaries, self.validation))
         ]
 
     def drift(self) -> list[bool]:

@@ -40,7 +40,11 @@ def test_a_few_steps_outside_the_band_are_called_noise_not_drift():
     c = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05))
     assert not c.inside and c.consistent and not c.within_2x
     assert "below the band" in c.verdict and "consistent with the window" in c.verdict
-    assert "raise calibrate.validate" in c.action
+    assert "train longer after the window (raise steps); ≈910 steps see ~20 clips at 2.2%" in c.action
+    capped = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate")
+    assert "raise calibrate.validate; ≈910 steps" in capped.action
+    cut = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="every")
+    assert "space the windows further apart (calibrate.every)" in cut.action
 
 
 def test_norms_that_fell_after_the_window_are_drift_down():

@@ -320,3 +320,21 @@ def test_auto_in_a_run_too_short_to_wait_starts_at_step_1_and_says_why():
     assert p.phase(1) == "calibrate"
     roomy = CalibratedClip(window=20, start="auto", total_steps=100)
     assert roomy.placement is None and roomy.detector.latest == 100 - 20 - 20 + 1
+
+
+@pytest.mark.parametrize(
+    ("options", "steps", "fix"),
+    [
+        ({"validate": 0, "every": 0}, 60, "train longer after the window (raise steps)"),  # the run ended
+        ({"validate": 10, "every": 0}, 60, "raise calibrate.validate"),  # validate held them to 10
+        ({"validate": 0, "every": 40}, 80, "space the windows further apart (calibrate.every)"),  # the next window
+    ],
+)
+def test_too_few_held_out_steps_name_what_ended_them(options, steps, fix):
+    """Raising calibrate.validate adds no step where the run or the next window ended the validation."""
+    norms = np.r_[np.random.default_rng(0).lognormal(0, 0.3, 30), np.full(steps - 30, 0.5)]  # none clips after
+    policy = CalibratedClip(window=30, start=0, quantile=0.97, total_steps=steps, **options)
+    _drive(policy, norms, np.full(steps, 1e-3))
+    check = policy.checks()[0]
+    assert not check.inside and check.consistent  # too few steps to tell
+    assert f"too few validation steps to tell the ratio from the band ({check.steps}): {fix}; ≈" in check.action
