@@ -173,11 +173,12 @@ def check_calibrate(cfg: Config) -> None:
     c.start = calibrate_start(c.start)
     options = dataclasses.asdict(c)
     engine_check(lambda: CalibratedClip(**options, total_steps=cfg.steps), "calibrate", c, options)
-    skip = c.start if isinstance(c.start, int) else 0
+    skip = c.start if isinstance(c.start, int) else 0  # auto starts at step 1 in a run too short to wait
     if cfg.run == "calibrate" and skip + c.window > cfg.steps:
+        start = f"calibrate.start={skip} + " if skip else ""
+        lower = "calibrate.window or calibrate.start" if skip else "calibrate.window"
         raise UserError(
-            f"calibrate.start={skip} + calibrate.window={c.window} is larger than steps={cfg.steps}: "
-            f"lower calibrate.window or calibrate.start, or raise steps"
+            f"{start}calibrate.window={c.window} is larger than steps={cfg.steps}: lower {lower}, or raise steps"
         )
 
 

@@ -107,6 +107,10 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
         (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
         (["steps=0"], "steps=0 must be >= 1"),
         (["steps=10", "calibrate.window=20"], "calibrate.window=20 is larger than steps=10"),
+        (
+            ["steps=5"],  # calibrate.start=auto: no start of the user's to name
+            "calibrate.window=200 is larger than steps=5: lower calibrate.window, or raise steps",
+        ),
         (["accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
     ],
 )
