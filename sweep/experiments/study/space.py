@@ -68,12 +68,21 @@ def window_quantiles(
 def _run_quantiles(client, run_id: str) -> dict[str, float]:
     """``grad_norm_p50..p99`` of an earlier (calibrate) run."""
     try:
-        metrics = client.get_run(run_id).data.metrics
+        run = client.get_run(run_id)
     except MlflowException:
         raise UserError(
             f"study.anchor={run_id!r}: no such run in the tracking store; pass the id of a "
             f"calibrate run (python -m sweep.report lists them) or study.anchor=window"
         ) from None
+    metrics = run.data.metrics
+    if "grad_norm_p50" in metrics and "window_clip_ratio_at_tau" not in metrics:  # no window: all its steps
+        kind = run.data.tags.get("run")
+        raise UserError(
+            f"study.anchor={run_id!r}: {run.info.run_name} is a {kind + ' ' if kind else ''}run without a "
+            f"calibration window, so its "
+            f"grad_norm quantiles are over all its steps, warm-up included; pass a calibrate run's id "
+            f"(python -m sweep.report lists them) or study.anchor=window"
+        )
     missing = [k for k in QUANTILE_KEYS if f"grad_norm_{k}" not in metrics]
     if missing:
         raise UserError(

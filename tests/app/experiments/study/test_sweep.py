@@ -211,6 +211,16 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
         print,
     )
     assert q == pytest.approx({k: anchor[k] for k in space.QUANTILE_KEYS})
+    # a trial's id is refused: its quantiles are over all its steps, warm-up included, not a window's
+    trial_run = kids["0"]
+    with pytest.raises(UserError, match=r"without a calibration window, so its grad_norm quantiles are over all"):
+        space.resolve_anchor(
+            sweep_cfg(uri, f"study.anchor={trial_run.info.run_id}"),
+            optuna.create_study(),
+            Store(client, trial_run.info.experiment_id, uri),
+            result.parent_run_id,
+            print,
+        )
 
 
 def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
