@@ -20,7 +20,7 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
-from sweep.config.schema import CALIBRATED, RUNS, Config
+from sweep.config.schema import CALIBRATED, RUNS, ClipConfig, Config
 from sweep.config.validate_spike import check_spike
 from sweep.errors import UserError
 
@@ -153,10 +153,25 @@ def check_clip(cfg: Config) -> None:
     another mode refused), before a run opens. ``clip=calibrated`` is built from ``calibrate.*`` by
     ``check_calibrate``."""
     options, mode = clip_options(cfg), cfg.clip.mode
+    if cfg.run == "calibrate":
+        _refuse_clip_in_calibrate(cfg)
     if mode == "calibrated" or mode in _NEEDS_MODEL:
         return
     build = lambda: make_clip_policy(mode, total_steps=cfg.steps, **options)  # noqa: E731
     engine_check(build, "clip", cfg.clip, options, defaults=clip_mode_options(mode))
+
+
+def _refuse_clip_in_calibrate(cfg: Config) -> None:
+    """A calibrate run trains at its calibrated τ: a ``clip=`` group or ``clip.*`` key would be ignored."""
+    default = ClipConfig(mode="norm", **clip_mode_options("norm"))  # conf/clip/norm.yaml, the config's default
+    if cfg.clip.mode == "calibrated" or cfg.clip == default:
+        return
+    changed = [f.name for f in dataclasses.fields(ClipConfig) if getattr(cfg.clip, f.name) != getattr(default, f.name)]
+    given = f"clip={cfg.clip.mode}" if "mode" in changed else f"clip.{changed[0]}={getattr(cfg.clip, changed[0])}"
+    raise UserError(
+        f"{given}: +experiment=calibrate trains at its calibrated τ (clip=calibrated, whose options are "
+        f"calibrate.*), so the clip group would be ignored: drop it, or run +experiment=train {given}"
+    )
 
 
 #: What a null ``calibrate.*`` value means, added to the engine's message about that key.

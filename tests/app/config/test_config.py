@@ -66,8 +66,6 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
-        (["clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
         (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
         (["calibrate.start=later"], "calibrate.start='later' must be 'auto' or a number of steps >= 0"),
         (["calibrate.start=-3"], "calibrate.start=-3 must be 'auto' or a number of steps >= 0"),
@@ -112,6 +110,12 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
             "calibrate.window=200 is larger than steps=5: lower calibrate.window, or raise steps",
         ),
         (["accumulation_steps=0"], "accumulation_steps=0 must be >= 1"),
+        (
+            ["clip=value", "clip.clip_value=0.1"],
+            "clip=value: +experiment=calibrate trains at its calibrated τ (clip=calibrated, whose options are "
+            "calibrate.*), so the clip group would be ignored: drop it, or run +experiment=train clip=value",
+        ),
+        (["clip.max_norm=2"], "clip.max_norm=2.0: +experiment=calibrate trains at its calibrated τ"),
     ],
 )
 def test_semantic_checks_name_the_value(overrides, message):
@@ -119,6 +123,13 @@ def test_semantic_checks_name_the_value(overrides, message):
     with pytest.raises(UserError) as e:
         validate(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_a_clip_threshold_out_of_range_names_the_value(value):
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", f"clip.max_norm={value}"))
+    assert str(e.value).startswith(f"clip.max_norm={float(value)} must be > 0")
 
 
 @pytest.mark.parametrize(
@@ -143,8 +154,9 @@ def test_keys_under_a_free_form_field_are_the_users_own():
 
 
 BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with steps=5
-    (["+experiment=calibrate", "clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
-    (["+experiment=calibrate", "clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
+    (["+experiment=train", "clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
+    (["+experiment=train", "clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
+    (["+experiment=calibrate", "clip=value"], "clip=value: +experiment=calibrate trains at its calibrated τ"),
     (["+experiment=calibrate", "calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
     (["+experiment=calibrate", "amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
     (["+experiment=calibrate", "steps=0"], "steps=0 must be >= 1"),
