@@ -105,18 +105,24 @@ def values(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({title: runs[key] if key in runs else None for title, key, _ in spec})
 
 
+#: Columns shortened with … when a table is wider than its width, in this order, each down to at most
+#: this many characters: τ used (a long τ history) first, the run name (what identifies a run) last.
+SHORTENED = (("τ used", 12), ("run", 18))
+
+
 def text(cells: pd.DataFrame, width: int | None = WIDTH) -> str:
-    """``cells`` as aligned text lines of at most ``width`` characters (the run names are shortened with …
-    to fit; ``None``: no limit)."""
+    """``cells`` as aligned text lines of at most ``width`` characters where ``SHORTENED`` can make them fit
+    (``None``: no limit); a table that cannot fit runs wider, every run name still readable."""
     if cells.empty:
         return "no runs yet"
     cells = cells.copy()
     widths = {c: max(len(c), *(len(v) for v in cells[c])) for c in cells.columns}
-    over = sum(widths.values()) + 2 * (len(widths) - 1) - (width or 10**9)
-    if over > 0:
-        keep = max(len("run"), widths["run"] - over)
-        cells["run"] = [v if len(v) <= keep else v[: keep - 1] + "…" for v in cells["run"]]
-        widths["run"] = keep
+    for column, floor in SHORTENED:
+        over = sum(widths.values()) + 2 * (len(widths) - 1) - (width or 10**9)
+        if over > 0 and column in widths and widths[column] > floor:
+            keep = max(floor, widths[column] - over)
+            cells[column] = [v if len(v) <= keep else v[: keep - 1] + "…" for v in cells[column]]
+            widths[column] = keep
 
     def line(values) -> str:
         return "  ".join(

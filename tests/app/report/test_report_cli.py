@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
@@ -159,3 +160,28 @@ def test_reading_runs_leaves_the_tracking_uri_of_later_runs_alone(runs, monkeypa
 )
 def test_a_sweeps_band_is_read_from_either_spelling_of_its_params(params, band):
     assert cli.logged_band(params) == band
+
+
+def test_a_long_tau_history_is_shortened_before_the_run_name():
+    """A calibrate run with repeated windows has a long ``τ used``; the name it is found by stays whole
+    (it was cut to "ca…")."""
+    from sweep.report.runs import text
+
+    cells = pd.DataFrame(
+        {
+            "run": ["calibrate-gpt-bf16", "train-gpt-bf16"],
+            "clip": ["calibrated", "norm"],
+            "dtype": ["bf16", "bf16"],
+            "τ used": ["none/0.8257–0.9861 → 0.8257–1.634 → 0.9083–1.634", "1"],
+            "τ rec.": ["0.8257", "3.125"],
+            "p95": ["0.7913", "2.75"],
+            "clipped": ["4.2%", "81.2%"],
+            "skipped": ["0.0%", "1.6%"],
+            "loss": ["2.736", "3.25"],
+            "eval": ["2.901", "—"],
+        }
+    )
+    lines = text(cells).splitlines()
+    assert max(map(len, lines)) <= 100
+    assert [_cells(line)[0] for line in lines[1:]] == ["calibrate-gpt-bf16", "train-gpt-bf16"]
+    assert _cells(lines[1])[3] == "none/0.8257–…"  # 12 characters
