@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from sweep.run.pipeline import RunResult
     from sweep.tracking.tracker import RunTracker
 
+#: Said beside the recommended τ of a run without a calibration window (a train run, a sweep trial).
+NO_WINDOW = "no calibration window: a quantile of every step's norm, warm-up included; a calibrate run validates τ"
 RUN_NOTE_MAX = 8000  # MLflow's longest run tag value
 EXPERIMENT_NOTE_MAX = 20000  # and experiment tag value
 TABLE_ROWS = 40  # newest runs in the experiment's table
@@ -34,9 +36,11 @@ def run_note(result: RunResult, report: str) -> str:
     m = result.metrics
     taus = tau_tags(result.records.rows)
     per_phase = ", ".join(f"{k[len('tau.') :]} {v}" for k, v in taus.items() if k.startswith("tau."))
+    windowed = result.calibration is not None and bool(result.calibration.summaries)
     lines = [
-        f"**Recommended τ (`clip.max_norm`) = {fmt(m['recommended_max_norm'])}** · p95 = "
-        f"{fmt(m['grad_norm_p95'])} · τ used: {per_phase} · clipped {pct(m['clip_ratio'])} · "
+        f"**Recommended τ (`clip.max_norm`) = {fmt(m['recommended_max_norm'])}**"
+        + ("" if windowed else f" ({NO_WINDOW})")
+        + f" · p95 = {fmt(m['grad_norm_p95'])} · τ used: {per_phase} · clipped {pct(m['clip_ratio'])} · "
         f"skipped {pct(m['skip_ratio'])}",
         "",
     ]
@@ -47,17 +51,22 @@ def run_note(result: RunResult, report: str) -> str:
 
 
 def experiment_note(runs) -> str:
-    """The newest answer (the newest run with a recommended τ) on one line, then the table of the newest runs."""
+    """The newest answer on one line (the newest run with a calibration window, else the newest with a
+    recommended τ, said to have none), then the table of the newest runs."""
     answered = (
         runs[runs["metrics.recommended_max_norm"].notna()] if "metrics.recommended_max_norm" in runs else runs[:0]
     )
+    window = "metrics.window_clip_ratio_at_tau"
+    windowed = answered[answered[window].notna()] if window in answered else answered[:0]
     lines = []
     if len(answered):
-        r = answered.iloc[0]
+        r = (windowed if len(windowed) else answered).iloc[0]
         tau_used = r.get("tags.tau_used") or "—"
         lines.append(
             f"Latest: **{r['tags.mlflow.runName']}**: recommended τ (`clip.max_norm`) "
-            f"**{fmt(r['metrics.recommended_max_norm'])}**, p95 {fmt(r.get('metrics.grad_norm_p95', math.nan))}, "
+            f"**{fmt(r['metrics.recommended_max_norm'])}**"
+            + ("" if len(windowed) else f" ({NO_WINDOW})")
+            + f", p95 {fmt(r.get('metrics.grad_norm_p95', math.nan))}, "
             f"τ used {tau_used}, clipped {pct(r.get('metrics.clip_ratio', math.nan))}"
         )
     else:
