@@ -142,6 +142,16 @@ def tables(clip: CalibratedClip) -> list[Any]:
             f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
             f"from the previous one" + (f" (from step {drifted[0].start_step})" if drifted else "")
         )
+        last = clip.summaries[-1]
+        out.append(
+            f"latest window, steps {last.start_step}–{last.end_step}: clip.max_norm={last.recommended_max_norm:.4g}, "
+            "the τ in force at the end; "
+            + (
+                "the norms moved, so train on from here at this τ, not the first window's"
+                if drifted
+                else "no drift: the first window's τ holds"
+            )
+        )
     return out
 
 

@@ -71,6 +71,12 @@ def test_report_and_terminal_show_placement_intervals_verdict_and_drift():
         console.print(r)
     out = console.export_text()
     assert "window placement (calibrate.start=auto)" in out and "validation:" in out and "drift:" in out
+    last = clip.summaries[-1]
+    assert (
+        f"latest window, steps {last.start_step}–{last.end_step}: clip.max_norm={last.recommended_max_norm:.4g}, "
+        "the τ in force at the end; "
+    ) in out  # the headline is the first window's τ: which τ a run ended at is said too
+    assert ("train on from here at this τ" in out) == any(clip.drift())
 
 
 def test_the_intervals_are_labelled_at_the_level_they_were_computed_at():
