@@ -47,8 +47,8 @@ class Finding:
 # -- reading rows ----------------------------------------------------------------------------
 
 
-def format_findings(findings: Sequence[Finding], max_steps: int = 10) -> str:
-    """A markdown bullet list of findings (for the calibrate report)."""
+def format_findings(findings: Sequence[Finding], max_steps: int = 10, *, markdown: bool = True) -> str:
+    """A bullet list of findings: markdown for a report, or plain text for a terminal (``markdown=False``)."""
     if not findings:
         return "- no findings: the norm trace shows none of the known failure patterns\n"
     lines = []
@@ -58,5 +58,6 @@ def format_findings(findings: Sequence[Finding], max_steps: int = 10) -> str:
             shown = ", ".join(map(str, f.steps[:max_steps]))
             more = f" … (+{len(f.steps) - max_steps})" if len(f.steps) > max_steps else ""
             steps = f" — steps {shown}{more}"
-        lines.append(f"- **{f.kind}** ({f.severity}): {f.message}{steps}")
+        kind = f"**{f.kind}**" if markdown else f.kind
+        lines.append(f"- {kind} ({f.severity}): {f.message}{steps}")
     return "\n".join(lines) + "\n"

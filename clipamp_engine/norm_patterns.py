@@ -213,11 +213,11 @@ def find_always_clipped(t: Trace, max_ratio: float, min_steps: int) -> Finding |
         "norm_p95": p95,
         "max_norm_median": float(np.median(taus)) if len(taus) else None,
     }
-    tau_txt = f" τ≈{evidence['max_norm_median']:.3g} vs" if len(taus) else ""
+    tau_txt = f"τ≈{evidence['max_norm_median']:.3g} vs " if len(taus) else ""
     return Finding(
         "always_clipped",
         "error" if ratio > 0.9 else "warning",
-        f"{ratio:.0%} of {len(idx)} taken steps were clipped ({tau_txt} median norm {p50:.3g}, "
+        f"{ratio:.0%} of {len(idx)} taken steps were clipped ({tau_txt}median norm {p50:.3g}, "
         f"p95 {p95:.3g}); likely {CAUSES['always_clipped']}",
         t.step[idx][clipped].tolist(),
         evidence,

@@ -97,7 +97,7 @@ def print_report(rec: Recommendation, console: Console | None = None) -> None:
         console.print(f"note: {note}", markup=False, highlight=False)
     for renderable in calibration.tables(rec.clip):
         console.print(renderable)
-    console.print(format_findings(rec.findings), markup=False, highlight=False)
+    console.print(format_findings(rec.findings, markdown=False), markup=False, highlight=False)
     console.print(
         f"max_grad_norm={rec.tau:.4g}  (Trainer: TrainingArguments(max_grad_norm={rec.tau:.4g}); "
         f"Lightning: Trainer(gradient_clip_val={rec.tau:.4g}); torch: clip_grad_norm_(params, {rec.tau:.4g}); "

@@ -134,11 +134,13 @@ def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, consol
             f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] "
             f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}"
         )
+    clipped = "" if result.windows else f"clipped {pct(m['clip_ratio'])}, "  # else: the validation line says it
     console.print(
-        f"final loss {fmt(m['final_loss'])}, eval loss {fmt(m.get('eval_loss', math.nan))}, "
-        f"skip ratio {pct(m['skip_ratio'])}"
+        f"final loss {fmt(m['final_loss'])} (mean of the last 10 taken steps), eval loss "
+        f"{fmt(m.get('eval_loss', math.nan))}, {clipped}skip ratio {pct(m['skip_ratio'])}",
+        markup=False,
     )
-    findings = format_findings(diagnose(result.records.rows))
+    findings = format_findings(diagnose(result.records.rows), markdown=False)
     if findings:
-        console.print(findings)
+        console.print(findings, markup=False, highlight=False)
     console.print(f"MLflow run {result.run_id}: {ui_command(uri, experiment_id)}")

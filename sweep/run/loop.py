@@ -308,7 +308,8 @@ def _show(
         task,
         completed=done,
         **mark,
-        info=f"{phase}  loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  τ {log.max_norm or float('nan'):.3g}",
+        info=f"{phase}  loss {log.loss:.3f}  |g| {log.grad_l2_pre_clip:.3g}  τ "
+        + ("none" if log.max_norm is None else f"{log.max_norm:.3g}"),  # none: not clipped (e.g. in a window)
     )
 
 

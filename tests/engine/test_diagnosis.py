@@ -86,6 +86,7 @@ def test_always_clipped():
     f = findings[0]
     assert f.severity == "error" and f.evidence["clip_ratio"] > 0.9
     assert f.evidence["max_norm_median"] == 0.5 and f.evidence["norm_p50"] == pytest.approx(1.0, rel=0.1)
+    assert f"taken steps were clipped (τ≈0.5 vs median norm {f.evidence['norm_p50']:.3g}, p95" in f.message
 
 
 def test_nonfinite_steps_counts_and_reasons():
@@ -180,6 +181,8 @@ def test_format_findings_is_a_markdown_list():
     text = format_findings([f])
     assert text.startswith("- **spikes** (warning): 2 norm spikes — steps 1, 2, 3")
     assert "(+4)" in text
+    plain = format_findings([f], markdown=False)  # a terminal shows no markdown
+    assert plain == text.replace("**spikes**", "spikes")
     assert set(FINDING_KINDS) == {
         "nonfinite",
         "zero_norm",

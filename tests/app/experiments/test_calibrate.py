@@ -159,10 +159,15 @@ def test_mlflow_tracking_uri_env_wins_over_default(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("model,data", [("gpt", "stdlib"), ("lstm", "stdlib"), ("linear", "synthetic")])
-def test_train_smoke_each_task(store, model, data):
+def test_train_smoke_each_task(store, model, data, capsys):
     cfg = compose_cfg("+experiment=train", f"model={model}", f"data={data}", *TINY, "steps=4", f"tracking.uri={store}")
     result = app.run(cfg)
-    assert len(pd.read_csv(result.csv_path)) == 4
+    df = pd.read_csv(result.csv_path)
+    assert len(df) == 4
+    m = result.metrics  # a train run's closing line: its loss says what it averages, and its clipping ratio
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("final loss"))
+    assert line.startswith(f"final loss {m['final_loss']:.4g} (mean of the last 10 taken steps), eval loss")
+    assert f"clipped {df['clipped'].mean():.1%}, skip ratio 0.0%" in line and "**" not in line
 
 
 def test_repeated_windows_report_drift(store, capsys):
