@@ -140,7 +140,7 @@ class ClipConfig:
     stay null. An option set for a mode that does not take it is refused.
     """
 
-    mode: str = choice("norm", tuple(CLIP_MODES), "pass clip=MODE with a file of conf/clip/")
+    mode: str = choice("norm", tuple(CLIP_MODES), "pass clip=MODE, e.g. clip=norm (docs/clipping.md)")
     max_norm: float | None = None  # norm, dpsgd: τ; zscore: optional ceiling
     clip_value: float | None = None  # value
     stages: list[list[float]] | None = None  # staged: [[start_step, τ], ...]

@@ -316,9 +316,10 @@ def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: 
     for run in runs:
         if checkpoint_path(uri, run.info.run_id).exists():
             return run.info.run_id
+    experiment = client.get_experiment(experiment_id).name
     raise UserError(
-        f"resume=true: no run named {run_name!r} with a checkpoint in experiment "
-        f"{experiment_id}; start a new run (drop resume=) or pass resume=RUN_ID"
+        f"resume=true: no run named {run_name!r} with a checkpoint in experiment {experiment!r}; "
+        f"start a new run (drop resume=) or pass resume=RUN_ID"
     )
 
 

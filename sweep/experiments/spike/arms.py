@@ -55,7 +55,7 @@ class _Spiker:
             peak = running_peak(norms, at, s.peak_window)
             if not (math.isfinite(peak) and peak > 0):
                 raise UserError(
-                    f"no finite pre-clip norm in the {s.peak_window or at - 1} steps before "
+                    f"no finite pre-clip norm in the {min(s.peak_window or at - 1, at - 1)} steps before "
                     f"spike.at_step={at}: raise spike.peak_window or spike.at_step"
                 )
             blob = binary_blob(batch, seed=self.cfg.seed * 1_000_003 + at)

@@ -98,7 +98,7 @@ def run_spike(
         parent.log_params(flat_params(cfg))
         console.print(
             f"spike: parent run {parent.run_id}; a corrupted batch at step {s.at_step} with "
-            f"‖g‖ = {s.factor:g} × the peak of the {s.peak_window or s.at_step - 1} steps before it"
+            f"‖g‖ = {s.factor:g} × the peak of the {min(s.peak_window or s.at_step - 1, s.at_step - 1)} steps before it"
         )
         common = dict(parent_run_id=parent.run_id, console=console, artifacts=write_run_report, launch=launch)
         pairs = {p: play_pair(cfg, p, store, **common) for p in POLICIES}

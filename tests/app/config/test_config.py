@@ -282,6 +282,7 @@ def test_a_calibration_option_under_clip_is_refused_naming_its_calibrate_key(ove
             "clip.max_norm=1.0: clip=calibrated reads its options from calibrate.*; drop clip.max_norm",
         ),
         (["clip=zscore", "clip.max_norms=[1.0]"], "clip=zscore does not take clip.max_norms; its options are"),
+        (["clip.mode=nrom"], "clip.mode='nrom' is not one of norm, "),
     ],
 )
 def test_clip_options_of_another_home_are_refused_before_a_run_opens(args, message):
@@ -354,3 +355,9 @@ def test_a_spike_figure_it_cannot_write_is_refused_before_the_replay(tmp_path, w
     what = f"{tmp_path}/blocker is a file" if where.startswith("blocker") else f"{out} is a folder"
     assert str(e.value) == f"spike.figure_out={out}: {what}: pass a file path in a writable folder"
     validate(compose_cfg("+experiment=spike", f"spike.figure_out={tmp_path}/new/spike.png"))  # creatable: fine
+
+
+def test_an_unknown_clip_mode_names_the_override_to_pass_not_a_folder():
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", "clip.mode=nrom"))
+    assert str(e.value).endswith(": pass clip=MODE, e.g. clip=norm (docs/clipping.md)")

@@ -109,3 +109,4 @@ def test_resume_without_checkpoint_is_a_one_line_error(tmp_path, store):
     res = _cli(tmp_path, "steps=3", "resume=true")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("error: resume=true: no run named")
+    assert "with a checkpoint in experiment 'clipamp'; start a new run" in res.stderr  # its name, not its id
