@@ -29,8 +29,8 @@ NARROW = [
     ("loss", "metrics.final_loss", fmt),
     ("eval", "metrics.eval_loss", fmt),
 ]
-#: Added by ``wide`` (after the run name: id and experiment; at the end: the rest).
-WIDE_FIRST = [("run_id", "run_id", lambda v: str(v)[:8]), ("experiment", "tags.run", str)]
+#: Added by ``wide`` (after the run name: id and kind, the ``+experiment`` it ran; at the end: the rest).
+WIDE_FIRST = [("run_id", "run_id", lambda v: str(v)[:8]), ("kind", "tags.run", str)]  # +experiment=KIND
 WIDE_LAST = [
     ("model", "tags.model", str),
     ("data", "tags.data", str),

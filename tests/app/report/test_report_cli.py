@@ -86,7 +86,8 @@ def test_wide_last_and_experiment(runs, capsys):
     wide = _report(capsys, "--tracking-uri", store, "--wide", "--last", "2")
     assert len(wide) == 3 and "elsewhere" not in "\n".join(wide)
     header = _cells(wide[0])
-    assert header[:3] == ["run", "run_id", "experiment"] and {"p50", "p90", "p99", "status", "model"} <= set(header)
+    assert header[:3] == ["run", "run_id", "kind"]  # kind: the +experiment it ran; --experiment is MLflow's
+    assert {"p50", "p90", "p99", "status", "model"} <= set(header)
     newest = MlflowClient(store).get_run(ids[-1])
     cells = dict(zip(header, _cells(wide[1])))
     assert cells["run"] == newest.info.run_name and cells["run_id"] == ids[-1][:8]  # not shortened in --wide
@@ -124,7 +125,7 @@ def test_out_csv_holds_the_stores_values_and_md_the_table(runs, capsys, tmp_path
         assert (row["p95"], row["clipped"], row["skipped"]) == (m["grad_norm_p95"], m["clip_ratio"], m["skip_ratio"])
     _report(capsys, "--tracking-uri", store, "--out", str(tmp_path / "runs.md"))
     md = (tmp_path / "runs.md").read_text().splitlines()
-    assert md[0].startswith("| run | run_id | experiment |") and "| 81.2% |" in md[3]  # train-gpt-bf16, newest-but-one
+    assert md[0].startswith("| run | run_id | kind |") and "| 81.2% |" in md[3]  # train-gpt-bf16, newest-but-one
 
 
 @pytest.mark.parametrize("before", [None, "sqlite:////elsewhere/mlflow.db"])
