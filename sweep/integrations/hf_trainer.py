@@ -37,6 +37,9 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   non-finite gradient; ``skip_nonfinite=True`` (the default with ``apply=True``) drops the
   gradients so ``optimizer.step()`` changes nothing (the LR schedule still advances, as with
   Trainer's fp16 skips).
+- Checkpoints: the callback is an ``ExportableState``; ``train(resume_from_checkpoint=…)``
+  continues the calibration, the ``steps.csv`` and the MLflow run of the checkpoint
+  (``docs/hf-trainer.md``, ``sweep.integrations.resume``).
 - Not seen: the data source of a batch, per-micro-batch norms. Refused: DeepSpeed and FSDP
   (they clip inside their engines). Under DDP the gradients are all-reduced before the clip:
   every rank clips alike, rank 0 records (its local loss).
@@ -49,8 +52,10 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from .recorder import StepRecorder
+from .resume import to_json, warn_fresh
 
 #: ``args.max_grad_norm`` while the callback runs: ``Trainer`` then calls its clip at this τ, which
 #: multiplies a gradient of finite norm by exactly 1 (τ / ‖g‖ ≥ 1, clamped) and one of inf norm by
@@ -64,8 +69,12 @@ NORM_ONLY_MAX_NORM = float(torch.finfo(torch.bfloat16).max)
 _USER_MAX_GRAD_NORM = "_clipamp_user_max_grad_norm"
 
 
-class ClipampCallback(TrainerCallback):
+class ClipampCallback(TrainerCallback, ExportableState):
     """Record every optimizer step of ``Trainer``; calibrate τ as the runner does; clip at it if asked.
+
+    Each checkpoint ``Trainer`` saves holds the callback's state (``state()``, in
+    ``trainer_state.json``); ``train(resume_from_checkpoint=…)`` continues from it: the calibration,
+    the same ``steps.csv`` and the same MLflow run (``sweep.integrations.resume``).
 
     Args:
         apply: clip at the calibrated τ once the window closes (else keep ``args.max_grad_norm``:
@@ -104,6 +113,19 @@ class ClipampCallback(TrainerCallback):
             verbose=verbose,
         )
         self.apply = apply
+        args = dict(
+            apply=apply,
+            csv_path=csv_path,
+            tracking=tracking,
+            experiment=experiment,
+            run_name=run_name,
+            skip_nonfinite=skip_nonfinite,
+            verbose=verbose,
+            **calibrate,
+        )
+        #: The constructor's arguments, as JSON: ``Trainer(restore_callback_states_from_checkpoint=True)``
+        #: builds the callback it resumes with from them.
+        self.init_args = {k: to_json(v) for k, v in args.items()}
         self._hook = self._args = self._model = None
         self._user_tau = 0.0
 
@@ -123,6 +145,26 @@ class ClipampCallback(TrainerCallback):
     def tracker(self):
         return self.recorder.tracker
 
+    # -- checkpoint ----------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What a checkpoint keeps (``ExportableState``), as JSON: the constructor's arguments and the
+        recorder's state at the step saved."""
+        return {"args": self.init_args, "attributes": {"checkpoint": self.recorder.checkpoint_state()}}
+
+    def _saved(self, state) -> dict | None:
+        """The recorder state of the checkpoint ``train()`` resumes from (``state.global_step`` > 0)."""
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        if saved is None:  # Trainer's next save updates this callback's entry: the checkpoint must hold one
+            state.stateful_callbacks[type(self).__name__] = self.state()
+        if isinstance(saved, list):
+            why = "holds the states of several ClipampCallbacks"
+        elif not isinstance(saved, dict) or "checkpoint" not in saved.get("attributes", {}):
+            why = "holds no ClipampCallback state (it was saved without the callback)"
+        else:
+            return saved["attributes"]["checkpoint"]
+        warn_fresh(state.global_step, why)
+        return None
+
     # -- train begin / end ---------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if args.deepspeed or args.fsdp:
@@ -140,21 +182,26 @@ class ClipampCallback(TrainerCallback):
         if self._hook is not None:  # left by a train() cut short: one hook per forward
             self._hook.remove()
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        self.recorder.begin(
-            total_steps=state.max_steps if state.max_steps > 0 else None,
-            user_tau=self._user_tau,
-            default_csv=Path(args.output_dir) / "clipamp" / "steps.csv",
-            main_process=state.is_world_process_zero,
-            tags={"run": "trainer", "dtype": dtype, "model": type(model).__name__, "device": args.device.type},
-            params={
-                **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
-                "apply": self.apply,
-                "max_grad_norm": self._user_tau,
-                "learning_rate": args.learning_rate,
-                "per_device_train_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            },
-        )
+        try:
+            self.recorder.begin(
+                resume=self._saved(state) if state.global_step > 0 else None,
+                total_steps=state.max_steps if state.max_steps > 0 else None,
+                user_tau=self._user_tau,
+                default_csv=Path(args.output_dir) / "clipamp" / "steps.csv",
+                main_process=state.is_world_process_zero,
+                tags={"run": "trainer", "dtype": dtype, "model": type(model).__name__, "device": args.device.type},
+                params={
+                    **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
+                    "apply": self.apply,
+                    "max_grad_norm": self._user_tau,
+                    "learning_rate": args.learning_rate,
+                    "per_device_train_batch_size": args.per_device_train_batch_size,
+                    "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                },
+            )
+        except BaseException:  # a refused resume: args as the user left them
+            args.max_grad_norm = self._user_tau
+            raise
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._reset()
 

@@ -30,6 +30,10 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
 - Loss: the ``loss`` of ``training_step``'s output, summed over the accumulated micro-batches
   (Lightning divides each by ``accumulate_grad_batches``): their mean. Norm-based clipping only
   (``gradient_clip_algorithm="norm"``).
+- Checkpoints: the callback's ``state_dict`` (the recorder's state at the step saved) goes into
+  every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
+  opens, and the calibration, the ``steps.csv`` and the MLflow run continue from it
+  (``sweep.integrations.resume``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import lightning.pytorch as pl
 import torch
 
 from .recorder import StepRecorder
+from .resume import warn_fresh
 
 
 class ClipampCallback(pl.Callback):
@@ -82,6 +87,8 @@ class ClipampCallback(pl.Callback):
         )
         self.apply, self.max_norm = apply, max_norm
         self._user_clip: Any = None
+        self._resume: dict[str, Any] | None = None  # the state load_state_dict got, for on_train_start
+        self._recording = False  # on_train_start opened the record and on_fit_end has not closed it
         self._measured = None
 
     @property
@@ -92,7 +99,19 @@ class ClipampCallback(pl.Callback):
     def summary(self):
         return self.recorder.summary
 
+    # -- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The recorder's state at the last recorded step (``sweep.integrations.resume``), for the checkpoint."""
+        return self.recorder.checkpoint_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A fit resumed from a checkpoint (``ckpt_path=``): the calibration and the records continue from
+        ``state_dict`` when the training starts."""
+        self._resume = state_dict
+
+    # -- fit begin / end -----------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse what the callback cannot record before anything is written; take the clip over (``apply``)."""
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: ClipampCallback calibrates a "
@@ -111,11 +130,18 @@ class ClipampCallback(pl.Callback):
                     f"{trainer.gradient_clip_val}) name two thresholds: pass one"
                 )
         self._user_clip = trainer.gradient_clip_val
-        tau = self.max_norm if self.max_norm is not None else trainer.gradient_clip_val
         if self.apply:
             trainer.gradient_clip_val = None  # the callback clips in on_before_optimizer_step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Open the record (after Lightning restored a checkpoint's callback states, whatever the strategy)."""
+        tau = self.max_norm if self.max_norm is not None else self._user_clip
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        resume, self._resume = self._resume, None
+        if resume is None and trainer.global_step > 0:  # resumed from a checkpoint saved without the callback
+            warn_fresh(trainer.global_step, "holds no ClipampCallback state (it was saved without the callback)")
         self.recorder.begin(
+            resume=resume,
             total_steps=int(total) if total and math.isfinite(total) else None,
             user_tau=tau,
             default_csv=Path(trainer.default_root_dir) / "clipamp" / "steps.csv",
@@ -128,11 +154,13 @@ class ClipampCallback(pl.Callback):
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
             },
         )
-        self._loss = None
+        self._loss, self._recording = None, True
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.gradient_clip_val = self._user_clip
-        self.recorder.end(trainer.global_step)
+        if self._recording:  # else the fit had no step to take (resumed at max_steps)
+            self._recording = False
+            self.recorder.end(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Unscaled, accumulated, not yet clipped gradients: norm them in Lightning's clip order."""

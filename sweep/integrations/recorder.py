@@ -16,6 +16,10 @@ drift), so the numbers equal a ``+experiment=calibrate`` run's on the same norms
 - ``apply=True`` clips at the policy's τ: the host's τ as the cap until the first window closes (or
   nothing, without one), the calibrated τ after it; non-finite gradients are dropped (``skip_nonfinite``).
 
+A host that saves checkpoints keeps ``checkpoint_state()`` in each and, resuming from one, hands it back
+as ``begin(resume=…)``: the calibration, the ``steps.csv`` and the MLflow run go on from it
+(``sweep.integrations.resume``).
+
 The records, the ``steps.csv`` columns and the MLflow metric names are those of ``python -m sweep`` runs
 (the run's tags are the integration's own: ``run``, and the model, dtype or precision it knows).
 """
@@ -40,6 +44,8 @@ from clipamp_engine.records import SkipLog, StepLog
 from ..run.calibration import calibration_payload
 from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
+from .resume import checkpoint_state, new_run, open_store
+from .resume import resume as restore
 
 COLUMNS = ("clipped", "token_count", "max_norm", "phase", "grad_l2_token_normalised")
 
@@ -100,8 +106,19 @@ class StepRecorder:
         self.skip_nonfinite = self.apply if skip_nonfinite is None else bool(skip_nonfinite)
         self.records = RunRecords()
         self.tracker = self.writer = None
+        self.store_label: str | None = None  # the MLflow store's URI as a checkpoint names it
         self.user_tau: float | None = None
+        self.step = 0  # the last step recorded
         self._announced = 0
+        self.columns = COLUMNS
+
+    def calibration_options(self) -> dict[str, Any]:
+        """The calibration options (``RECOMMENDED`` with the overrides), the cap aside: it is the host's τ."""
+        return {k: v for k, v in self.options.items() if k != "cap"}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a host's checkpoint keeps of this recorder, as JSON (``sweep.integrations.resume``)."""
+        return checkpoint_state(self)
 
     # -- run begin / end -------------------------------------------------------------------------
     def begin(
@@ -113,28 +130,40 @@ class StepRecorder:
         main_process: bool = True,
         tags: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
+        resume: dict[str, Any] | None = None,
     ) -> None:
         """Build the policy for a run of ``total_steps`` and open its CSV (and MLflow run) on the main process.
         A run an exception cut short (``end`` never called) is closed first: its CSV, and its MLflow run as
-        KILLED."""
+        KILLED. ``resume``: the ``checkpoint_state`` saved with the host's checkpoint the run resumes from;
+        the policy continues from it, and the records continue those of the checkpoint's run
+        (``sweep.integrations.resume``)."""
+        self.abort("KILLED")
+        self.set_user_tau(user_tau)
+        cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
+        self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
+        self.records, self._announced, self.step = RunRecords(), 0, 0
+        tags, params = tags or {}, params or {}
+        name = self.run_name or f"{tags.get('run', 'host')}-{tags.get('model', 'model')}"
+        path = Path(self.csv_path) if self.csv_path else default_csv
+        if resume is not None:
+            return restore(self, resume, path=path, main_process=main_process, run_name=name, tags=tags, params=params)
+        if not main_process:
+            return
+        if self.tracking is not None:
+            store, parent, self.store_label = open_store(self.tracking, self.experiment)
+            self.tracker = new_run(store, parent, name, tags, params)
+            path = self.tracker.artifact_path("steps.csv")
+        self.writer = StepCSVWriter(path, COLUMNS)
+        self.say(f"steps.csv: {path}")
+
+    def abort(self, status: str) -> None:
+        """Close the CSV and end the MLflow run (if still open) with ``status``: FAILED or KILLED."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.tracker is not None and not self.tracker.ended:
-            self.tracker.end("KILLED")
+            self.tracker.end(status)
         self.tracker = None
-        self.set_user_tau(user_tau)
-        cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
-        self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
-        self.records, self._announced = RunRecords(), 0
-        if not main_process:
-            return
-        path = Path(self.csv_path) if self.csv_path else default_csv
-        if self.tracking is not None:
-            self.tracker = _open_run(self.tracking, self.experiment, self.run_name, tags or {}, params or {})
-            path = self.tracker.artifact_path("steps.csv")
-        self.writer = StepCSVWriter(path, COLUMNS)
-        self.say(f"steps.csv: {path}")
 
     def end(self, step: int) -> dict[str, float]:
         """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it
@@ -262,6 +291,7 @@ class StepRecorder:
             self.policy.observe(seen)  # at a window's last step: its summary; τ adopted for the next step
         except CalibrationError as e:  # every step of the window was skipped
             self.say(f"{e}: no recommendation")
+        self.step = step
         self._announce()
         if self.writer is not None:
             row = log.row()
@@ -299,19 +329,3 @@ def _interval(ci) -> str:
     low = f"{ci.low:.4g}" if math.isfinite(ci.low) else "unbounded"
     high = f"{ci.high:.4g}" if math.isfinite(ci.high) else "unbounded"
     return f"interval [{low}, {high}]: the window is too short to bound it"
-
-
-def _open_run(tracking: str, experiment: str, run_name: str | None, tags: dict[str, str], params: dict[str, Any]):
-    """A RunTracker for the integration's MLflow run (a child of the process's active run, if any)."""
-    import mlflow
-
-    from ..tracking.tracker import RunTracker, Store
-
-    active = mlflow.active_run() if tracking == "auto" else None
-    store = Store.open(mlflow.get_tracking_uri() if active else None if tracking == "auto" else tracking, experiment)
-    name = run_name or f"{tags.get('run', 'host')}-{tags.get('model', 'model')}"
-    tracker = RunTracker(
-        store.client, store.experiment_id, name, tags=tags, parent_run_id=active.info.run_id if active else None
-    )
-    tracker.log_params(params)
-    return tracker

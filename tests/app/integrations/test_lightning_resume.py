@@ -1,0 +1,145 @@
+"""The Lightning ``ClipampCallback`` across ``fit(ckpt_path=…)``: a fit killed after its checkpoint and
+resumed from it calibrates and records as the fit that never stopped."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from sweep.integrations.lightning import ClipampCallback  # noqa: E402
+from sweep.integrations.resume import ResumeWarning  # noqa: E402
+
+from .test_dropin_lightning import LitGPT, _loader  # noqa: E402
+
+STEPS, SAVE, KILL, TAU = 12, 6, 8, 0.25  # an epoch is 6 steps: the checkpoint is at its end
+OPTIONS = dict(window=4, quantile=0.95)
+
+
+class KillAfter(L.Callback):
+    """An error after optimizer step ``at`` (its record written): a fit killed between two checkpoints."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            raise RuntimeError(f"killed after step {self.at}")
+
+
+def fit(root, callbacks, *, ckpt_path=None, kill=False):
+    """A bf16 fit of STEPS steps clipping at TAU; ``kill``: checkpoints every SAVE steps, killed after KILL."""
+    torch.manual_seed(0)
+    module = LitGPT()
+    extra = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=SAVE, save_top_k=-1), KillAfter(KILL)]
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        gradient_clip_val=TAU,
+        callbacks=[*callbacks, *(extra if kill else [])],
+        default_root_dir=str(root),
+        logger=False,
+        enable_checkpointing=kill,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if kill:
+        with pytest.raises(RuntimeError, match=f"killed after step {KILL}"):
+            trainer.fit(module, _loader(SAVE, 1))
+    else:
+        trainer.fit(module, _loader(SAVE, 1), ckpt_path=ckpt_path)
+    return module
+
+
+def killed_then_resumed(root, make_callbacks):
+    """The module of a fit killed after step KILL and resumed (fresh module, Trainer and callbacks) from
+    its checkpoint at step SAVE; the callbacks the resumed fit ran with."""
+    fit(root, make_callbacks(), kill=True)
+    [ckpt] = (root / "ckpt").glob(f"*step={SAVE}.ckpt")
+    callbacks = make_callbacks()
+    return fit(root, callbacks, ckpt_path=ckpt), callbacks
+
+
+def same_parameters(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.fixture(scope="module")
+def resume_is_exact(tmp_path_factory) -> bool:
+    """The control: whether Lightning alone (no callback) resumes this fit bit for bit."""
+    root = tmp_path_factory.mktemp("control")
+    resumed, _ = killed_then_resumed(root / "resumed", lambda: [])
+    return same_parameters(fit(root / "ref", []), resumed)
+
+
+def window(cb: ClipampCallback):
+    s = cb.summary
+    return s.start_step, s.end_step, s.recommended_max_norm, repr(cb.policy.checks())
+
+
+@pytest.mark.parametrize("apply", [False, True])
+def test_a_resumed_fit_calibrates_and_records_as_the_fit_that_never_stopped(tmp_path, resume_is_exact, apply):
+    """Window, τ, checks and every steps.csv row (1–6 kept, the killed fit's 7–8 replaced) equal the
+    uninterrupted fit's; so do the parameters wherever Lightning's own resume is exact (the control)."""
+    ref_cb = ClipampCallback(apply=apply, tracking=None, csv_path=tmp_path / "ref.csv", verbose=False, **OPTIONS)
+    ref = fit(tmp_path / "ref", [ref_cb])
+    csv = tmp_path / "steps.csv"
+    module, [cb] = killed_then_resumed(
+        tmp_path / "run",
+        lambda: [ClipampCallback(apply=apply, tracking=None, csv_path=csv, verbose=False, **OPTIONS)],
+    )
+    assert SAVE < ref_cb.summary.end_step  # the checkpoint was taken before the window closed
+    assert window(cb) == window(ref_cb)
+    assert csv.read_text() == (tmp_path / "ref.csv").read_text()
+    if resume_is_exact:
+        assert same_parameters(ref, module)
+
+
+def test_a_resumed_fit_continues_its_mlflow_run(tmp_path, store):
+    """One run, FINISHED, each step's metrics once."""
+    module, [cb] = killed_then_resumed(
+        tmp_path / "run", lambda: [ClipampCallback(apply=True, tracking=store, verbose=False, **OPTIONS)]
+    )
+    client = MlflowClient(store)
+    [run] = client.search_runs([cb.recorder.tracker.experiment_id])
+    assert run.info.run_id == cb.recorder.tracker.run_id and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "grad_l2_pre_clip")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(m.value) for m in history)
+
+
+def test_other_calibration_options_are_refused(tmp_path):
+    """A resume asking window=5 of a checkpoint calibrated with window=4 stops before any step, the
+    killed fit's CSV as it was."""
+    csv = tmp_path / "steps.csv"
+    fit(tmp_path, [ClipampCallback(tracking=None, csv_path=csv, verbose=False, **OPTIONS)], kill=True)
+    before = csv.read_bytes()
+    [ckpt] = (tmp_path / "ckpt").glob(f"*step={SAVE}.ckpt")
+    cb = ClipampCallback(tracking=None, csv_path=csv, verbose=False, **{**OPTIONS, "window": 5})
+    message = (
+        r"the checkpoint at step 6 was calibrated with other options \(window=4 there, window=5 here\): "
+        r"resume with the checkpoint's calibration options, or train from the start"
+    )
+    with pytest.raises(ValueError, match=message):
+        fit(tmp_path, [cb], ckpt_path=ckpt)
+    assert csv.read_bytes() == before
+
+
+def test_a_checkpoint_saved_without_the_callback_is_said(tmp_path):
+    fit(tmp_path, [], kill=True)
+    [ckpt] = (tmp_path / "ckpt").glob(f"*step={SAVE}.ckpt")
+    cb = ClipampCallback(tracking=None, csv_path=tmp_path / "steps.csv", verbose=False, **OPTIONS)
+    message = (
+        r"^clipamp: resuming at step 6: the checkpoint holds no ClipampCallback state \(it was saved without the "
+        r"callback\): the calibration and the records start afresh at step 7$"
+    )
+    with pytest.warns(ResumeWarning, match=message):
+        fit(tmp_path, [cb], ckpt_path=ckpt)
+    assert [r["step"] for r in cb.recorder.records.rows] == list(range(SAVE + 1, STEPS + 1))
