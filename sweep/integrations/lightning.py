@@ -27,6 +27,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` and do not call
   ``self.clip_gradients`` yourself: the callback clips at it as that call would (throughout with
   ``apply=False``, until the window closes with ``apply=True``).
+  One optimizer only: a fit with more (a GAN's two) is refused when it starts, since one
+  calibration window would mix the norms of different networks.
 - Loss: the ``loss`` of ``training_step``'s output, summed over the accumulated micro-batches
   (Lightning divides each by ``accumulate_grad_batches``): their mean. Norm-based clipping only
   (``gradient_clip_algorithm="norm"``).
@@ -112,6 +114,13 @@ class ClipampCallback(pl.Callback):
     # -- fit begin / end -----------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse what the callback cannot record before anything is written; take the clip over (``apply``)."""
+        if len(trainer.optimizers) > 1:
+            raise ValueError(
+                f"ClipampCallback records and calibrates the steps of one optimizer, and this fit has "
+                f"{len(trainer.optimizers)}: each opt.step() would go into one calibration window, mixing the "
+                "norms of different networks; configure one optimizer, or clip and record each network with "
+                "the engine's own loop (docs/own-loop.md)"
+            )
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: ClipampCallback calibrates a "

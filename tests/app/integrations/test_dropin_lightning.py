@@ -189,3 +189,43 @@ def test_a_max_norm_that_would_not_be_the_clip_is_refused_before_any_step(tmp_pa
         quiet_trainer(tmp_path, [cb], 2, gradient_clip_val=tau).fit(module, _loader(2, 1))
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
     assert not (tmp_path / "s.csv").exists()
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization with two networks and their optimizers (a GAN's generator and discriminator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for opt, net in zip(self.optimizers(), (self.a, self.b)):
+            loss = F.mse_loss(net(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.05), torch.optim.SGD(self.b.parameters(), lr=0.01)
+
+
+def test_two_optimizers_are_refused_before_any_step(tmp_path):
+    """One calibration window cannot hold two networks' norms, and only the last opt.step() of a batch
+    would be recorded: the fit is refused at its start, nothing trained and nothing written."""
+    cb = ClipampCallback(max_norm=1.0, tracking=None, csv_path=tmp_path / "s.csv", verbose=False)
+    torch.manual_seed(0)
+    module = TwoOptimizers()
+    before = [p.detach().clone() for p in module.parameters()]
+    x = torch.randn(32, 8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    message = (
+        r"^ClipampCallback records and calibrates the steps of one optimizer, and this fit has 2: each opt.step\(\) "
+        r"would go into one calibration window, mixing the norms of different networks; configure one optimizer, "
+        r"or clip and record each network with the engine's own loop \(docs/own-loop.md\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        quiet_trainer(tmp_path, [cb], 4).fit(module, loader)
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    assert not (tmp_path / "s.csv").exists() and not list(tmp_path.rglob("*.csv"))
