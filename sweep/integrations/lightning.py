@@ -36,6 +36,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
   opens, and the calibration, the ``steps.csv`` and the MLflow run continue from it
   (``sweep.integrations.resume``).
+- A fit an exception ends (Ctrl-C, an error; ``on_exception``) gets its ``gradient_clip_val`` back,
+  its CSV closed and its MLflow run ended as KILLED (``KeyboardInterrupt``) or FAILED.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from ..tracking.tracker import ended_as
 from .recorder import StepRecorder
 from .resume import warn_fresh
 
@@ -89,6 +92,7 @@ class ClipampCallback(pl.Callback):
         )
         self.apply, self.max_norm = apply, max_norm
         self._user_clip: Any = None
+        self._clip_taken = False  # apply=True set trainer.gradient_clip_val = None for this fit
         self._resume: dict[str, Any] | None = None  # the state load_state_dict got, for on_train_start
         self._recording = False  # on_train_start opened the record and on_fit_end has not closed it
         self._measured = None
@@ -141,6 +145,7 @@ class ClipampCallback(pl.Callback):
         self._user_clip = trainer.gradient_clip_val
         if self.apply:
             trainer.gradient_clip_val = None  # the callback clips in on_before_optimizer_step
+            self._clip_taken = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Open the record (after Lightning restored a checkpoint's callback states, whatever the strategy)."""
@@ -166,10 +171,22 @@ class ClipampCallback(pl.Callback):
         self._loss, self._recording = None, True
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.gradient_clip_val = self._user_clip
+        self._give_clip_back(trainer)
         if self._recording:  # else the fit had no step to take (resumed at max_steps)
             self._recording = False
             self.recorder.end(trainer.global_step)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit an exception ends (Ctrl-C, an error): ``gradient_clip_val`` back as it was, the CSV closed, the
+        MLflow run ended as KILLED (``KeyboardInterrupt``) or FAILED (anything else)."""
+        self._give_clip_back(trainer)
+        self._resume, self._recording = None, False
+        self.recorder.abort(ended_as(type(exception)))
+
+    def _give_clip_back(self, trainer: pl.Trainer) -> None:
+        if self._clip_taken:
+            trainer.gradient_clip_val = self._user_clip
+            self._clip_taken = False
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Unscaled, accumulated, not yet clipped gradients: norm them in Lightning's clip order."""

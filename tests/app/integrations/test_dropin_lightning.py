@@ -3,10 +3,13 @@ Lightning would."""
 
 from __future__ import annotations
 
+import signal
+
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from mlflow import MlflowClient
 
 L = pytest.importorskip("lightning")
 
@@ -229,3 +232,43 @@ def test_two_optimizers_are_refused_before_any_step(tmp_path):
         quiet_trainer(tmp_path, [cb], 4).fit(module, loader)
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
     assert not (tmp_path / "s.csv").exists() and not list(tmp_path.rglob("*.csv"))
+
+
+class RaiseAfter(L.Callback):
+    """``exception`` after optimizer step ``at`` (its record written); keeps the callback's CSV writer."""
+
+    def __init__(self, at: int, exception: BaseException, cb: ClipampCallback) -> None:
+        self.at, self.exception, self.cb = at, exception, cb
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            self.writer = self.cb.recorder.writer
+            raise self.exception
+
+
+@pytest.mark.parametrize(
+    "exception,raised,status",
+    [(RuntimeError("boom"), RuntimeError, "FAILED"), (KeyboardInterrupt(), SystemExit, "KILLED")],
+)
+def test_an_exception_gives_the_clip_back_closes_the_csv_and_ends_the_run(tmp_path, store, exception, raised, status):
+    """An error, or Ctrl-C (Lightning exits after its own cleanup): ``gradient_clip_val`` is the user's again,
+    the CSV is closed with the steps done, and the MLflow run, their metrics sent, ends FAILED or KILLED, not
+    RUNNING."""
+    cb = ClipampCallback(apply=True, window=4, tracking=store, verbose=False)
+    kill = RaiseAfter(2, exception, cb)
+    trainer = quiet_trainer(tmp_path, [cb, kill], 6, gradient_clip_val=0.25)
+    sigint = signal.getsignal(signal.SIGINT)
+    torch.manual_seed(0)
+    try:
+        with pytest.raises(raised):
+            trainer.fit(LitGPT(), _loader(6, 1))
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores Ctrl-C while it shuts down
+    assert trainer.gradient_clip_val == 0.25
+    assert kill.writer._file.closed and cb.recorder.writer is None
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
+    assert run.info.status == status
+    steps = pd.read_csv(client.download_artifacts(run.info.run_id, "steps.csv", str(tmp_path)))
+    assert steps["step"].tolist() == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "grad_l2_pre_clip")] == [1, 2]  # sent
