@@ -102,9 +102,8 @@ class ClipampCallback(TrainerCallback, ExportableState):
         verbose: bool = True,
         **calibrate: Any,
     ) -> None:
-        self.recorder = StepRecorder(
+        settings = dict(
             apply=apply,
-            calibrate=calibrate,
             csv_path=csv_path,
             tracking=tracking,
             experiment=experiment,
@@ -112,20 +111,11 @@ class ClipampCallback(TrainerCallback, ExportableState):
             skip_nonfinite=skip_nonfinite,
             verbose=verbose,
         )
+        self.recorder = StepRecorder(calibrate=calibrate, **settings)
         self.apply = apply
-        args = dict(
-            apply=apply,
-            csv_path=csv_path,
-            tracking=tracking,
-            experiment=experiment,
-            run_name=run_name,
-            skip_nonfinite=skip_nonfinite,
-            verbose=verbose,
-            **calibrate,
-        )
         #: The constructor's arguments, as JSON: ``Trainer(restore_callback_states_from_checkpoint=True)``
         #: builds the callback it resumes with from them.
-        self.init_args = {k: to_json(v) for k, v in args.items()}
+        self.init_args = {k: to_json(v) for k, v in {**settings, **calibrate}.items()}
         self._hook = self._args = self._model = None
         self._user_tau = 0.0
 
