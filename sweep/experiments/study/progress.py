@@ -43,5 +43,5 @@ class TrialProgress:
         self.done += 1
         self.pruned += state == "PRUNED"
         self.failed += state == "FAIL"
+        self.progress.console.print(f"trial {n:>3} {state:<8} {info}")  # before the count it completes
         self.progress.update(self.trials, advance=1, info=self._info(0))
-        self.progress.console.print(f"trial {n:>3} {state:<8} {info}")
