@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text(df, width=None if args.wide else WIDTH))
     console = Console(soft_wrap=True)
     for name, sdf, pick, band, mode in sweeps:
-        console.print(sweep_table(sdf, pick, f"Study {name}" + (f" ({mode})" if mode else "")))
+        title = f"Study {name}" + (f" ({mode})" if mode else "")
+        console.print(sweep_table(sdf, pick, title, pareto=mode != "constrained"))
         console.print(
             f"band [{band[0]:g}, {band[1]:g}]; "
             + (

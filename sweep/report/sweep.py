@@ -73,12 +73,13 @@ def sweep_markdown(
     return "\n".join(lines)
 
 
-def sweep_table(df, pick: Pick | None, title: str) -> Table:
-    """Compact terminal table; ``marks``: P = on the Pareto front, B = clipping ratio in the band, ★ = pick."""
+def sweep_table(df, pick: Pick | None, title: str, *, pareto: bool = True) -> Table:
+    """Compact terminal table; ``marks``: P = on the Pareto front (``pareto``: a two-objective study;
+    a constrained one has no front), B = clipping ratio in the band, ★ = pick."""
     t = Table(
         title=title,
         caption="eval: eval loss; train: mean training loss, last 10 steps; "
-        "marks: P Pareto front, B clipping ratio in the band, ★ pick",
+        f"marks: {'P Pareto front, ' if pareto else ''}B clipping ratio in the band, ★ pick",
     )
     cols = [c for c in _SHORT if c in df.columns]
     for c in cols:
@@ -95,7 +96,7 @@ def sweep_table(df, pick: Pick | None, title: str) -> Table:
         ]
         picked = pick is not None and int(row["trial"]) == pick.trial
         marks = (
-            ("P" if row.get("pareto", False) else "")
+            ("P" if pareto and row.get("pareto", False) else "")
             + ("B" if row.get("in_band", False) else "")
             + ("★" if picked else "")
         )
@@ -106,7 +107,8 @@ def sweep_table(df, pick: Pick | None, title: str) -> Table:
 def print_sweep_summary(result: SweepResult, *, uri: str, experiment_id: str, console: Console | None = None) -> None:
     """Terminal: the study's trials, the pick and its rule, pruning accounting, the UI command."""
     console = console or Console()
-    console.print(sweep_table(result.trials, result.pick, f"Study {result.study_name} ({result.mode})"))
+    title = f"Study {result.study_name} ({result.mode})"
+    console.print(sweep_table(result.trials, result.pick, title, pareto=result.mode == "pareto"))
     p = result.pick
     if p is not None:
         console.print(
