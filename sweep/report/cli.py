@@ -30,6 +30,13 @@ DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflo
 _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
 
 
+def _trial_state(status: str, outcome: str) -> str:
+    """A trial child run's state for the table: its outcome tag, else RUNNING, KILLED (a signal) or FAIL."""
+    if outcome in _OUTCOME_STATE:
+        return _OUTCOME_STATE[outcome]
+    return status if status in ("RUNNING", "KILLED") else "FAIL"
+
+
 def logged_band(params: dict[str, str]) -> tuple[float, float]:
     """A sweep parent's clipping band from its params: ``study.target_clip`` (``[0.01, 0.2]``), or the
     ``study.target_clip_low``/``_high`` pair of older runs; ``(0, 1)`` when neither is there."""
@@ -69,7 +76,10 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
     trials: dict[str, list] = {}
     for r in search_all(client, exp.experiment_id, "tags.sweep_role = 'trial'"):
         t, m = r.data.tags, r.data.metrics
-        state = "RUNNING" if r.info.status == "RUNNING" else _OUTCOME_STATE.get(t.get("outcome", ""), "FAIL")
+        state = _trial_state(r.info.status, t.get("outcome", ""))
+        steps_run = m.get("steps_run")
+        if steps_run is None and state == "KILLED":  # stopped by a signal before its summary: its last step
+            steps_run = max((x.step for x in client.get_metric_history(r.info.run_id, "loss")), default=0)
         trials.setdefault(t.get("study", "?"), []).append(
             {
                 "trial": int(t.get("trial", -1)),
@@ -80,7 +90,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
                 "clip_ratio": m.get("clip_ratio", math.nan),
                 "skip_ratio": m.get("skip_ratio", math.nan),
                 "final_loss": m.get("final_loss", math.nan),
-                "steps_run": int(m.get("steps_run", 0) or 0),
+                "steps_run": int(steps_run or 0),
                 "run_id": r.info.run_id,
             }
         )

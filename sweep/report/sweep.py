@@ -29,7 +29,14 @@ _SHORT = {
     "final_loss": "train",
     "steps_run": "steps",
 }
-_STATE = {"COMPLETE": "done", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "queued"}
+_STATE = {
+    "COMPLETE": "done",
+    "PRUNED": "pruned",
+    "FAIL": "failed",
+    "KILLED": "killed",
+    "RUNNING": "running",
+    "WAITING": "queued",
+}
 
 
 def write_sweep_report(tracker: RunTracker, result: SweepResult) -> None:

@@ -22,3 +22,26 @@ def test_the_pareto_mark_and_legend_belong_to_two_objective_studies(pareto):
     marks = [[cell.strip() for cell in line.strip().strip("│").split("│")][-1] for line in rows]
     assert marks == (["PB", "P"] if pareto else ["B", ""])
     assert ("P Pareto front" in text) is pareto
+
+
+def test_a_trial_a_signal_stopped_is_killed_with_the_steps_it_ran(store):
+    """Ctrl-C during a trial ends its child run KILLED before any outcome or summary: the table said
+    'failed' and 'steps 0' for a trial that had run 11 steps."""
+    from mlflow import MlflowClient
+
+    from sweep.report.cli import sweeps_tables
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("clipamp")
+    done = client.create_run(exp, tags={"sweep_role": "trial", "study": "s", "trial": "0", "outcome": "complete"})
+    client.log_metric(done.info.run_id, "steps_run", 20)
+    client.set_terminated(done.info.run_id)
+    killed = client.create_run(exp, tags={"sweep_role": "trial", "study": "s", "trial": "1"})
+    for step in range(1, 12):
+        client.log_metric(killed.info.run_id, "loss", 3.0, step=step)
+    client.set_terminated(killed.info.run_id, status="KILLED")
+    failed = client.create_run(exp, tags={"sweep_role": "trial", "study": "s", "trial": "2"})
+    client.set_terminated(failed.info.run_id, status="FAILED")
+    [(name, df, *_)] = sweeps_tables(client, "clipamp")
+    assert name == "s"
+    assert df[["state", "steps_run"]].values.tolist() == [["COMPLETE", 20], ["KILLED", 11], ["FAIL", 0]]
