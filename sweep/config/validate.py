@@ -220,6 +220,7 @@ def engine_check(
         line = " ".join(str(e).split())
         line = re.sub(rf"(?<![\w.])({names})(?= ?(?:=|<=|>=|<|>))", rf"{group}.\1", line)
         line = re.sub(rf"(?<=<= )({names})\b", rf"{group}.\1", line)
+        line = re.sub(r"\bclip mode '(\w+)'", r"clip=\1", line)  # the engine's name for what the app spells so
         named = re.findall(rf"{group}\.({names})\b", line)
         defaults = defaults if defaults is not None else dataclasses.asdict(type(node)())
         changed = [k for k in named if getattr(node, k) != defaults.get(k)] or named

@@ -297,7 +297,7 @@ def test_clip_options_of_another_home_are_refused_before_a_run_opens(args, messa
         (["clip=zscore", "clip.alpha=1.5"], "clip.alpha=1.5 must be in (0, 1): pass e.g. clip.alpha=0.97"),
         (
             ["clip=norm", "clip.max_norm=-1"],
-            "clip.max_norm=-1.0 must be > 0 (use clip mode 'none' to disable clipping): pass e.g. clip.max_norm=1.0",
+            "clip.max_norm=-1.0 must be > 0 (use clip=none to disable clipping): pass e.g. clip.max_norm=1.0",
         ),
         (
             ["clip=agc", "clip.clip_factor=0"],
