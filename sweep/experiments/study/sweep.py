@@ -115,9 +115,9 @@ def _sweep_as_worker(
                     f"study {name!r} in {shown_storage}: {prior} trials so far; adding {s.n_trials} "
                     f"({s.mode}, {s.sampler}, dtypes {', '.join(s.dtypes)})"
                 )
-                parent.log_params(
-                    {**flat_params(cfg), "study_name": name, "optuna_storage": shown_storage, "trials_before": prior}
-                )
+                swept = {"clip.max_norm": "swept: see the trials", "amp.dtype": f"swept: {', '.join(s.dtypes)}"}
+                info = {"study_name": name, "optuna_storage": shown_storage, "trials_before": prior}
+                parent.log_params({**flat_params(cfg), **swept, **info})  # not the base config's τ and dtype
                 anchor = _set_up(cfg, study, store, parent, console, prior)
             ctx = _run_trials(cfg, study, storage, store, parent, console, anchor)
             band = tuple(s.target_clip)

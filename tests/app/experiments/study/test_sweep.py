@@ -83,6 +83,8 @@ def test_parent_and_children_in_mlflow(pareto):
     for invocation, n in ((first, 3), (second, 2)):
         parent = client.get_run(invocation.parent_run_id)
         assert parent.info.status == "FINISHED" and parent.data.tags["sweep_role"] == "parent"
+        params = parent.data.params  # what the trials varied, not the base config's 1.0 and bf16
+        assert params["clip.max_norm"] == "swept: see the trials" and params["amp.dtype"].startswith("swept: ")
         kids = children(client, invocation.parent_run_id)
         assert len(kids) == n and {k.data.tags["dtype"] for k in kids} == {"fp16", "bf16"}
         for kid in kids:
