@@ -29,15 +29,15 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clipamp_engine.csvlog import StepCSVWriter
 
 from ..errors import one_line
 from ..run.summary import read_rows
 
-if TYPE_CHECKING:
-    from .recorder import StepRecorder
+#: A ``sweep.integrations.recorder.StepRecorder`` (not imported: the recorder imports this module).
+Recorder = Any
 
 _FLOAT, _ITEMS = "__float__", "__items__"
 
@@ -91,7 +91,7 @@ def from_json(value: Any) -> Any:
     return value
 
 
-def checkpoint_state(recorder: StepRecorder) -> dict[str, Any]:
+def checkpoint_state(recorder: Recorder) -> dict[str, Any]:
     """The recorder's state at its last recorded step, as JSON (see the module's docstring)."""
     writer, tracker = recorder.writer, recorder.tracker
     state = {
@@ -131,7 +131,7 @@ def new_run(store, parent: str | None, name: str, tags: dict[str, str], params: 
 
 
 def resume(
-    recorder: StepRecorder,
+    recorder: Recorder,
     saved: dict[str, Any],
     *,
     path: Path,
