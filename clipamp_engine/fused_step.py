@@ -70,8 +70,9 @@ def forward_backward(state: AmpTrainState, inputs: Any, targets: Any):
             part = loss_sum.detach().to(record_dtype(loss_sum.device))
             tokens = count if tokens is None else tokens + count
         else:  # mean loss: weight each micro-batch by its share of the samples
-            loss = result.float() / (total / batch_size(x)) if k > 1 else result.float()  # loss / k
-            part = result.detach().float().to(record_dtype(result.device)) * batch_size(x)
+            rows = batch_size(x)
+            loss = result.float() / (total / rows) if k > 1 else result.float()  # loss / k
+            part = result.detach().float().to(record_dtype(result.device)) * rows
         # the record's loss, summed wide as the default path sums it (GlobalBatchLoss): the same value
         loss_acc = part if loss_acc is None else loss_acc + part
         state._backward(loss, x, y)

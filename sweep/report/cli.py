@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import ast
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from rich.console import Console
 
 from sweep.errors import UserError, fail
 from sweep.offline import stay_offline
+from sweep.paths import write_refusal
 from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
@@ -165,8 +165,7 @@ def check_out(out: str) -> None:
         raise UserError(
             f"--out {out}: cannot create {folder}/ ({e.strerror}): pass a path in a writable folder"
         ) from None
-    exists_read_only = Path(out).is_file() and not os.access(out, os.W_OK)
-    if Path(out).is_dir() or exists_read_only or not os.access(folder, os.W_OK):
+    if write_refusal(Path(out), is_file=True) is not None:
         raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 
 
