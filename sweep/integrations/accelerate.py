@@ -23,10 +23,17 @@ bit-identical (``docs/accelerate.md``), each call at the ``max_norm`` it is give
 ``apply=True`` it clips at the policy's τ (the first call's ``max_norm`` until the window closes,
 the calibrated τ after). It returns the pre-clip norm, as accelerate's does (a CPU tensor).
 DeepSpeed, FSDP and XLA clip inside their engines and are refused.
+
+Checkpoints: ``accelerator.register_for_checkpointing(clipamp)`` puts its state (the recorder's
+``checkpoint_state``) in every ``accelerator.save_state``; after ``accelerator.load_state`` the next
+``clip_grad_norm_`` continues the calibration, the ``steps.csv`` and the MLflow run from it
+(``sweep.integrations.resume``). A ``load_state`` that does not restore it (not registered) is said
+in one ``ResumeWarning`` line: the calibration and the records then start afresh.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from .recorder import Measured, StepRecorder
+from .resume import ResumeWarning
 
 REFUSED = ("DEEPSPEED", "FSDP", "XLA")
 
@@ -83,6 +91,30 @@ class ClipampAccelerate:
         self.step = 0
         self._begun = False
         self._measured: Measured | None = None
+        self._resume: dict[str, Any] | None = None  # the state load_state_dict got, for the next clip call
+        self._hook = accelerator.register_load_state_pre_hook(self._loading)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What ``accelerator.save_state`` keeps once ``accelerator.register_for_checkpointing(clipamp)``:
+        the recorder's state at the last recorded step (JSON, ``sweep.integrations.resume``)."""
+        return self.recorder.checkpoint_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """From ``accelerator.load_state``: the next ``clip_grad_norm_`` continues from ``state``."""
+        self.step, self._begun, self._measured = int(state["step"]), False, None
+        self._resume = state if self.step > 0 else None
+
+    def _loading(self, models: Any, input_dir: str) -> None:
+        """``accelerator.load_state``'s pre-hook: one line where it will not restore this object."""
+        if not any(obj is self for obj in self.accelerator._custom_objects):
+            where = "start afresh at step 1" if self.step == 0 else f"go on from step {self.step + 1}"
+            warnings.warn(
+                f"clipamp: accelerator.load_state({str(input_dir)!r}) does not restore ClipampAccelerate (not "
+                f"registered for checkpointing): the calibration and the records {where}, not from the "
+                "checkpoint; call accelerator.register_for_checkpointing(clipamp) before save_state and load_state",
+                ResumeWarning,
+                stacklevel=3,
+            )
 
     @property
     def policy(self):
@@ -105,8 +137,9 @@ class ClipampAccelerate:
                 "max_grad_norm": max_norm,
                 "gradient_accumulation_steps": self.accelerator.gradient_accumulation_steps,
             },
+            resume=self._resume,
         )
-        self._begun = True
+        self._resume, self._begun = None, True
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2
@@ -148,4 +181,5 @@ class ClipampAccelerate:
 
     def end(self) -> dict[str, float]:
         """Close the CSV and the MLflow run; the summary metrics (the verdict is printed)."""
+        self._hook.remove()
         return self.recorder.end(self.step) if self._begun else {}
