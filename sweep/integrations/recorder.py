@@ -16,6 +16,11 @@ drift), so the numbers equal a ``+experiment=calibrate`` run's on the same norms
 - ``apply=True`` clips at the policy's τ: the host's τ as the cap until the first window closes (or
   nothing, without one), the calibrated τ after it; non-finite gradients are dropped (``skip_nonfinite``).
 
+A run its host never ends (an exception out of ``Trainer.train()`` or a hand loop, ``end()`` never
+called) is closed when the process exits (``atexit``): the ``steps.csv`` with every step recorded,
+the buffered per-step metrics sent, and the MLflow run ended as FAILED (an error), or KILLED
+(Ctrl-C, or an exit without one), rather than left RUNNING.
+
 A host that saves checkpoints keeps ``checkpoint_state()`` in each and, resuming from one, hands it back
 as ``begin(resume=…)``: the calibration, the ``steps.csv`` and the MLflow run go on from it
 (``sweep.integrations.resume``).
@@ -26,8 +31,10 @@ The records, the ``steps.csv`` columns and the MLflow metric names are those of 
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +48,7 @@ from clipamp_engine.csvlog import StepCSVWriter
 from clipamp_engine.norms import clip_coefficient, grads_of, total_norm
 from clipamp_engine.records import SkipLog, StepLog
 
+from ..errors import one_line
 from ..run.calibration import calibration_payload
 from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
@@ -138,6 +146,7 @@ class StepRecorder:
         the policy continues from it, and the records continue those of the checkpoint's run
         (``sweep.integrations.resume``)."""
         self.abort("KILLED")
+        atexit.register(self._at_exit)
         self.set_user_tau(user_tau)
         cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
         self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
@@ -158,12 +167,26 @@ class StepRecorder:
 
     def abort(self, status: str) -> None:
         """Close the CSV and end the MLflow run (if still open) with ``status``: FAILED or KILLED."""
+        atexit.unregister(self._at_exit)
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.tracker is not None and not self.tracker.ended:
             self.tracker.end(status)
         self.tracker = None
+
+    def _at_exit(self) -> None:
+        """The process exits with the run open: FAILED after an uncaught error, else KILLED."""
+        crash = getattr(sys, "last_type", None)  # set by the interpreter for the exception that ends it
+        status = "FAILED" if crash is not None and not issubclass(crash, KeyboardInterrupt) else "KILLED"
+        tracker = self.tracker
+        try:
+            self.abort(status)
+        except Exception as e:  # the store is gone: one line, the CSV is closed already
+            print(f"clipamp: the run could not be ended as {status}: {one_line(e, 200)}", file=sys.stderr)
+            return
+        if tracker is not None:
+            print(f"clipamp: MLflow run {tracker.run_id} ended as {status} at step {self.step}", file=sys.stderr)
 
     def end(self, step: int) -> dict[str, float]:
         """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it
@@ -174,6 +197,7 @@ class StepRecorder:
             seen.load_state_dict(open_window)
             if len(seen.norms) >= 2:
                 self._adopt_partial(seen)
+        atexit.unregister(self._at_exit)
         if self.writer is None:
             return {}
         self.writer.close()
