@@ -43,9 +43,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", default=None, help="tag / column / metric of the learning rate (default: lr …)")
     ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")
-    o = Options()  # the defaults: CalibratedClip's, but --start auto
+    o = Options()  # the defaults: +experiment=calibrate's (RECOMMENDED)
     ap.add_argument("--window", type=int, default=o.window, help="steps per calibration window (calibrate.window)")
-    ap.add_argument("--quantile", default=str(o.quantile), help="q of τ = Quantile_q, or 'band' (aim at --target-clip)")
+    ap.add_argument(
+        "--quantile",
+        default="band" if o.quantile is None else str(o.quantile),
+        help="q of τ = Quantile_q, or 'band' (aim at the middle of --target-clip)",
+    )
     ap.add_argument("--start", default=o.start, help="'auto' (after warm-up) or N steps before the window")
     ap.add_argument("--every", type=int, default=o.every, help="steps between window starts (0: one window)")
     ap.add_argument("--validate", type=int, default=o.validate, help="held-out steps after a window (0: all)")

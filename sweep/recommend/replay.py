@@ -24,15 +24,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from clipamp_engine.band import PRETRAINING_BAND
-from clipamp_engine.calibration import (
-    CONFIDENCE,
-    DEFAULT_CANDIDATES,
-    DEFAULT_QUANTILE,
-    DEFAULT_WINDOW,
-    CalibrationError,
-)
-from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.calibration import CalibrationError
+from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.norms import CLIP_EPS
 from clipamp_engine.records import SkipLog, StepLog
 from sweep.errors import UserError
@@ -41,17 +34,18 @@ from sweep.recommend.series import NormSeries
 
 @dataclass(frozen=True)
 class Options:
-    """``CalibratedClip``'s arguments (the runner's ``calibrate.*``), all in training steps; its defaults
-    but ``start`` (the command's defaults)."""
+    """``CalibratedClip``'s arguments (the runner's ``calibrate.*``), all in training steps; the defaults are
+    ``RECOMMENDED``'s, those of ``+experiment=calibrate`` and of the trainer integrations, so that one
+    series gets the same advice from every entry point."""
 
-    window: int = DEFAULT_WINDOW
-    every: int = 0
-    quantile: float | None = DEFAULT_QUANTILE  # None: aim at the middle of target_clip
-    candidates: Sequence[float] = DEFAULT_CANDIDATES
-    start: int | str = "auto"
-    validate: int = 0
-    target_clip: Sequence[float] = PRETRAINING_BAND
-    confidence: float = CONFIDENCE
+    window: int = RECOMMENDED["window"]
+    every: int = RECOMMENDED["every"]
+    quantile: float | None = RECOMMENDED["quantile"]  # None: aim at the middle of target_clip
+    candidates: Sequence[float] = RECOMMENDED["candidates"]
+    start: int | str = RECOMMENDED["start"]
+    validate: int = RECOMMENDED["validate"]
+    target_clip: Sequence[float] = RECOMMENDED["target_clip"]
+    confidence: float = RECOMMENDED["confidence"]
 
 
 def on_grid(options: Options, series: NormSeries) -> tuple[Options, list[str]]:

@@ -44,8 +44,22 @@ def write_csv(path, columns: dict, keep=None):
     return path
 
 
+#: What these tests calibrate with where a test passes no option of its own: a 100-step window at
+#: Quantile_0.95, which a 400-step trace holds with room to check it (the command's defaults are
+#: ``RECOMMENDED``'s, a 200-step window aimed at the band: ``test_defaults_are_the_runners``).
+TEST_OPTIONS = {"--window": "100", "--quantile": "0.95"}
+
+
+def with_options(args: list[str]) -> list[str]:
+    return [*args, *(x for k, v in TEST_OPTIONS.items() if k not in args for x in (k, v))]
+
+
+def main(args: list[str]) -> int:
+    return cli.main(with_options(args))
+
+
 def parse(args: list[str]):
-    ns = cli.parser().parse_args(args)
+    ns = cli.parser().parse_args(with_options(args))
     return cli.recommend(ns.paths[0], cli.options_from(ns), ns)
 
 
@@ -62,7 +76,7 @@ def realised(steps, norms, end: int, tau: float) -> tuple[int, int]:
 def test_fixed_start_tau_quantiles_and_band_check_equal_numpy(tmp_path, capsys):
     steps, lr, norms = trace()
     path = write_csv(tmp_path / "log.csv", {"step": steps, "learning_rate": lr, "grad_norm": norms})
-    assert cli.main([str(path), "--start", "60", "--window", "120"]) == 0
+    assert main([str(path), "--start", "60", "--window", "120"]) == 0
     out = capsys.readouterr().out
     rec = parse([str(path), "--start", "60", "--window", "120"])
     w = rec.clip.summaries[0]
@@ -104,7 +118,7 @@ def test_auto_start_places_the_window_as_the_engine_does_after_the_logged_warmup
     start = placement.start
     assert rec.tau == pytest.approx(numpy_tau(steps, norms, start, start + 99), rel=1e-12)
     assert rec.tau < numpy_tau(steps, norms, 1, 100)  # a window over the warm-up overstates τ
-    assert cli.main([str(path)]) == 0
+    assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert f"the window starts at step {start}" in out and "LR from lr" in out
 
@@ -112,7 +126,7 @@ def test_auto_start_places_the_window_as_the_engine_does_after_the_logged_warmup
 def test_sparse_series_is_a_sample_and_says_what_that_does(tmp_path, capsys):
     steps, lr, norms = trace()
     path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms}, keep=lambda r: r[0] % 5 == 0)
-    assert cli.main([str(path), "--start", "0", "--window", "98"]) == 0
+    assert main([str(path), "--start", "0", "--window", "98"]) == 0
     out = capsys.readouterr().out
     assert "grad_norm is logged every 5 steps: a 1-in-5 sample" in out
     assert "A 100-step window holds 20 norms" in out and "--window 98 → 100" in out
@@ -124,7 +138,7 @@ def test_sparse_series_is_a_sample_and_says_what_that_does(tmp_path, capsys):
     assert (check.clipped, check.steps) == realised(steps[kept], norms[kept], 100, rec.tau)
     assert "p95 from 20 norms has no 95% upper confidence bound" in out  # the interval of 20 norms
     assert "a p95 interval at 95% needs ≥ 72 norms, --window ≥ 360" in out
-    assert cli.main([str(path), "--start", "0", "--window", "98", "--confidence", "0.8"]) == 0
+    assert main([str(path), "--start", "0", "--window", "98", "--confidence", "0.8"]) == 0
     assert "a p95 interval at 80% needs ≥ 45 norms, --window ≥ 225" in capsys.readouterr().out  # min_window(0.95, 0.8)
 
 
@@ -168,6 +182,37 @@ def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     assert rec.findings and rec.findings == diagnose(logs)  # the diagnosis a run's report prints
 
 
+def test_defaults_are_the_runners(tmp_path, capsys):
+    """With no option the command calibrates as ``+experiment=calibrate`` and the trainer integrations do
+    (``RECOMMENDED``: a 200-step window placed after warm-up, τ aimed at the band's middle): on a real run's
+    steps.csv it gives that run's window, τ and check."""
+    import torch
+
+    from clipamp_engine.clip.calibrated import recommended_calibration
+    from clipamp_engine.csvlog import StepCSVWriter
+    from clipamp_engine.step import AmpTrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=30)
+    policy = recommended_calibration(total_steps=500)
+    state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32", clip=policy, scheduler=warmup)
+    g = torch.Generator().manual_seed(1)
+    with StepCSVWriter(tmp_path / "steps.csv") as writer:
+        for _ in range(500):
+            x = torch.randn(32, 8, generator=g)
+            writer.write(state.step(x, x.sum(1, keepdim=True).sin()))
+    ns = cli.parser().parse_args([str(tmp_path / "steps.csv")])
+    rec = cli.recommend(ns.paths[0], cli.options_from(ns), ns)
+    [window] = policy.summaries
+    assert window.end_step - window.start_step + 1 == 200 and policy.quantile == pytest.approx(0.97)
+    assert [s.as_state() for s in rec.clip.summaries] == [window.as_state()]
+    assert rec.clip.checks() == policy.checks() and rec.tau == policy.tau
+    assert cli.main([str(tmp_path / "steps.csv")]) == 0
+    assert f"max_grad_norm={policy.tau:.4g}" in capsys.readouterr().out
+
+
 def test_tensorboard_event_file(tmp_path, capsys):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -178,7 +223,7 @@ def test_tensorboard_event_file(tmp_path, capsys):
         writer.add_scalar("train/learning_rate", l, s)
         writer.add_scalar("train/loss", 1.0, s)
     writer.close()
-    assert cli.main([str(tmp_path / "tb"), "--start", "100"]) == 0
+    assert main([str(tmp_path / "tb"), "--start", "100"]) == 0
     out = capsys.readouterr().out
     stored = norms.astype(np.float32).astype(np.float64)  # event files hold float32
     tau = numpy_tau(steps, stored, 101, 200)
@@ -197,7 +242,7 @@ def test_mlflow_run_and_track(store, tmp_path, capsys):
     metrics += [Metric("learning_rate", float(v), 0, int(s)) for s, v in zip(steps, lr)]
     client.log_batch(run.info.run_id, metrics=metrics, params=[Param("max_grad_norm", "5.0")])
     argv = [f"runs:/{run.info.run_id}", "--tracking-uri", store, "--start", "100", "--track", "--experiment", "rec"]
-    assert cli.main(argv) == 0
+    assert main(argv) == 0
     out = capsys.readouterr().out
     tau = numpy_tau(steps, norms, 101, 200)
     assert "every logged norm is below the run's max_grad_norm (5)" in out
@@ -229,7 +274,7 @@ def test_our_csv_skipped_steps_are_counted_not_mixed_in(tmp_path):
 
 def _error(capsys, argv) -> str:
     with pytest.raises(SystemExit) as e:
-        cli.main(argv)
+        main(argv)
     assert e.value.code == 2
     err = capsys.readouterr()
     assert err.out == "" and len(err.err.splitlines()) == 1 and err.err.startswith("error: ")

@@ -14,10 +14,9 @@ import pytest
 pytest.importorskip("transformers")
 from transformers import Trainer, TrainingArguments
 
-from sweep.recommend import cli
 from tests.app.helpers import REPO
 from tests.app.integrations.test_hf_trainer import dataset, tiny_llama
-from tests.app.recommend.test_recommend import parse, trace, write_csv
+from tests.app.recommend.test_recommend import main, parse, trace, write_csv
 
 STEPS, EVERY, WINDOW = 60, 3, 30
 
@@ -53,7 +52,7 @@ def test_trainer_checkpoint_gives_the_calibrate_tau_with_the_sampling_caveat(tra
     assert steps.tolist() == list(range(EVERY, STEPS + 1, EVERY))
     assert (norms > 0.5).any()  # Trainer clipped at 0.5, yet grad_norm is the pre-clip norm
     argv = [str(out), "--start", "0", "--window", str(WINDOW)]  # the output_dir: its newest checkpoint
-    assert cli.main(argv) == 0
+    assert main(argv) == 0
     text = capsys.readouterr().out
     tau = float(np.quantile(norms[steps <= WINDOW], 0.95))
     rec = parse(argv)
@@ -81,7 +80,7 @@ def test_module_command_prints_the_report_or_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     ok = subprocess.run(
-        [sys.executable, "-m", "sweep.recommend", str(path), "--start", "100"],
+        [sys.executable, "-m", "sweep.recommend", str(path), "--start", "100", "--window", "100", "--quantile", "0.95"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
