@@ -121,6 +121,7 @@ def fused_update(
     found_inf = (~(torch.isfinite(pre) & loss_finite)).float()
     coef = global_coefficient(state.clip, pre, state.step_count)
     apply_factor_and_step(state.optimizer, grads, factor * coef, found_inf, state.fused_recipe)
+    state._updated = True
     state.scaler.record_inf_check(state.optimizer, found_inf)
     state.scaler.update()
     if state._device_lr is not None:

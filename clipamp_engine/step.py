@@ -1,8 +1,9 @@
 """``AmpTrainState``: one safe mixed-precision optimizer step, in the textbook order.
 
 autocast forward → fp32 loss → finite-loss check (before backward) → scaled backward (per
-micro-batch) → unscale → non-finite check → clip → optimizer step → LR schedule → scaler
-update (skips included) → ``zero_grad(set_to_none=True)``.
+micro-batch) → unscale → non-finite check → clip → optimizer step → scaler update (skips
+included) → LR schedule → ``zero_grad(set_to_none=True)``. A step that raises before its update
+uses no step number; one that raises after it carries its record (the exception's ``record``).
 
 Two update paths, chosen automatically (``AmpTrainState.pipeline``): with a fused optimizer and
 a global-coefficient clip the unscale and the clip are folded into the optimizer's own pass
@@ -151,7 +152,7 @@ class AmpTrainState:
         self.forensics = forensics if forensics is not None else NoForensics()
         self.params = optimizer_params_in_model_order(model, optimizer)  # the sum order of clip_grad_norm_
         self._groups_key = param_groups_key(optimizer)
-        self.step_count = 0  # optimizer steps attempted (taken + skipped)
+        self.step_count, self._updated = 0, False  # optimizer steps attempted (taken + skipped)
         self._init_pipeline(fused, log_every, forensics is not None)
 
     def _init_pipeline(self, fused: bool | None, log_every: int | None, forensics: bool) -> None:
@@ -239,7 +240,7 @@ class AmpTrainState:
     def _run(self, inputs: Any, targets: Any) -> None:
         if param_groups_key(self.optimizer) != self._groups_key:
             self._follow_param_groups()
-        self.step_count += 1
+        self.step_count, self._updated = self.step_count + 1, False  # _updated: its optimizer pass ran
         try:
             if self.pipeline == "fused":
                 fused_step(self, inputs, targets)
@@ -247,6 +248,10 @@ class AmpTrainState:
                 lr = float(self.optimizer.param_groups[0]["lr"])
                 scale = self.scaler.get_scale()  # sync (fp16 on an accelerator only): the scale this step uses
                 self._ready.append(self._step(inputs, targets, lr, scale))
+        except BaseException:
+            if not self._updated:  # raised before the update (an OOM in forward, say): no step, no number used
+                self.step_count -= 1
+            raise
         finally:
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -313,22 +318,14 @@ class AmpTrainState:
         self.forensics.before_step(params, grads, self.optimizer)
         self.clip.before_step(params, self.optimizer)
         self.scaler.step(self.optimizer)
+        self._updated = True
         clip_extra = self.clip.after_step(params, self.optimizer) or {}  # e.g. update_l2_pre_clip (0-dim)
         extra = self.forensics.after_step(params, self.optimizer)
-        if self.scheduler is not None:
-            self.scheduler.step()
         self.scaler.update()
         names = list(clip_extra)
-        values = torch.stack(
-            [
-                pre,
-                post,
-                *(full_tensor(torch.as_tensor(clip_extra[n], dtype=torch.float32)).to(pre.device) for n in names),
-            ]
-        ).tolist()  # sync: the record
-        pre_f, post_f = values[:2]
-        extra = {**dict(zip(names, values[2:])), **extra}
-        return StepLog(
+        added = (full_tensor(torch.as_tensor(clip_extra[n], dtype=torch.float32)).to(pre.device) for n in names)
+        pre_f, post_f, *values = torch.stack([pre, post, *added]).tolist()  # sync: the record
+        log = StepLog(
             step=self.step_count,
             lr=lr,
             grad_l2_pre_clip=pre_f,
@@ -338,8 +335,15 @@ class AmpTrainState:
             clipped=post_f < pre_f,
             token_count=acc.token_count,
             max_norm=self.clip.threshold,
-            extra=extra,
+            extra={**dict(zip(names, values)), **extra},
         )
+        if self.scheduler is not None:
+            try:  # after the update: a scheduler that raises (past a table's end) leaves the step's record
+                self.scheduler.step()
+            except Exception as e:
+                e.record, e.records = log, [log]  # type: ignore[attr-defined]
+                raise
+        return log
 
     def _skip(
         self, reason: str, lr: float, scale: float, acc: GlobalBatchLoss, pre: torch.Tensor | None = None
