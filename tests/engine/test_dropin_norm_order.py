@@ -104,3 +104,40 @@ def test_the_norm_sums_the_optimizers_parameters_in_model_order():
     opt = torch.optim.SGD([{"params": head[::-1]}], lr=0.1)
     state = AmpTrainState(model, opt, _lm_loss, dtype="fp32")
     assert [id(p) for p in state.params] == [id(p) for p in head]
+
+
+def test_a_parameter_the_optimizer_holds_outside_the_model_is_normed_and_clipped_after_the_models():
+    """A loss module's learnable weight (uncertainty weighting, Kendall et al. 2018) in the optimizer: the
+    engine equals, bit for bit, the loop clipping ``[*model.parameters(), *loss_fn.parameters()]``."""
+
+    class WeightedLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.log_var = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, out, y):
+            return torch.exp(-self.log_var) * F.mse_loss(out, y) + self.log_var
+
+    def make():
+        torch.manual_seed(0)
+        model, crit = (
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)),
+            WeightedLoss(),
+        )
+        return model, crit, torch.optim.AdamW([*crit.parameters(), *model.parameters()], lr=1e-2)
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 8, generator=g), 3 * torch.randn(16, 1, generator=g)) for _ in range(10)]
+    model, crit, opt = make()
+    norms = []
+    for x, y in data:
+        crit(model(x), y).backward()
+        norms.append(clip_grad_norm_([*model.parameters(), *crit.parameters()], 0.5).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model2, crit2, opt2 = make()
+    state = AmpTrainState(model2, opt2, crit2, dtype="fp32", max_norm=0.5, fused=False)
+    assert [state.step(x, y).grad_l2_pre_clip for x, y in data] == norms
+    assert sum(n > 0.5 for n in norms) > 5  # the clip is active
+    for p, q in zip([*model.parameters(), *crit.parameters()], [*model2.parameters(), *crit2.parameters()]):
+        assert torch.equal(p, q)
