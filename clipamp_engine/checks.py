@@ -53,14 +53,26 @@ def check_sharding(world_kind: str, clip: Any, forensics: bool, whole_param_mode
         )
 
 
-def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any) -> None:
-    """At construction: ``max_norm`` is a number (when the default policy uses it) and the optimizer
-    updates at least one of ``model``'s parameters."""
+def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any, clip_window: Any) -> None:
+    """At construction: ``max_norm`` is a number > 0 (when the default policy uses it), ``clip`` a policy
+    object, ``clip_window`` a step count, and the optimizer updates at least one of ``model``'s parameters."""
     if clip is None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm)):
         raise ValueError(
             f"max_norm={max_norm!r} must be a number > 0 (a float such as 1.0; math.inf never clips), "
             f"not {type(max_norm).__name__}"
         )
+    if clip is None and not max_norm > 0:
+        raise ValueError(
+            f"max_norm={max_norm!r} must be > 0; to train without clipping pass clip=NoClip() "
+            "(from clipamp_engine import NoClip)"
+        )
+    from .clip.base import ClipPolicy  # here: the clip package imports this module
+
+    if clip is not None and not isinstance(clip, ClipPolicy):
+        named = f"make_clip_policy({clip!r}, ...)" if isinstance(clip, str) else "make_clip_policy(mode, ...)"
+        raise ValueError(f"clip={clip!r} is not a clip policy: pass {named} or a policy such as GlobalNormClip(1.0)")
+    if isinstance(clip_window, bool) or not isinstance(clip_window, int) or clip_window < 1:
+        raise ValueError(f"clip_window={clip_window!r} must be a number of steps >= 1 (the clipping-ratio window)")
     own = {id(p) for p in model.parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     if held and not any(id(p) in own for p in held):
@@ -204,7 +216,16 @@ def check_calibrator_options(quantile: float, candidates: Any, confidence: Any) 
 
 def check_checkpoint_fits(state: dict[str, Any], dtype: str, scheduled: bool) -> None:
     """``AmpTrainState.load_state_dict``: a checkpoint of another dtype, or with a schedule where the
-    state has none (or the reverse), would drop or invent a loss scale or a schedule."""
+    state has none (or the reverse), would drop or invent a loss scale or a schedule; one that lacks
+    the state's own entries (another loop's: nanoGPT's ``model``, ``optimizer``, ``iter_num``) is
+    refused before anything loads."""
+    missing = [k for k in ("scaler", "clip", "skip_monitor", "clip_monitor", "step_count") if k not in state]
+    if missing:
+        raise ValueError(
+            f"the checkpoint has no {', '.join(missing)} entries: it was not saved from AmpTrainState.state_dict() "
+            "(nothing was loaded); save state.state_dict() in checkpoints, or load a model-only checkpoint with "
+            "model.load_state_dict and optimizer.load_state_dict before building the AmpTrainState"
+        )
     saved = state.get("dtype", dtype)
     if saved != dtype:
         raise ValueError(

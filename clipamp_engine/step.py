@@ -128,7 +128,7 @@ class AmpTrainState:
         model_device = model_device_type(model)
         check_arguments(model_device, device_type, dtype, accumulation_steps, scaler)
         self.device_type = model_device
-        check_setup(model, optimizer, max_norm, clip)
+        check_setup(model, optimizer, max_norm, clip, clip_window)
         check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipamp_engine import AmpTrainState, HysteresisScaler, LossScaler
+from clipamp_engine import AmpTrainState, HysteresisScaler, LossScaler, NoClip, make_clip_policy
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -80,6 +80,26 @@ def test_a_max_norm_that_is_no_number_is_named(max_norm):
     model = _model()
     with pytest.raises(ValueError, match=rf"max_norm={max_norm!r} must be a number > 0".replace("(", r"\(")):
         AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, dtype="fp32", max_norm=max_norm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_norm=0.0), r"^max_norm=0.0 must be > 0; to train without clipping pass clip=NoClip\(\)"),
+        (dict(clip="norm"), r"^clip='norm' is not a clip policy: pass make_clip_policy\('norm', ...\) or a policy"),
+        (dict(clip_window=0), r"^clip_window=0 must be a number of steps >= 1"),
+    ],
+    ids=["max_norm 0 (nanoGPT's grad_clip=0.0: off)", "a mode name for clip", "clip_window 0"],
+)
+def test_a_setting_that_cannot_run_names_the_argument_and_the_fix(kwargs, message):
+    """Each refusal names the argument the user passed and what to pass instead; the fix it names runs."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=message):
+        AmpTrainState(model, opt, F.mse_loss, dtype="fp32", **kwargs)
+    fixed = {"max_norm": dict(clip=NoClip()), "clip": dict(clip=make_clip_policy("norm", max_norm=1.0))}
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp32", **fixed.get(next(iter(kwargs)), dict(clip_window=1)))
+    assert not state.step(*_batch()).skipped
 
 
 def test_checked_steps_equal_an_unchecked_reference():
@@ -185,9 +205,10 @@ def test_a_token_count_past_fp32s_integers_is_recorded_exactly(fused):
     assert log.token_count == count
 
 
-@pytest.mark.parametrize("change", ["dtype", "no scheduler", "a scheduler"])
+@pytest.mark.parametrize("change", ["dtype", "no scheduler", "a scheduler", "another loop"])
 def test_a_checkpoint_of_another_setup_is_refused_before_anything_loads(change):
-    """An fp16 run's loss scale is not a bf16 run's; a schedule is not dropped or invented silently."""
+    """An fp16 run's loss scale is not a bf16 run's; a schedule is not dropped or invented silently; a
+    checkpoint of another loop (nanoGPT's keys) does not half-load."""
 
     def build(dtype="fp16", scheduled=True):
         model = _model()
@@ -198,12 +219,21 @@ def test_a_checkpoint_of_another_setup_is_refused_before_anything_loads(change):
     _, source = build(scheduled=change != "a scheduler")
     source.step(*_batch())
     saved = source.state_dict()
+    if change == "another loop":
+        saved = {
+            "model": saved["model"],
+            "optimizer": saved["optimizer"],
+            "iter_num": 1,
+            "scheduler": saved["scheduler"],
+        }
     model, target = build(dtype="bf16" if change == "dtype" else "fp16", scheduled=change in ("dtype", "a scheduler"))
     before = [p.detach().clone() for p in model.parameters()]
     message = {
         "dtype": r"the checkpoint is of a dtype='fp16' run and this AmpTrainState has dtype='bf16'",
         "no scheduler": r"the checkpoint has a LR scheduler state and this AmpTrainState has no scheduler",
         "a scheduler": r"the checkpoint has no LR scheduler state and this AmpTrainState has a scheduler",
+        "another loop": r"^the checkpoint has no scaler, clip, skip_monitor, clip_monitor, step_count entries: it was "
+        r"not saved from AmpTrainState.state_dict\(\) \(nothing was loaded\); save state.state_dict\(\) in checkpoints",
     }[change]
     with pytest.raises(ValueError, match=message):
         target.load_state_dict(saved)
