@@ -154,7 +154,8 @@ class StepCSVWriter:
             self._refused = True
             raise ValueError(
                 f"step {step} is already in {self.path} (last step {self.last_step}): the file is unchanged; "
-                "pass mode='overwrite' to replace it, or a new path"
+                f"resuming from a checkpoint at step {step - 1}, pass truncate_after={step - 1} to drop the rows "
+                "after it (mode='overwrite' replaces the whole file)"
             )
         self._apply_rewrite()
         unknown = [c for c in row if c not in self.columns]

@@ -67,6 +67,28 @@ def test_reopen_appends_without_repeating_steps(tmp_path):
     assert pd.read_csv(path)["step"].tolist() == [1, 2, 3, 4]
 
 
+def test_a_refused_resume_names_the_fix_that_keeps_the_rows_before_the_checkpoint(tmp_path):
+    """A run resumed from a checkpoint at step 3 while rows 4–5 were written: the refusal names
+    truncate_after=3, and following it keeps steps 1–3 (mode='overwrite' would lose them)."""
+    path = tmp_path / "steps.csv"
+    with StepCSVWriter(path) as w:
+        for s in range(1, 6):
+            w.write(_log(s))
+    before = path.read_bytes()
+    with StepCSVWriter(path, mode="resume") as w, pytest.raises(ValueError) as refused:
+        w.write(_log(4))
+    assert path.read_bytes() == before
+    message = str(refused.value)
+    assert message.endswith(
+        "resuming from a checkpoint at step 3, pass truncate_after=3 to drop the rows after it "
+        "(mode='overwrite' replaces the whole file)"
+    )
+    with StepCSVWriter(path, truncate_after=int(message.split("truncate_after=")[1].split()[0])) as w:
+        w.write(_log(4, loss=0.25))
+    df = pd.read_csv(path)
+    assert df["step"].tolist() == [1, 2, 3, 4] and df["loss"].iloc[-1] == 0.25
+
+
 def test_reopen_for_resume_drops_rows_after_checkpoint_and_torn_tail(tmp_path):
     path = tmp_path / "steps.csv"
     with StepCSVWriter(path) as w:
