@@ -155,8 +155,15 @@ class GlobalBatchLoss:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module a DDP wrapper holds (its state dict is one process's, without ``module.``), else ``model``."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The module under DDP and ``torch.compile`` wrappers, in any nesting (its state dict is one process's,
+    without ``module.`` or ``_orig_mod.``, so that it loads into the plain model), else ``model``."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod  # torch.compile's wrapper (torch._dynamo, not imported for the check)
+        else:
+            return model
 
 
 def _fsdp_module_type() -> type | None:

@@ -249,6 +249,23 @@ def test_checkpoint_resume_is_bitwise_identical():
     assert [l.row() for l in logs_full] == [l.row() for l in logs_res]
 
 
+def test_a_compiled_models_checkpoint_loads_into_the_plain_model():
+    """``torch.compile``'s wrapper adds ``_orig_mod.`` to its state dict's keys: the state's ``model`` entry
+    is the plain module's, so a checkpoint of a compiled run resumes an uncompiled one (and the reverse)."""
+    model, opt = _pair()
+    compiled = torch.compile(model, backend="eager")
+    st = AmpTrainState(compiled, opt, F.mse_loss, dtype="fp32")
+    for i in range(3):
+        st.step(*_batch(i))
+    saved = copy.deepcopy(st.state_dict())
+    assert list(saved["model"]) == list(model.state_dict())
+    plain, plain_opt = _pair(seed=5)
+    st2 = AmpTrainState(plain, plain_opt, F.mse_loss, dtype="fp32")
+    st2.load_state_dict(saved)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    assert st.step(*_batch(3)) == st2.step(*_batch(3))
+
+
 def test_load_without_model_and_optimizer_restores_the_rest_only():
     """A sharded checkpoint restores model and optimizer itself: the engine leaves them alone."""
     model, opt = _pair()
