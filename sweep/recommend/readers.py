@@ -94,6 +94,13 @@ def pick(available, wanted: str | None, names: tuple[str, ...], what: str, where
     return found
 
 
+def by_step(steps, values, at) -> np.ndarray:
+    """``values`` logged at ``steps``, looked up at each step of ``at`` (the last value logged at a step
+    wins; NaN where none was): a metric logged on rows or events of its own joined to the norm's steps."""
+    joined = pd.Series(np.asarray(values, dtype=np.float64), index=np.asarray(steps)).groupby(level=0).last()
+    return joined.reindex(np.asarray(at)).to_numpy()
+
+
 def _listing(names: list[str], limit: int = 12) -> str:
     if not names:
         return "nothing"
@@ -186,7 +193,7 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
     lrs = None
     if lr_name:
         lr_steps, lr_values = _event_values(acc, lr_name)
-        lrs = pd.Series(lr_values, index=lr_steps).groupby(level=0).last().reindex(steps).to_numpy()
+        lrs = by_step(lr_steps, lr_values, steps)
     pre = HF_PRE_CLIP if name == "train/grad_norm" else None
     return make_series(f"{run} (TensorBoard)", name, steps, norms, lrs, pre_clip=pre, lr_name=lr_name)
 
@@ -201,9 +208,10 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     cols = [str(c) for c in df.columns]
     name = _need(pick(cols, norm, NORM_NAMES, "column", str(path), "--norm"), cols, "column", str(path), "--norm")
     logged = (df[name].str.strip() != "").to_numpy()  # Lightning's CSVLogger: validation rows leave it blank
-    df = df[logged].reset_index(drop=True)
     step_name = pick(cols, step, STEP_NAMES, "column", str(path), "--step-column")
     lr_name = pick(cols, lr, LR_NAMES, "column", str(path), "--lr")
+    lr_rows = df[df[lr_name].str.strip() != ""] if lr_name and step_name else None  # LearningRateMonitor's own rows
+    df = df[logged].reset_index(drop=True)
     values = pd.to_numeric(df[name], errors="coerce")
     if values.isna().all() and len(df):
         raise UserError(f"{path}: column {name!r} holds no number: pass --norm COLUMN")
@@ -219,6 +227,10 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     if "max_norm" in cols:
         extra["max_norm"] = pd.to_numeric(df["max_norm"], errors="coerce").to_numpy()
     lrs = pd.to_numeric(df[lr_name], errors="coerce").to_numpy() if lr_name else None
+    if lr_rows is not None:  # the LR of the norm's step, from whichever row logged it
+        lr_steps = pd.to_numeric(lr_rows[step_name], errors="coerce")
+        lr_values = pd.to_numeric(lr_rows[lr_name], errors="coerce")
+        lrs = by_step(lr_steps[lr_steps.notna()], lr_values[lr_steps.notna()], np.asarray(steps))
     pre = "clipamp records grad_l2_pre_clip before clipping" if ours and name == "grad_l2_pre_clip" else None
     series = make_series(
         f"{path} (CSV)", name, np.asarray(steps), values.to_numpy(), lrs, pre_clip=pre, lr_name=lr_name, **extra
@@ -249,8 +261,7 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     lrs = None
     if lr_name:
         lr_hist = client.get_metric_history(run_id, lr_name)
-        lrs = pd.Series([m.value for m in lr_hist], index=[m.step for m in lr_hist])
-        lrs = lrs.groupby(level=0).last().reindex(steps).to_numpy()
+        lrs = by_step([m.step for m in lr_hist], [m.value for m in lr_hist], steps)
     extra = {}
     tau = _float(run.data.params.get("max_grad_norm"))  # Trainer's MLflowCallback logs its arguments
     if tau and tau > 0:

@@ -417,3 +417,28 @@ def test_rows_that_log_other_metrics_leave_the_norm_blank_and_are_not_skipped_st
     assert rec.tau == pytest.approx(numpy_tau(steps, norms, 61, 180), rel=1e-12)
     assert not any("repeated step" in note for note in rec.notes)
     assert rec.series.steps.tolist() == [*steps, N + 1] and math.isnan(rec.series.norms[-1])
+
+
+def lightning_csv(path, steps, lr, norms, lr_name="lr-AdamW"):
+    """Lightning's CSVLogger layout: LearningRateMonitor's LR on a row of its own, the norm on the next."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["epoch", "grad_2.0_norm_total", lr_name, "step"])
+        for s, l, n in zip(steps, lr, norms):
+            w.writerow(["", "", repr(float(l)), s])
+            w.writerow([0, repr(float(n)), "", s])
+    return path
+
+
+def test_an_lr_logged_on_rows_of_its_own_is_joined_to_the_norm_by_step(tmp_path, capsys):
+    """LearningRateMonitor's rows leave the norm blank: the LR is read from them, so --start auto sees the warm-up
+    the merged log shows (the engine's placement on the same trace) and τ is numpy's over that window."""
+    steps, lr, norms = trace()
+    rec = parse([str(lightning_csv(tmp_path / "metrics.csv", steps, lr, norms)), "--lr", "lr-AdamW"])
+    placement = auto_window_start(zip(steps.tolist(), lr.tolist(), norms.tolist()), latest=N - 100 - 100 + 1)
+    assert placement.warmup_end == 51 and rec.clip.placement == placement
+    assert np.array_equal(rec.series.lrs, lr)
+    start = placement.start
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, start, start + 99), rel=1e-12)
+    merged = write_csv(tmp_path / "merged.csv", {"step": steps, "lr-AdamW": lr, "grad_2.0_norm_total": norms})
+    assert parse([str(merged), "--lr", "lr-AdamW"]).tau == rec.tau
