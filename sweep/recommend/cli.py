@@ -40,7 +40,12 @@ def parser() -> argparse.ArgumentParser:
         "(default: the first of grad_l2_pre_clip, grad_norm, train/grad_norm, grad_2.0_norm_total, "
         "one */grad_norm)",
     )
-    ap.add_argument("--lr", default=None, help="tag / column / metric of the learning rate (default: lr …)")
+    ap.add_argument(
+        "--lr",
+        default=None,
+        help="tag / column / metric of the learning rate (default: the first of lr, learning_rate, "
+        "train/learning_rate, one */learning_rate, else Lightning's one lr-<Optimizer>, its /pg1 if several groups)",
+    )
     ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")
     o = Options()  # the defaults: +experiment=calibrate's (RECOMMENDED)

@@ -9,7 +9,8 @@
 - an MLflow run, ``runs:/ID`` or a run id (``MlflowClient.get_metric_history``).
 
 A norm name, when not given, is the first of ``NORM_NAMES`` the log holds; the learning rate likewise
-from ``LR_NAMES``. Every failure is a ``UserError`` naming what was found and the option that fixes it.
+from ``LR_NAMES``, else Lightning's ``LearningRateMonitor`` name ``lr-<Optimizer>`` (``lightning_lr``).
+Every failure is a ``UserError`` naming what was found and the option that fixes it.
 """
 
 from __future__ import annotations
@@ -91,7 +92,22 @@ def pick(available, wanted: str | None, names: tuple[str, ...], what: str, where
     if found is None:
         ends = [a for a in available if a.endswith("/" + names[1])]
         found = ends[0] if len(ends) == 1 else None
+    if found is None and names == LR_NAMES:
+        found = lightning_lr(available)
     return found
+
+
+def lightning_lr(available) -> str | None:
+    """Lightning's ``LearningRateMonitor`` name of the LR: ``lr-<Optimizer>`` when one optimizer logs it, its
+    first param group's (``lr-<Optimizer>/pg1``) when it logs several; ``None`` for several optimizers
+    (``lr-AdamW``, ``lr-SGD``) or none. Its ``…-momentum`` and ``…-weight_decay`` are no LR."""
+    names = [a for a in available if a.startswith("lr-") and not a.endswith(("-momentum", "-weight_decay"))]
+    if len({n.split("/")[0] for n in names}) != 1:
+        return None
+    if len(names) == 1:
+        return names[0]
+    base = names[0].split("/")[0]
+    return next((n for n in (base, base + "/pg1") if n in names), None)
 
 
 def by_step(steps, values, at) -> np.ndarray:

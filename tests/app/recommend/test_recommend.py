@@ -442,3 +442,31 @@ def test_an_lr_logged_on_rows_of_its_own_is_joined_to_the_norm_by_step(tmp_path,
     assert rec.tau == pytest.approx(numpy_tau(steps, norms, start, start + 99), rel=1e-12)
     merged = write_csv(tmp_path / "merged.csv", {"step": steps, "lr-AdamW": lr, "grad_2.0_norm_total": norms})
     assert parse([str(merged), "--lr", "lr-AdamW"]).tau == rec.tau
+
+
+def test_learning_rate_monitors_default_names_are_the_lr(tmp_path, capsys):
+    """LearningRateMonitor names the LR lr-<Optimizer> (lr-<Optimizer>/pgK per param group): taken by default,
+    the first group's where several, so the placement is the engine's on the logged warm-up with no --lr."""
+    from sweep.recommend.readers import lightning_lr
+
+    steps, lr, norms = trace()
+    placement = auto_window_start(zip(steps.tolist(), lr.tolist(), norms.tolist()), latest=N - 100 - 100 + 1)
+    for name in ("lr-AdamW", "lr-SGD"):
+        rec = parse([str(lightning_csv(tmp_path / f"{name}.csv", steps, lr, norms, name))])
+        assert rec.series.lr_name == name and rec.clip.placement == placement
+        assert rec.tau == pytest.approx(numpy_tau(steps, norms, placement.start, placement.start + 99), rel=1e-12)
+    groups = write_csv(
+        tmp_path / "groups.csv",
+        {
+            "step": steps,
+            "grad_2.0_norm_total": norms,
+            "lr-AdamW/pg1": lr,
+            "lr-AdamW/pg2": np.full(N, 1e-4),  # a constant LR: no warm-up to see
+            "lr-AdamW/pg1-momentum": np.full(N, 0.9),
+        },
+    )
+    rec = parse([str(groups)])
+    assert rec.series.lr_name == "lr-AdamW/pg1" and rec.clip.placement == placement
+    assert lightning_lr(["lr-AdamW", "lr-AdamW-momentum", "lr-AdamW-weight_decay"]) == "lr-AdamW"
+    assert lightning_lr(["lr-AdamW", "lr-SGD"]) is None  # two optimizers: --lr says which
+    assert main([str(groups)]) == 0 and "LR from lr-AdamW/pg1" in capsys.readouterr().out
