@@ -200,18 +200,60 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
         if norm is not None:
             raise UserError(f"{path}: no tag {norm!r} (it holds {_listing(names)}): pass --norm TAG")
         _need(None, names, "tag", str(path), "--norm")
-    if len(hits) > 1:
+    pieces = [_piece(run, acc, names, name, lr) for run, acc, names, name in hits]
+    name = hits[0][3]
+    if len(hits) > 1 and not _resumed(pieces, name):
         runs = ", ".join(str(r) for r, *_ in hits)
-        raise UserError(f"{path}: {len(hits)} runs log {hits[0][3]}: pass one of them ({runs})")
-    run, acc, names, name = hits[0]
-    steps, norms = _event_values(acc, name)
-    lr_name = pick(names, lr, LR_NAMES, "tag", str(run), "--lr")
-    lrs = None
-    if lr_name:
-        lr_steps, lr_values = _event_values(acc, lr_name)
-        lrs = by_step(lr_steps, lr_values, steps)
+        raise UserError(f"{path}: {len(hits)} runs log {name}: pass one of them ({runs})")
+    pieces.sort(key=lambda p: p["wall"])
+    steps, norms, lrs = pieces[0]["steps"], pieces[0]["norms"], pieces[0]["lrs"]
+    for p in pieces[1:]:  # a resumed piece replaces what the earlier ones logged from its first step on
+        before = steps < p["steps"].min()
+        steps, norms = np.r_[steps[before], p["steps"]], np.r_[norms[before], p["norms"]]
+        lrs = np.r_[lrs[before], p["lrs"]]
+    lr_names = [p["lr_name"] for p in pieces if p["lr_name"]]
+    lr_name = lr_names[0] if lr_names else None
     pre = HF_PRE_CLIP if name == "train/grad_norm" else None
-    return make_series(f"{run} (TensorBoard)", name, steps, norms, lrs, pre_clip=pre, lr_name=lr_name)
+    source = f"{pieces[0]['run']} (TensorBoard)" if len(pieces) == 1 else f"{path} (TensorBoard, resumed run)"
+    series = make_series(source, name, steps, norms, lrs if lr_name else None, pre_clip=pre, lr_name=lr_name)
+    if len(pieces) > 1:
+        spans = ", ".join(f"{p['run'].name}: steps {p['steps'].min()}–{p['steps'].max()}" for p in pieces)
+        series.notes.insert(
+            0,
+            f"{len(pieces)} runs log {name} as pieces of one resumed run ({spans}): merged by step, each later "
+            f"piece's values replacing the earlier's from its first step on (pass one run folder to read it alone)",
+        )
+    return series
+
+
+def _piece(run: Path, acc, names: list[str], name: str, lr: str | None) -> dict:
+    """One run's norm and LR (NaN where it logs none) by step, and the wall time of its first norm event."""
+    steps, norms = _event_values(acc, name)
+    events = acc.Scalars(name) if name in acc.Tags()["scalars"] else acc.Tensors(name)
+    lr_name = pick(names, lr, LR_NAMES, "tag", str(run), "--lr")
+    lrs = by_step(*_event_values(acc, lr_name), steps) if lr_name else np.full(len(steps), np.nan)
+    order = np.argsort(np.asarray(steps), kind="stable")
+    return {
+        "run": run,
+        "name": name,
+        "wall": min(e.wall_time for e in events),
+        "steps": np.asarray(steps, dtype=np.int64)[order],
+        "norms": np.asarray(norms, dtype=np.float64)[order],
+        "lrs": lrs[order],
+        "lr_name": lr_name,
+    }
+
+
+def _resumed(pieces: list[dict], name: str) -> bool:
+    """Whether the runs are pieces of one resumed run: ordered by their first event's wall time, each later one
+    starts after the first one's first step and at most one step after the previous one's last step."""
+    ordered = sorted(pieces, key=lambda p: p["wall"])
+    if any(p["name"] != name or not len(p["steps"]) for p in ordered):
+        return False
+    first = ordered[0]["steps"].min()
+    return all(
+        first < p["steps"].min() <= prev["steps"].max() + 1 for prev, p in zip(ordered, ordered[1:], strict=False)
+    )
 
 
 def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step: str | None = None) -> NormSeries:

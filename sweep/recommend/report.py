@@ -53,6 +53,13 @@ def caveats(series: NormSeries, options: Options) -> list[str]:
     q = options.quantile if options.quantile is not None else band_quantile(tuple(options.target_clip))
     sampled = sampling_note(s, options.window, q, auto=options.start == "auto", confidence=options.confidence)
     out += [n for n in (unclipped_note(s), sampled, smoothing_note(s)) if n]
+    first = int(s.steps[0])
+    if first > max(1, s.interval):
+        out.append(
+            f"the log starts at step {first}: steps before it are not in it, so --start auto's 'warm-up over' step "
+            f"is where the logged LR stopped rising (its second point if it never rises), not the run's warm-up; "
+            f"pass the log from step 1 (every piece of a resumed run) or --start N"
+        )
     if s.lr_name:
         out.append(f"LR from {s.lr_name}: the window placement reads the warm-up from it")
     elif options.start == "auto":

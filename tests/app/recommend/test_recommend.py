@@ -470,3 +470,35 @@ def test_learning_rate_monitors_default_names_are_the_lr(tmp_path, capsys):
     assert lightning_lr(["lr-AdamW", "lr-AdamW-momentum", "lr-AdamW-weight_decay"]) == "lr-AdamW"
     assert lightning_lr(["lr-AdamW", "lr-SGD"]) is None  # two optimizers: --lr says which
     assert main([str(groups)]) == 0 and "LR from lr-AdamW/pg1" in capsys.readouterr().out
+
+
+def test_the_pieces_of_a_resumed_run_are_merged_by_step(tmp_path, capsys):
+    """HF resumed from a checkpoint writes a second run folder that starts inside the first one's steps: the pieces
+    (ordered by wall time, not folder name) merge by step, the later one's values replacing the earlier's from its
+    first step on; τ is the merged CSV's. One piece alone says it starts mid-run."""
+    import time
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace()
+    for run, part, scale in (("z_first", steps <= 250, 10.0), ("a_resumed", steps > 200, 1.0)):
+        writer = SummaryWriter(str(tmp_path / "runs" / run))
+        for s, l, x in zip(steps[part].tolist(), lr[part].tolist(), (norms[part] * scale).tolist()):
+            writer.add_scalar("train/grad_norm", x, s)
+            writer.add_scalar("train/learning_rate", l, s)
+        writer.close()
+        time.sleep(0.05)
+    merged = np.r_[norms[:200] * 10, norms[200:]].astype(np.float32).astype(np.float64)  # event files hold float32
+    rec = parse([str(tmp_path / "runs"), "--start", "150"])
+    assert rec.series.steps.tolist() == steps.tolist() and np.array_equal(rec.series.norms, merged)
+    csv_rec = parse(
+        [str(write_csv(tmp_path / "m.csv", {"step": steps, "lr": lr, "grad_norm": merged})), "--start", "150"]
+    )
+    assert rec.tau == csv_rec.tau == pytest.approx(numpy_tau(steps, merged, 151, 250), rel=1e-12)
+    assert any(
+        "2 runs log train/grad_norm as pieces of one resumed run (z_first: steps 1–250, a_resumed" in n
+        for n in rec.notes
+    )
+    piece = parse([str(tmp_path / "runs" / "a_resumed")])
+    assert any("the log starts at step 201: steps before it are not in it" in n for n in piece.notes)
+    assert not any("the log starts at step" in n for n in rec.notes)
