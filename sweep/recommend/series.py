@@ -14,7 +14,9 @@ the limits of such a series before any quantile is taken:
 - **smoothing**: a running mean hides the per-step spread the quantile measures; its first
   differences are nearly uncorrelated, where per-step norms' differences are anti-correlated
   (lag-1 correlation −(1 − ρ)/2 for an AR(1) series with autocorrelation ρ), so a lag-1 correlation
-  of the differences above −0.1 reads as smoothed (``smoothing_note``).
+  of the differences above −0.1 reads as smoothed (``smoothing_note``). The differences are of the
+  log norms: a warm-up multiplies the norms' level, and over a sparse log (HF's logging_steps=10) its
+  absolute drops would dominate the correlation and read as smoothing.
 """
 
 from __future__ import annotations
@@ -159,9 +161,10 @@ def unclipped_note(series: NormSeries) -> str | None:
 def smoothing_note(series: NormSeries, min_points: int = 20) -> str | None:
     """A warning when the series looks like a running mean (module docstring), else ``None``."""
     x = series.norms[series.taken]
+    x = x[x > 0]
     if len(x) < min_points:
         return None
-    d = np.diff(x)
+    d = np.diff(np.log(x))  # relative changes: a warm-up's decay over a sparse log does not swamp the noise
     if d.std() == 0:
         return None
     r = float(np.corrcoef(d[:-1], d[1:])[0, 1])

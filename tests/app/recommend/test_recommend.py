@@ -502,3 +502,23 @@ def test_the_pieces_of_a_resumed_run_are_merged_by_step(tmp_path, capsys):
     piece = parse([str(tmp_path / "runs" / "a_resumed")])
     assert any("the log starts at step 201: steps before it are not in it" in n for n in piece.notes)
     assert not any("the log starts at step" in n for n in rec.notes)
+
+
+def test_a_sampled_per_step_series_with_a_warmup_is_not_read_as_a_running_mean(tmp_path):
+    """Every 10th of per-step norms decaying 9× over a warm-up (30 points, as HF logging_steps=10 logs them) is no
+    running mean; a 10-step mean or an EMA of the same per-step norms is, and still warns."""
+    import pandas as pd
+
+    from sweep.recommend.series import smoothing_note
+
+    rng = np.random.default_rng(5)
+    steps = np.arange(1, 301)
+    norms = np.exp(rng.normal(0.0, 0.3, 300)) * (1 + 8 * np.exp(-steps / 40))
+    sampled = parse(
+        [str(write_csv(tmp_path / "s.csv", {"step": steps[9::10], "grad_norm": norms[9::10]})), "--window", "100"]
+    )
+    assert not any("changes smoothly" in n for n in sampled.notes)
+    assert sampled.series.interval == 10
+    for smooth in (pd.Series(norms).rolling(10, min_periods=1).mean(), pd.Series(norms).ewm(alpha=0.1).mean()):
+        rec = parse([str(write_csv(tmp_path / "m.csv", {"step": steps, "grad_norm": smooth.to_numpy()}))])
+        assert "running mean" in smoothing_note(rec.series)
