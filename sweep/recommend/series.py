@@ -101,6 +101,12 @@ def make_series(source: str, name: str, steps, norms, lrs=None, **extra: Any) ->
     )
     if len(keep) < len(steps):
         series.notes.append(f"{len(steps) - len(keep)} repeated step(s) (a resumed run?): the last value logged kept")
+    if series.steps[0] == 0:  # Lightning logs at global_step before the update: optimizer step k as k - 1
+        series.steps = series.steps + 1
+        series.notes.append(
+            "the log numbers its steps from 0 (Lightning logs at trainer.global_step before the update): read as "
+            "optimizer steps 1–N, as clipamp and Trainer number them"
+        )
     return series
 
 
