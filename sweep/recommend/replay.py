@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,21 @@ class Options:
     validate: int = RECOMMENDED["validate"]
     target_clip: Sequence[float] = RECOMMENDED["target_clip"]
     confidence: float = RECOMMENDED["confidence"]
+
+
+_NAMES = "window|every|start|validate|quantile|confidence|target_clip|candidates"
+_OPTION = re.compile(rf"\b({_NAMES})=(\[[^\]]*\]|[^\s,;)]+)")
+
+
+def as_flags(message: str) -> str:
+    """``CalibratedClip``'s message with its arguments written as this command's flags (``every=30`` →
+    ``--every 30``, ``target_clip=[0.5, 0.1]`` → ``--target-clip 0.5 0.1``): the options the user typed."""
+
+    def flag(m: re.Match) -> str:
+        value = m[2][1:-1].replace(",", "") if m[2].startswith("[") else m[2]
+        return f"--{m[1].replace('_', '-')} {value}"
+
+    return _OPTION.sub(flag, message)
 
 
 def on_grid(options: Options, series: NormSeries) -> tuple[Options, list[str]]:
@@ -109,7 +125,7 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
             total_steps=int(series.steps[-1]),
         )
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise UserError(as_flags(str(e))) from None
     lrs = _lrs(series)
     lrs = np.ones(len(series.steps)) if lrs is None else lrs
     try:

@@ -305,7 +305,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "1 finite norm (2 more non-finite or skipped) over steps 1–3, fewer than" in _error(capsys, [str(few)])
     assert "--max-grad-norm 0: pass the τ > 0" in _error(capsys, [str(short), "--max-grad-norm", "0"])
     assert "--quantile x" in _error(capsys, [str(short), "--quantile", "x"])
-    assert "window=1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
+    assert "--window 1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
+    # an option the engine refuses is named as the flag typed, not as the engine's argument
+    assert (
+        _error(capsys, [str(ours), "--every", "30", "--window", "100"])
+        .rstrip()
+        .endswith("--every 30 must be 0 (one window) or an integer >= --window 100")
+    )
+    assert "--target-clip 0.5 0.1 needs 0 < low < high < 1" in _error(
+        capsys, [str(ours), "--target-clip", "0.5", "0.1"]
+    )
     zeros = write_csv(tmp_path / "zeros.csv", {"step": steps, "grad_norm": np.zeros(N)})
     assert "every finite grad_norm is 0: the run's gradients were zero (a detached loss" in _error(capsys, [str(zeros)])
     negative = write_csv(tmp_path / "negative.csv", {"step": steps, "grad_norm": -norms})
