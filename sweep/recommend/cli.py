@@ -131,6 +131,12 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
     clip = replay(replayed, grid)
     if not clip.summaries:
         start = clip.placement.start if clip.placement else "?"
+        first = int(series.steps[0])
+        if clip.placement and start + grid.window - 1 < first:
+            raise UserError(
+                f"{series.source}: the {grid.window}-step window (steps {start}–{start + grid.window - 1}) ends "
+                f"before the log's first step {first}: pass --start {first - 1} or more (steps before the window)"
+            )
         raise UserError(
             f"{series.source}: no calibration window closed by step {series.steps[-1]} (the {grid.window}-step window "
             f"starts at step {start}; its last step is past the log or not logged): lower --window or pass --start N"

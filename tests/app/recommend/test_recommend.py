@@ -306,6 +306,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--max-grad-norm 0: pass the τ > 0" in _error(capsys, [str(short), "--max-grad-norm", "0"])
     assert "--quantile x" in _error(capsys, [str(short), "--quantile", "x"])
     assert "--window 1 must be an integer >= 2" in _error(capsys, [str(ours), "--window", "1"])
+    late = write_csv(tmp_path / "late.csv", {"step": steps + 100_000, "grad_norm": norms})  # a continued run's log
+    message = _error(capsys, [str(late), "--start", "100"])
+    assert "the 100-step window (steps 101–200) ends before the log's first step 100001: pass --start 100000" in message
+    assert main([str(late), "--start", "100000"]) == 0  # the fix it names
+    capsys.readouterr()
     # an option the engine refuses is named as the flag typed, not as the engine's argument
     assert (
         _error(capsys, [str(ours), "--every", "30", "--window", "100"])
