@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from clipamp_engine.band import PRETRAINING_BAND, band_quantile, check_band, clopper_pearson, validate_band
 
 stats = pytest.importorskip("scipy.stats")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _old_clopper_pearson():
+    """The bisection implementation the Beta quantiles replaced, kept in bench/bench_clopper_pearson.py."""
+    spec = importlib.util.spec_from_file_location("bench_cp", ROOT / "bench" / "bench_clopper_pearson.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.clopper_pearson_bisect
 
 
 @pytest.mark.parametrize("k,n", [(0, 100), (2, 100), (5, 140), (37, 40), (100, 100), (1, 1)])
@@ -15,6 +27,39 @@ def test_clopper_pearson_matches_scipy(k, n):
     ref = stats.binomtest(k, n).proportion_ci(0.95, method="exact")
     lo, hi = clopper_pearson(k, n)
     assert lo == pytest.approx(ref.low, abs=1e-9) and hi == pytest.approx(ref.high, abs=1e-9)
+
+
+def test_clopper_pearson_equals_the_bisection_it_replaced_on_small_n():
+    old = _old_clopper_pearson()
+    for n in (1, 2, 3, 7, 10, 40, 100):  # from ~300 on, the old CDF's own error passes 1e-12
+        for k in sorted({0, 1, 2, n // 10, n // 3, n // 2, n - 1, n} & set(range(n + 1))):
+            for confidence in (0.9, 0.95):
+                assert clopper_pearson(k, n, confidence) == pytest.approx(old(k, n, confidence), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("n", [1_000, 10_000, 100_000])
+def test_clopper_pearson_equals_scipys_beta_quantiles_on_large_n(n):
+    for k in (0, 1, 2, 3, n // 1000, n // 100, n // 20, n // 3, n // 2, n - 1, n):
+        lo, hi = clopper_pearson(k, n)
+        ref_lo = 0.0 if k == 0 else stats.beta.ppf(0.025, k, n - k + 1)
+        ref_hi = 1.0 if k == n else stats.beta.ppf(0.975, k + 1, n - k)
+        assert (lo, hi) == pytest.approx((ref_lo, ref_hi), rel=1e-12, abs=0), k
+
+
+@pytest.mark.parametrize("k,n", [(1, 100_000), (2, 100_000), (1200, 100_000), (0, 10**7), (3, 10**7)])
+def test_clopper_pearson_bounds_solve_the_binomial_tails_to_float_precision(k, n):
+    """At 50 digits, one Newton step from each bound moves it by < 1e-14 of itself: P(B ≥ k; lo) = α/2 and
+    P(B ≤ k; hi) = α/2 (the bisection's torch CDF was off by 2e-9 at (1, 10⁵), scipy's by 1e-10 at (3, 10⁷))."""
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 50
+    lo, hi = clopper_pearson(k, n)
+    for bound, j, target in ((lo, k - 1, mp.mpf("0.975")), (hi, k, mp.mpf("0.025"))):
+        if j < 0 or j == n:
+            continue
+        x = mp.mpf(bound)
+        cdf = mp.betainc(n - j, j + 1, 0, 1 - x, regularized=True)  # P(B ≤ j; x)
+        slope = -n * mp.binomial(n - 1, j) * x**j * (1 - x) ** (n - 1 - j)
+        assert abs(float((cdf - target) / slope / x)) < 1e-14
 
 
 def test_band_quantile_aims_at_the_band_midpoint():
