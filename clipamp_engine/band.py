@@ -163,6 +163,26 @@ def clopper_pearson(k: int, n: int, confidence: float = CONFIDENCE) -> tuple[flo
     return lower, upper
 
 
+def window_ratio(n: int, band: tuple[float, float]) -> float:
+    """The clipping ratio τ = Quantile_q of ``n`` distinct norms predicts at the band's q = 1 − m (m its
+    midpoint): linear interpolation puts τ at rank (n − 1)·q, so ⌈(n − 1)·m⌉ of the n norms lie above it."""
+    mid = 1.0 - band_quantile(band)
+    return math.ceil((n - 1) * mid - 1e-9) / n
+
+
+def min_band_window(band: tuple[float, float]) -> int:
+    """The fewest norms from which on every window's band quantile predicts a ratio inside the band.
+
+    With m = (low + high)/2 and w = high − low: ⌈(n − 1)m⌉/n ≥ (n − 1)m/n ≥ low once n ≥ 2m/w, and
+    ⌈(n − 1)m⌉/n < ((n − 1)m + 1)/n ≤ high once n ≥ 2(1 − m)/w; so n ≥ 2·max(m, 1 − m)/w suffices
+    (49 norms for [1%, 5%]), and the answer walks down from there while shorter windows still land inside."""
+    low, high = validate_band(band)
+    n = math.ceil(2 * max(1.0 - band_quantile(band), band_quantile(band)) / (high - low) - 1e-9)
+    while n > 1 and low <= window_ratio(n - 1, band) <= high:
+        n -= 1
+    return n
+
+
 @dataclass(frozen=True)
 class BandCheck:
     """Predicted vs realised clipping ratio over the validation steps, with a verdict and the next action."""
@@ -201,6 +221,8 @@ def check_band(
     repeating: bool = False,
     placed_auto: bool = False,
     held_out_by: str = "steps",
+    quantile: float | None = None,
+    norms: int | None = None,
 ) -> BandCheck:
     """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
     ``repeating``: the run already re-calibrates (``calibrate.every``); ``placed_auto``: the window was placed
@@ -239,7 +261,20 @@ def check_band(
         consistent,
         within,
         verdict,
-        _action(tau, predicted, realised, steps, (low, high), inside, consistent, repeating, placed_auto, held_out_by),
+        _action(
+            tau,
+            predicted,
+            realised,
+            steps,
+            (low, high),
+            inside,
+            consistent,
+            repeating,
+            placed_auto,
+            held_out_by,
+            quantile,
+            norms,
+        ),
     )
 
 
@@ -254,6 +289,8 @@ def _action(
     repeating: bool = False,
     placed_auto: bool = False,
     held_out_by: str = "steps",
+    quantile: float | None = None,
+    norms: int | None = None,
 ) -> str:
     low, high = band
     if inside:
@@ -272,9 +309,22 @@ def _action(
             f"≈{need} steps see ~20 clips at {predicted:.1%}"
         )
     if consistent:
+        need = min_band_window(band)
+        short = norms is not None and norms < need
+        lengthen = f"a window of ≥ {need} norms (calibrate.window) predicts a ratio inside the band"
+        if quantile is not None and math.isclose(quantile, band_quantile(band), rel_tol=1e-9):
+            if short:
+                return (
+                    f"the window is too short to resolve the band: its {norms} norms give ratios in steps of "
+                    f"{1 / norms:.1%} and τ = Quantile_{quantile:.3f} leaves {predicted:.1%} above it; {lengthen}"
+                )
+            return (
+                f"τ = Quantile_{quantile:.3f} of the window leaves {predicted:.1%} above it: its norms repeat "
+                "(ties at τ), which no quantile or window length resolves; set clip.max_norm from the quantile table"
+            )
         return (
             f"the window itself predicts {predicted:.1%}, outside the band: aim at the band with "
-            f"calibrate.quantile=null (τ = Quantile_{band_quantile(band):.3f})"
+            f"calibrate.quantile=null (τ = Quantile_{band_quantile(band):.3f})" + (f"; and {lengthen}" if short else "")
         )
     if realised > predicted:
         again = (

@@ -233,6 +233,8 @@ class CalibratedClip(ClipPolicy):
                 self.confidence,
                 repeating=bool(self.every),
                 placed_auto=self.start == "auto",
+                quantile=s.quantile,
+                norms=s.n_finite,
                 held_out_by="validate"
                 if self.validate and taken >= self.validate
                 else "every"

@@ -113,3 +113,28 @@ def test_norms_that_rose_after_the_window_are_drift_up():
 def test_a_prediction_outside_the_band_points_at_the_band_quantile():
     c = check_band(1.0, predicted=0.10, clipped=11, steps=100, band=(0.01, 0.05))
     assert c.consistent and not c.inside and "calibrate.quantile=null" in c.action
+
+
+def test_a_window_too_short_for_the_band_is_told_to_lengthen_not_to_set_the_quantile_it_has():
+    band = (0.01, 0.05)
+    q = band_quantile(band)
+    norms = np.random.default_rng(1).lognormal(0, 0.3, 10)
+    predicted = float(np.mean(norms > np.quantile(norms, q)))  # by hand: rank 9·0.97 = 8.73, one norm above
+    assert predicted == 0.1
+    # the shortest window from which numpy's band quantile of distinct norms lands in the band for good
+    ratios = [np.mean(np.arange(n) > np.quantile(np.arange(n), q)) for n in range(1, 400)]
+    need = 1 + max(n for n, r in enumerate(ratios, 1) if not band[0] <= r <= band[1])
+    assert need == 40
+    c = check_band(1.4, predicted, clipped=40, steps=390, band=band, quantile=q, norms=10)
+    assert c.consistent and not c.inside
+    assert c.action == (
+        "the window is too short to resolve the band: its 10 norms give ratios in steps of 10.0% and "
+        f"τ = Quantile_0.970 leaves 10.0% above it; a window of ≥ {need} norms (calibrate.window) predicts "
+        "a ratio inside the band"
+    )
+    assert "calibrate.quantile=null" not in c.action
+    fixed = check_band(1.4, predicted, clipped=40, steps=390, band=band, quantile=0.9, norms=10)
+    assert fixed.action == (
+        "the window itself predicts 10.0%, outside the band: aim at the band with calibrate.quantile=null "
+        f"(τ = Quantile_0.970); and a window of ≥ {need} norms (calibrate.window) predicts a ratio inside the band"
+    )
