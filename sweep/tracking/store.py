@@ -196,8 +196,20 @@ def create_store(db: Path) -> None:
 
 
 def _tables(db: Path) -> tuple[set[str], str | None, int | None]:
-    """Table names, alembic revision and run count of the sqlite file ``db`` (read-only)."""
-    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    """Table names, alembic revision and run count of the sqlite file ``db``, read-only; where a process
+    killed mid-write left a hot rollback journal (``mlflow.db-journal``), which a read-only connection
+    cannot roll back ("attempt to write a readonly database"), through a read-write one that does
+    (SQLite's own recovery, as MLflow's next write would do; ``mode=rw`` creates nothing)."""
+    try:
+        return _read_tables(db, "ro")
+    except sqlite3.OperationalError as e:
+        if "readonly" not in str(e):
+            raise
+        return _read_tables(db, "rw")
+
+
+def _read_tables(db: Path, mode: str) -> tuple[set[str], str | None, int | None]:
+    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode={mode}", uri=True)
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         rev = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None

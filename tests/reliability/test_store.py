@@ -152,6 +152,29 @@ def test_an_unusable_schema_names_the_repair(store, revision, keep_runs, expecte
     assert expected in str(e.value) and "\n" not in str(e.value)
 
 
+KILLED_WRITER = """
+import os, signal, sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA cache_size=1")  # the change reaches the file: the journal is live
+con.execute("BEGIN IMMEDIATE")
+for i in range(200):
+    con.execute(f"INSERT INTO tags(key, value, run_uuid) SELECT 'x{i}', 'y', run_uuid FROM runs")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_store_whose_writer_was_killed_mid_write_opens_with_its_runs(store):
+    """SIGKILL in the middle of an MLflow write leaves a hot journal; the store check rolls it back (as
+    SQLite's next writer does) instead of calling the store broken and advising to move it aside."""
+    _with_one_run(store)
+    db = Path(store[len("sqlite:///") :])
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(db)], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL and db.with_name("mlflow.db-journal").stat().st_size > 0
+    opened = Store.open(store, "clipamp")  # refused before: "is not an SQLite database ... move it aside"
+    [run] = opened.client.search_runs([e.experiment_id for e in opened.client.search_experiments()])
+    assert run.info.status == "FINISHED" and not [t for t in run.data.tags if t.startswith("x")]
+
+
 def _http_server(root: Path) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
