@@ -302,9 +302,15 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     """The norm metric's history of an MLflow run (``$MLFLOW_TRACKING_URI`` or the default store)."""
     from mlflow.exceptions import MlflowException
 
+    from sweep.tracking.store import sqlite_path
     from sweep.tracking.tracker import open_client, resolve_uri
 
     uri = resolve_uri(tracking_uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():  # reading a run never creates a store
+        raise UserError(
+            f"runs:/{run_id}: no tracking store at {db}: pass --tracking-uri URI of the store that holds it"
+        )
     client = open_client(uri)
     try:
         run = client.get_run(run_id)

@@ -256,6 +256,9 @@ def test_mlflow_run_and_track(store, tmp_path, capsys):
     assert names == {"report.md", "quantiles.json"} and f"MLflow run {logged.info.run_id}" in out
     client.delete_experiment(client.get_experiment_by_name("rec").experiment_id)
     assert "tracking.experiment='rec' was deleted" in _error(capsys, argv)  # before any report is printed
+    typo = tmp_path / "typo" / "mlflow.db"  # a mistyped store is said, not created
+    message = _error(capsys, [f"runs:/{run.info.run_id}", "--tracking-uri", f"sqlite:///{typo}"])
+    assert f"no tracking store at {typo}: pass --tracking-uri" in message and not typo.parent.exists()
 
 
 def test_our_csv_skipped_steps_are_counted_not_mixed_in(tmp_path):
