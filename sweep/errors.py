@@ -26,6 +26,22 @@ def clip_words(text: str, limit: int = 300) -> str:
     return text[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " …"
 
 
+#: The runner's config names in a shared message, as the module commands' flags spell them.
+_FLAGS = (
+    ("drop tracking.uri", "drop --tracking-uri"),
+    ("tracking.uri=", "--tracking-uri "),
+    ("tracking.experiment=", "--experiment "),
+)
+
+
+def as_flags(message: str) -> str:
+    """A message written for ``python -m sweep`` overrides, worded for ``sweep.report`` / ``sweep.recommend``,
+    whose options are ``--tracking-uri`` and ``--experiment``."""
+    for config, flag in _FLAGS:
+        message = message.replace(config, flag)
+    return message
+
+
 class UserError(ValueError):
     """A bad value a user can fix; the message names the value, the allowed set and the fix."""
 

@@ -33,6 +33,9 @@ def test_unreachable_database_store_is_one_line_in_seconds(tmp_path, how):
         res = run_cli("+experiment=train", *TINY, "steps=2", f"tracking.uri={DEAD}", cwd=tmp_path)
     line = assert_one_line_error(res, "postgresql://bob:***@127.0.0.1:1/clipamp", "is unreachable")
     assert "S1cret" not in res.stdout + res.stderr, line
+    if how == "report":  # the report's own option, not the runner's override
+        assert "--tracking-uri 'postgresql://" in line, line
+        assert "tracking.uri" not in line.replace("--tracking-uri", ""), line
     assert time.monotonic() - started < 40  # one attempt, not MLflow's ~100 s of retries
 
 

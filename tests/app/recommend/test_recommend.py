@@ -255,7 +255,7 @@ def test_mlflow_run_and_track(store, tmp_path, capsys):
     names = {a.path for a in client.list_artifacts(logged.info.run_id)}
     assert names == {"report.md", "quantiles.json"} and f"MLflow run {logged.info.run_id}" in out
     client.delete_experiment(client.get_experiment_by_name("rec").experiment_id)
-    assert "tracking.experiment='rec' was deleted" in _error(capsys, argv)  # before any report is printed
+    assert "--experiment 'rec' was deleted" in _error(capsys, argv)  # before any report is printed
     typo = tmp_path / "typo" / "mlflow.db"  # a mistyped store is said, not created
     message = _error(capsys, [f"runs:/{run.info.run_id}", "--tracking-uri", f"sqlite:///{typo}"])
     assert f"no tracking store at {typo}: pass --tracking-uri" in message and not typo.parent.exists()
