@@ -34,7 +34,7 @@ _FLAGS = (
 )
 
 
-def as_flags(message: str) -> str:
+def for_commands(message: str) -> str:
     """A message written for ``python -m sweep`` overrides, worded for ``sweep.report`` / ``sweep.recommend``,
     whose options are ``--tracking-uri`` and ``--experiment``."""
     for config, flag in _FLAGS:

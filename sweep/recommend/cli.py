@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 
 from clipamp_engine.diagnosis import diagnose
-from sweep.errors import UserError, as_flags, fail
+from sweep.errors import UserError, fail, for_commands
 from sweep.recommend.readers import read_series
 from sweep.recommend.replay import Options, diagnosis_rows, on_grid, replay
 from sweep.recommend.report import Recommendation, caveats, outcome_notes, print_report
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
             store = open_store(args.tracking_uri, args.experiment)
     except UserError as e:
-        fail(as_flags(str(e)))
+        fail(for_commands(str(e)))
     console = Console(soft_wrap=True)
     for i, rec in enumerate(found):
         if i:

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 from rich.console import Console
 
-from sweep.errors import UserError, as_flags, fail
+from sweep.errors import UserError, fail, for_commands
 from sweep.offline import stay_offline
 from sweep.paths import write_refusal
 from sweep.pick import flag_table, pick_trial
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         found = search(client.tracking_uri, args.experiment, args.last)
         sweeps = sweeps_tables(client, args.experiment)
     except UserError as e:
-        fail(as_flags(str(e)))
+        fail(for_commands(str(e)))
     df = table(found, wide=args.wide)
     print(text(df, width=None if args.wide else WIDTH))
     console = Console(soft_wrap=True)
