@@ -135,8 +135,12 @@ def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, consol
             f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}"
         )
     clipped = "" if result.windows else f"clipped {pct(m['clip_ratio'])}, "  # else: the validation line says it
+    taken = len(result.records.final_losses())
+    over = (
+        "the last 10 taken steps" if taken == 10 else f"all {taken} taken steps" if taken > 1 else f"{taken} taken step"
+    )
     console.print(
-        f"final loss {fmt(m['final_loss'])} (mean of the last 10 taken steps), eval loss "
+        f"final loss {fmt(m['final_loss'])} (mean of {over}), eval loss "
         f"{fmt(m.get('eval_loss', math.nan))}, {clipped}skip ratio {pct(m['skip_ratio'])}",
         markup=False,
     )

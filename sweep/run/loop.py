@@ -62,9 +62,13 @@ class RunRecords:
     def skip_ratio(self) -> float:
         return sum(bool(r["skipped"]) for r in self.rows) / len(self.rows) if self.rows else math.nan
 
+    def final_losses(self, last: int = 10) -> list[float]:
+        """The finite training losses of the last ``last`` taken steps (fewer in a shorter run)."""
+        return [r["loss"] for r in self.taken() if math.isfinite(r["loss"])][-last:]
+
     def final_loss(self, last: int = 10) -> float:
         """Mean training loss over the last ``last`` taken steps."""
-        losses = [r["loss"] for r in self.taken() if math.isfinite(r["loss"])][-last:]
+        losses = self.final_losses(last)
         return sum(losses) / len(losses) if losses else math.nan
 
 

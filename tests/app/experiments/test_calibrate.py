@@ -166,7 +166,8 @@ def test_train_smoke_each_task(store, model, data, capsys):
     assert len(df) == 4
     m = result.metrics  # a train run's closing line: its loss says what it averages, and its clipping ratio
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("final loss"))
-    assert line.startswith(f"final loss {m['final_loss']:.4g} (mean of the last 10 taken steps), eval loss")
+    assert m["final_loss"] == pytest.approx(df["loss"].mean())  # 4 steps: the mean of all 4, and it says so
+    assert line.startswith(f"final loss {m['final_loss']:.4g} (mean of all 4 taken steps), eval loss")
     assert f"clipped {df['clipped'].mean():.1%}, skip ratio 0.0%" in line and "**" not in line
 
 
