@@ -47,19 +47,29 @@ def optuna_quiet():
 
 
 def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> SweepResult:
-    """Create or resume the study, run ``study.n_trials`` trials (child runs), log the parent, pick."""
+    """Create or resume the study, run ``study.n_trials`` trials (child runs), log the parent, pick.
+
+    SIGINT/SIGTERM anywhere in it is taken at the next phase boundary (``honour``: never inside a study
+    write), a second one at once: the parent run ends KILLED and the CLI exits 130 with one line."""
     console = console or Console()
     if cfg.study.mode == "entangle":  # the LR check: a grid, not an Optuna search
         from sweep.experiments.study.entangle import run_entangle
 
         return run_entangle(cfg, store, console)
-    with optuna_quiet():
-        result = _sweep(cfg, store, console)
-    print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
-    line = unfinished_line(result.trials["state"])
-    if line is not None:
-        console.print(line)
+    with StopRequest() as stop:
+        with optuna_quiet():
+            result = _sweep(cfg, store, console, stop)
+        print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
+        line = unfinished_line(result.trials["state"])
+        if line is not None:
+            console.print(line)
     return result
+
+
+def honour(stop: StopRequest) -> None:
+    """The sweep's phase boundary: a signal it deferred ends it here (``KeyboardInterrupt``)."""
+    if stop.signum is not None:
+        raise KeyboardInterrupt(f"signal {stop.signum}")
 
 
 def unfinished_line(states: pd.Series) -> str | None:
@@ -77,7 +87,7 @@ def unfinished_line(states: pd.Series) -> str | None:
     )
 
 
-def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
+def _sweep(cfg: Config, store: Store, console: Console, stop: StopRequest) -> SweepResult:
     s = cfg.study
     storage_url = s.storage or default_storage(store.uri)
     storage = open_storage(
@@ -93,22 +103,24 @@ def _sweep(cfg: Config, store: Store, console: Console) -> SweepResult:
     with parent:  # ends it if taking the lock fails; otherwise _sweep_as_worker ends it, before the lock goes
         worker = hold_worker(store, parent)
         try:
-            return _sweep_as_worker(cfg, store, console, study, storage, storage_url, parent)
+            return _sweep_as_worker(cfg, store, console, study, storage, storage_url, parent, stop)
         finally:
             release_run(worker, finished=True)
 
 
 def _sweep_as_worker(
-    cfg: Config, store: Store, console: Console, study, storage, storage_url: str, parent: RunTracker
+    cfg: Config, store: Store, console: Console, study, storage, storage_url: str, parent: RunTracker, stop: StopRequest
 ) -> SweepResult:
     s, name = cfg.study, study.study_name
     shown_storage = redact_text(redact(storage_url))
     threads, t0 = torch.get_num_threads(), time.perf_counter()
     try:
         with parent:  # FINISHED, KILLED by Ctrl-C / SIGTERM (as the trial that was training), else FAILED
+            honour(stop)  # a signal while the study and the parent run opened
             if s.threads:
                 torch.set_num_threads(s.threads)
-            with study_lock(storage_url, name, console.print):  # one worker at a time: recovery, anchor, queue, seed
+            # one worker at a time: recovery, anchor, queue, seed
+            with study_lock(storage_url, name, console.print, waiting=lambda: honour(stop)):
                 prior = len(study.get_trials(deepcopy=False))
                 recover_dead_workers(study, store, console.print)
                 console.print(
@@ -118,46 +130,55 @@ def _sweep_as_worker(
                 swept = {"clip.max_norm": "swept: see the trials", "amp.dtype": f"swept: {', '.join(s.dtypes)}"}
                 info = {"study_name": name, "optuna_storage": shown_storage, "trials_before": prior}
                 parent.log_params({**flat_params(cfg), **swept, **info})  # not the base config's τ and dtype
-                anchor = _set_up(cfg, study, store, parent, console, prior)
-            ctx = _run_trials(cfg, study, storage, store, parent, console, anchor)
-            band = tuple(s.target_clip)
-            table = trials_table(study, band)
-            c = ctx.counters
-            result = SweepResult(
-                study_name=name,
-                storage=shown_storage,
-                mode=s.mode,
-                parent_run_id=parent.run_id,
-                trials=table,
-                pick=pick_trial(table, band),
-                trials_run=s.n_trials,
-                pruned=c.pruned,
-                failed=c.failed,
-                steps_run=c.steps_run,
-                steps_budget=s.n_trials * cfg.steps,
-                seconds_saved_est=c.seconds_saved,
-                prune_overhead_s=c.prune_overhead,
-                wall_s=time.perf_counter() - t0,
-                anchor=anchor,
-                band=band,
-            )
+                honour(stop)
+                anchor = _set_up(cfg, study, store, parent, console, prior, stop)
+            ctx = _run_trials(cfg, study, storage, store, parent, console, anchor, stop)
+            honour(stop)  # one passed on by the last trial's end-of-run phase
+            result = _result(cfg, study, parent, ctx, anchor, shown_storage, t0)
             write_parent_artifacts(parent, result)
             write_sweep_report(parent, result)
             log_parent_summary(parent, result)
+            honour(stop)  # the parent is still open: it ends KILLED
             return result
     finally:
         torch.set_num_threads(threads)
 
 
+def _result(
+    cfg: Config, study, parent: RunTracker, ctx: TrialContext, anchor: dict[str, float] | None, shown: str, t0: float
+) -> SweepResult:
+    """This invocation's ``SweepResult``: the study's trials table and pick, and this worker's accounting."""
+    s = cfg.study
+    band = tuple(s.target_clip)
+    table = trials_table(study, band)
+    c = ctx.counters
+    return SweepResult(
+        study_name=study.study_name,
+        storage=shown,
+        mode=s.mode,
+        parent_run_id=parent.run_id,
+        trials=table,
+        pick=pick_trial(table, band),
+        trials_run=s.n_trials,
+        pruned=c.pruned,
+        failed=c.failed,
+        steps_run=c.steps_run,
+        steps_budget=s.n_trials * cfg.steps,
+        seconds_saved_est=c.seconds_saved,
+        prune_overhead_s=c.prune_overhead,
+        wall_s=time.perf_counter() - t0,
+        anchor=anchor,
+        band=band,
+    )
+
+
 def _set_up(
-    cfg: Config, study, store: Store, parent: RunTracker, console: Console, prior: int
+    cfg: Config, study, store: Store, parent: RunTracker, console: Console, prior: int, stop: StopRequest
 ) -> dict[str, float] | None:
     """Under the study lock: the anchor (one window for the study), the dtype trials enqueued first,
     the sampler seeded with ``cfg.seed`` + the trials the study held before this worker."""
-    with StopRequest() as stop:
-        anchor = resolve_anchor(cfg, study, store, parent.run_id, console.print, artifacts=write_run_report)
-        if stop.signum is not None:
-            raise KeyboardInterrupt(f"signal {stop.signum}")
+    anchor = resolve_anchor(cfg, study, store, parent.run_id, console.print, artifacts=write_run_report)
+    honour(stop)  # the window's run hands a signal from its end-of-run phase up to ``stop``
     study.set_user_attr("task", task_key(cfg))
     enqueue_dtypes(study, list(cfg.study.dtypes), anchor)
     study.sampler = make_sampler(cfg, cfg.seed + prior)
@@ -165,7 +186,14 @@ def _set_up(
 
 
 def _run_trials(
-    cfg: Config, study, storage, store: Store, parent: RunTracker, console: Console, anchor: dict[str, float] | None
+    cfg: Config,
+    study,
+    storage,
+    store: Store,
+    parent: RunTracker,
+    console: Console,
+    anchor: dict[str, float] | None,
+    stop: StopRequest,
 ) -> TrialContext:
     """``study.n_trials`` trials; SIGINT/SIGTERM between trials stops before the next one."""
     s = cfg.study
@@ -176,13 +204,11 @@ def _run_trials(
         return f"#{p.trial} {p.dtype} τ={p.max_norm:.3g} loss {p.eval_loss:.4g}" if p else "—"
 
     lo, hi = max_norm_range(cfg, anchor)
-    with StopRequest() as stop:
-        with TrialProgress(console, cfg.progress, s.n_trials, best, every=cfg.progress_every) as ui:
-            ctx = TrialContext(cfg, study, storage, store, parent.run_id, lo, hi, ui, artifacts=write_run_report)
-            for _ in range(s.n_trials):
-                if stop.signum is not None:
-                    raise KeyboardInterrupt(f"signal {stop.signum}")
-                run_trial(ctx, study.ask())
+    with TrialProgress(console, cfg.progress, s.n_trials, best, every=cfg.progress_every) as ui:
+        ctx = TrialContext(cfg, study, storage, store, parent.run_id, lo, hi, ui, artifacts=write_run_report)
+        for _ in range(s.n_trials):
+            honour(stop)
+            run_trial(ctx, study.ask())
     return ctx
 
 

@@ -23,7 +23,7 @@ import hashlib
 import re
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -61,8 +61,9 @@ def _lock_says(tags: dict[str, str]) -> bool | None:
 
 
 @contextmanager
-def study_lock(storage_url: str, name: str, say) -> Iterator[None]:
-    """One worker at a time through the study's set-up (recovery, anchor window, enqueued trials)."""
+def study_lock(storage_url: str, name: str, say, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """One worker at a time through the study's set-up (recovery, anchor window, enqueued trials);
+    ``waiting()`` is called every second while another worker holds it (it may raise: a signal to stop)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
     db = sqlite_path(storage_url)
     if db is not None:
@@ -75,7 +76,12 @@ def study_lock(storage_url: str, name: str, say) -> Iterator[None]:
         lock.acquire(timeout=1)
     except Timeout:
         say(f"waiting for another worker to set up study {name!r} (recovery, anchor window, queued trials) …")
-        lock.acquire()
+        while not lock.is_locked:
+            waiting()
+            try:
+                lock.acquire(timeout=1)
+            except Timeout:
+                pass
     try:
         yield
     finally:
