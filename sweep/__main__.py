@@ -131,6 +131,11 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
     if run == "spike" or (run == "sweep" and cfg.study.mode == "entangle"):  # children take no resume=
         what = "the spike replay" if run == "spike" else "the LR check"
         return f"{head}: {what} and the run it was training ended KILLED; re-run the same command to start it again"
+    if run == "sweep" and getattr(e, "sweep_ended", None):  # every trial ended: only the report was cut
+        return (
+            f"{head}: every trial this command ran ({e.trials}) finished and its parent run ended {e.sweep_ended}; "
+            "`python -m sweep.report` gives the study's pick (re-running the command would add new trials)"
+        )
     if run == "sweep":
         return f"{head}: " + (
             "the trial ended KILLED; re-run the same command to resume the study"

@@ -1,5 +1,5 @@
 """SIGINT/SIGTERM anywhere in a sweep, outside a trial's training loop too (recovery, the last trial's
-end-of-run phase, the parent's report): exit 130, one line that says what ended how and
+end-of-run phase, the parent's report, the summary): exit 130, one line that says what ended how and
 what to do next, the parent run never left RUNNING, and no finished trial lost."""
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ ARGS = [
 RESUME = (
     "interrupted: run ended KILLED, steps.csv keeps every completed step; re-run the same command to resume the study"
 )
-ALL_ENDED = RESUME  # every trial ended, yet the line asks to resume: fixed in the next commit
+ALL_ENDED = (
+    f"interrupted: every trial this command ran ({TRIALS}) finished and its parent run ended {{}}; "
+    "`python -m sweep.report` gives the study's pick (re-running the command would add new trials)"
+)
 
 
 def _interrupt(tmp: Path, store_template: Path, phase: str, sig: int):
@@ -60,10 +63,12 @@ def _interrupt(tmp: Path, store_template: Path, phase: str, sig: int):
     "phase, sig, parent, trials, line",
     [
         ("recovery", signal.SIGTERM, "KILLED", 0, RESUME),  # before: exit -15, the parent RUNNING
-        ("last-trial-end", signal.SIGTERM, "KILLED", TRIALS, ALL_ENDED),  # before: exit 0
-        ("report", signal.SIGTERM, "KILLED", TRIALS, ALL_ENDED),  # before: -15, RUNNING
+        ("last-trial-end", signal.SIGTERM, "KILLED", TRIALS, ALL_ENDED.format("KILLED")),  # before: exit 0
+        ("report", signal.SIGTERM, "KILLED", TRIALS, ALL_ENDED.format("KILLED")),  # before: -15, RUNNING
+        ("report", signal.SIGINT, "KILLED", TRIALS, ALL_ENDED.format("KILLED")),  # before: "…resume the study"
+        ("summary", signal.SIGTERM, "FINISHED", TRIALS, ALL_ENDED.format("FINISHED")),  # before: exit -15
     ],
-    ids=["sigterm-recovery", "sigterm-last-trial-end", "sigterm-report"],
+    ids=["sigterm-recovery", "sigterm-last-trial-end", "sigterm-report", "sigint-report", "sigterm-summary"],
 )
 def test_a_signal_outside_the_trials_ends_the_sweep_in_one_line(
     tmp_path, store_template, phase, sig, parent, trials, line

@@ -59,10 +59,12 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
     with StopRequest() as stop:
         with optuna_quiet():
             result = _sweep(cfg, store, console, stop)
-        print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
-        line = unfinished_line(result.trials["state"])
-        if line is not None:
-            console.print(line)
+        with trials_finished(cfg.study.n_trials, "FINISHED"):  # the parent ended: a signal cuts only the summary
+            print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
+            line = unfinished_line(result.trials["state"])
+            if line is not None:
+                console.print(line)
+            honour(stop)
     return result
 
 
@@ -70,6 +72,17 @@ def honour(stop: StopRequest) -> None:
     """The sweep's phase boundary: a signal it deferred ends it here (``KeyboardInterrupt``)."""
     if stop.signum is not None:
         raise KeyboardInterrupt(f"signal {stop.signum}")
+
+
+@contextmanager
+def trials_finished(n: int, parent: str):
+    """Every trial of this invocation ended: an interruption now cut only the report; it tells the CLI
+    (``sweep_ended``: how the parent run ended) so its line does not ask to resume the study."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        e.sweep_ended, e.trials = parent, n
+        raise
 
 
 def unfinished_line(states: pd.Series) -> str | None:
@@ -133,12 +146,13 @@ def _sweep_as_worker(
                 honour(stop)
                 anchor = _set_up(cfg, study, store, parent, console, prior, stop)
             ctx = _run_trials(cfg, study, storage, store, parent, console, anchor, stop)
-            honour(stop)  # one passed on by the last trial's end-of-run phase
-            result = _result(cfg, study, parent, ctx, anchor, shown_storage, t0)
-            write_parent_artifacts(parent, result)
-            write_sweep_report(parent, result)
-            log_parent_summary(parent, result)
-            honour(stop)  # the parent is still open: it ends KILLED
+            with trials_finished(s.n_trials, "KILLED"):  # the parent is still open: a signal now ends it KILLED
+                honour(stop)  # one passed on by the last trial's end-of-run phase
+                result = _result(cfg, study, parent, ctx, anchor, shown_storage, t0)
+                write_parent_artifacts(parent, result)
+                write_sweep_report(parent, result)
+                log_parent_summary(parent, result)
+                honour(stop)
             return result
     finally:
         torch.set_num_threads(threads)
