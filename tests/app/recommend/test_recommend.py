@@ -539,3 +539,14 @@ def test_a_sampled_per_step_series_with_a_warmup_is_not_read_as_a_running_mean(t
     for smooth in (pd.Series(norms).rolling(10, min_periods=1).mean(), pd.Series(norms).ewm(alpha=0.1).mean()):
         rec = parse([str(write_csv(tmp_path / "m.csv", {"step": steps, "grad_norm": smooth.to_numpy()}))])
         assert "running mean" in smoothing_note(rec.series)
+
+
+def test_the_runners_advice_is_translated_for_a_log(tmp_path, capsys):
+    """A 300-step log and the default 200-step window: the placement's runner advice ("raise steps") comes
+    with what it means for a log (a longer log, or a shorter --window)."""
+    steps, lr, norms = trace(300)
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms})
+    assert cli.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "raise steps to let calibrate.start=auto wait" in out
+    assert "its steps the log's length (where it says raise steps: a longer log, or a shorter --window)" in out
