@@ -73,16 +73,19 @@ class Outbox:
         if self.away_since is not None and time.monotonic() < self.next_try:
             return
         try:
-            self._push()
+            kept = len(self.metrics)
+            if self._push():
+                self._back(kept)
         except Exception as e:
             if not unreachable(e):
                 raise
             self._away(e)
 
-    def _push(self) -> None:
+    def _push(self) -> bool:
+        """Send what is queued; whether the server took anything (nothing queued: it was not asked)."""
         from mlflow.entities import RunTag
 
-        kept = len(self.metrics)
+        asked = bool(self.metrics or self.tags)
         while self.metrics:
             self.client.log_batch(self.run_id, metrics=self.metrics[:MAX_BATCH])
             del self.metrics[:MAX_BATCH]
@@ -94,6 +97,10 @@ class Outbox:
         if self.replaces is not None:
             self.replaces.unlink(missing_ok=True)
             self.replaces = None
+        return asked
+
+    def _back(self, kept: int) -> None:
+        """The server took a send: if it was away, one line says it answers again."""
         if self.away_since is not None:
             self.say(
                 f"the tracking server answers again after {time.monotonic() - self.away_since:.0f} s: "
@@ -120,9 +127,11 @@ class Outbox:
         try:
             while True:
                 try:
+                    kept = len(self.metrics)
                     self._push()
                     upload(self.client, self.run_id, folder)
                     self.client.set_terminated(self.run_id, status=status)
+                    self._back(kept)
                     return True
                 except Exception as e:
                     if not unreachable(e):

@@ -40,3 +40,21 @@ def test_what_the_server_did_not_take_is_kept_whichever_ends_the_wait(tmp_path, 
     assert status == "KILLED" and [(m.key, m.value, m.step) for m in again.metrics] == [
         (m.key, m.value, m.step) for m in metrics
     ]
+
+
+def test_a_server_still_away_is_never_said_to_answer_again(tmp_path, monkeypatch):
+    """With nothing queued the outbox does not ask the server, so it cannot tell that it is back: the end-of-run
+    wait on a dead server (whose artifact upload fails) says it stopped answering once, never that it answers."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    clock = iter(range(0, 10_000, 2))
+    monkeypatch.setattr(O.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(O.time, "sleep", lambda s: None)
+    said: list[str] = []
+    box = O.Outbox(MlflowClient(DEAD), "run0", say=said.append)
+    box.send(metrics=[Metric("loss", 1.0, 1000, 1)])  # away: the value is kept
+    (tmp_path / "steps.csv").write_text("step\n1\n")
+    box.metrics.clear()  # as after a send that got through: the server's next answer is the upload's
+    assert box.close("FINISHED", tmp_path, wait_s=30) is False
+    assert not [line for line in said if "answers again" in line], said
+    assert [line for line in said if "stopped answering" in line] == said[:1]
+    assert "did not answer by the end of the run" in said[-1]
