@@ -180,6 +180,17 @@ def write_pending(
     (folder / PENDING).write_text(json.dumps(data))
 
 
+def amend_pending(folder: Path, status: str, tags: dict[str, str]) -> bool:
+    """Change the end and add ``tags`` to what ``folder/pending.json`` keeps; False if there is none."""
+    path = folder / PENDING
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    data["status"], data["tags"] = status, {**data["tags"], **tags}
+    path.write_text(json.dumps(data))
+    return True
+
+
 def read_pending(folder: Path, client, say=_say) -> tuple[Outbox, str]:
     """An outbox holding what ``folder/pending.json`` kept, and the run's final status."""
     data, box_metrics = _pending(folder)

@@ -210,7 +210,7 @@ class RunTracker:
             self.artifact_dir = Path(local_file_uri_to_path(uri))  # %20 → space, %C3%BC → ü
             self._upload, self.outbox = False, None
         else:
-            self.artifact_dir = (Path("mlruns") / "uploads" / self.run_id).resolve()
+            self.artifact_dir = upload_dir(self.run_id)
             self._upload, self.outbox = True, Outbox(client, self.run_id)
         self.artifact_dir.mkdir(parents=True, exist_ok=True)
         self.ended = False
@@ -287,6 +287,11 @@ class RunTracker:
             self.flush()
         finally:
             self.client.set_terminated(self.run_id, status=status)
+
+
+def upload_dir(run_id: str) -> Path:
+    """A run's local artifact folder on a remote store: uploaded at its end, or kept with ``pending.json``."""
+    return (Path("mlruns") / "uploads" / run_id).resolve()
 
 
 def ended_as(kind: type[BaseException] | None) -> str:

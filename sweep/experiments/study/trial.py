@@ -7,10 +7,12 @@ sweep goes on); a user mistake or Ctrl-C → FAIL, and the sweep stops.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -18,13 +20,14 @@ from optuna.trial import TrialState
 
 from sweep.config.convert import child_config
 from sweep.config.schema import Config
-from sweep.errors import UserError
+from sweep.errors import UserError, clip_words
 from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict
 from sweep.experiments.study.trial_launch import run_job
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
-from sweep.tracking.tracker import RunTracker, Store, log_metrics, redact_text
+from sweep.tracking.outbox import PENDING, amend_pending, unreachable
+from sweep.tracking.tracker import RunTracker, Store, log_metrics, redact, redact_text, upload_dir
 
 
 class Pruned(optuna.TrialPruned, StopRun):
@@ -136,8 +139,62 @@ class _Watch:
         }
 
 
+class TrackingServerLost(UserError):
+    """The tracking server stopped answering the trial's bookkeeping: the sweep stops (exit 1) with one line.
+
+    It names the trial marked FAIL and the folders whose ``pending.json`` keeps what the server did not
+    take, found when the line is printed: after the parent run's own end-of-run wait has kept its part."""
+
+    status = 1
+
+    def __init__(self, uri: str, reason: str, number: int, folders: list[Path]) -> None:
+        super().__init__(reason)
+        self.uri, self.reason, self.number, self.folders = uri, reason, number, folders
+
+    def __str__(self) -> str:
+        head = (
+            f"the tracking server {self.uri} stopped answering ({self.reason}), so the sweep stops; trial "
+            f"{self.number} is marked FAIL in the study"
+        )
+        kept = [str(f) for f in dict.fromkeys(self.folders) if (f / PENDING).is_file()]
+        if not kept:
+            return f"{head}; once the server answers, re-run the same command to go on with the study"
+        sends = " and ".join(f"`python -m sweep.resend {f}`" for f in kept)
+        return (
+            f"{head}; what the server did not take is kept locally ({PENDING} with each run's artifacts) in "
+            f"{', '.join(kept)}: once it answers, send it with {sends}, then re-run the same command to go on "
+            "with the study"
+        )
+
+
 def run_trial(ctx: TrialContext, trial) -> None:
-    """Suggest, train (one child run), tell Optuna. Pruned → PRUNED/KILLED, exception → FAIL/FAILED."""
+    """Suggest, train (one child run), tell Optuna. Pruned → PRUNED/KILLED, exception → FAIL/FAILED; a
+    tracking server that stops answering the bookkeeping → FAIL, and the sweep stops (``TrackingServerLost``)."""
+    heard: list[str] = []  # what the trial's run announces: its steps.csv path first
+    try:
+        _run_trial(ctx, trial, heard.append)
+    except Exception as e:
+        if not unreachable(e):
+            raise
+        raise _server_lost(ctx, trial, e, heard) from None
+
+
+def _server_lost(ctx: TrialContext, trial, e: Exception, heard: list[str]) -> TrackingServerLost:
+    """FAIL the trial (where the study's storage answers), its kept run ending FAILED too once re-sent."""
+    reason = clip_words(redact_text(str(e)), 160)
+    folders = [Path(line.split(": ", 1)[1]).parent for line in heard[:1] if line.startswith("steps.csv: ")]
+    error = f"the tracking server stopped answering: {reason}"
+    for folder in folders:
+        amend_pending(folder, "FAILED", {"outcome": "failed", "error": error})
+    with contextlib.suppress(Exception):  # a storage that is away too: its heartbeat rule fails the trial later
+        trial.set_user_attr("error", error)
+        ctx.study.tell(trial, state=TrialState.FAIL)
+        ctx.counters.failed += 1
+        ctx.ui.end_trial(trial.number, "FAIL", error)
+    return TrackingServerLost(redact(ctx.store.uri), reason, trial.number, [*folders, upload_dir(ctx.parent_run_id)])
+
+
+def _run_trial(ctx: TrialContext, trial, announce: Callable[[str], None]) -> None:
     cfg = ctx.cfg
     trial.set_user_attr("parent_run_id", ctx.parent_run_id)  # first: names the worker that runs it (workers.py)
     try:
@@ -163,7 +220,7 @@ def run_trial(ctx: TrialContext, trial) -> None:
             "sweep_parent": ctx.parent_run_id,
         },
     )
-    hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=lambda line: None)
+    hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=announce)
     try:
         result = _train(ctx, trial, trial_config(cfg, dtype, max_norm), spec, hooks, watch)
     except optuna.TrialPruned as e:
