@@ -24,6 +24,7 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
+from sweep.run.liveness import DIED, died_line, lock_says
 from sweep.tracking.tracker import open_client, resolve_uri, sqlite_path
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
@@ -31,7 +32,8 @@ _OUTCOME_STATE = {"complete": "COMPLETE", "pruned": "PRUNED"}
 
 
 def _trial_state(status: str, outcome: str) -> str:
-    """A trial child run's state for the table: its outcome tag, else RUNNING, KILLED (a signal) or FAIL."""
+    """A trial child run's state for the table: its outcome tag, else RUNNING, KILLED (a signal) or FAIL
+    (and DIED, see ``sweeps_tables``: RUNNING, its worker of this host dead)."""
     if outcome in _OUTCOME_STATE:
         return _OUTCOME_STATE[outcome]
     return status if status in ("RUNNING", "KILLED") else "FAIL"
@@ -72,11 +74,15 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
     exp = client.get_experiment_by_name(experiment_name)
     if exp is None:
         return []
-    parents = {r.data.tags.get("study"): r for r in search_all(client, exp.experiment_id, "tags.sweep_role = 'parent'")}
+    every = search_all(client, exp.experiment_id, "tags.sweep_role = 'parent'")
+    parents, by_id = {r.data.tags.get("study"): r for r in every}, {r.info.run_id: r for r in every}
     trials: dict[str, list] = {}
     for r in search_all(client, exp.experiment_id, "tags.sweep_role = 'trial'"):
         t, m = r.data.tags, r.data.metrics
         state = _trial_state(r.info.status, t.get("outcome", ""))
+        worker = by_id.get(t.get("sweep_parent") or t.get("mlflow.parentRunId", ""))
+        if state == "RUNNING" and worker is not None and lock_says(worker.data.tags) is False:
+            state = DIED  # its worker of this host is dead (its lock is free): the next sweep run recovers it
         steps_run = m.get("steps_run")
         if steps_run is None and state == "KILLED":  # stopped by a signal before its summary: its last step
             steps_run = max((x.step for x in client.get_metric_history(r.info.run_id, "loss")), default=0)
@@ -145,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                 else "no completed trial: no pick"
             )
         )
+        died = sorted(int(n) for n in sdf.loc[sdf["state"] == DIED, "trial"])
+        if died:
+            console.print(died_line(died))
     if args.out:
         try:
             save(args.out, found, sweeps)

@@ -35,6 +35,7 @@ _STATE = {
     "FAIL": "failed",
     "KILLED": "killed",
     "RUNNING": "running",
+    "DIED": "died",
     "WAITING": "queued",
 }
 

@@ -32,6 +32,7 @@ from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
 from sweep.results.study import SweepResult, trials_table
 from sweep.run.checkpoint import release_run
+from sweep.run.liveness import DIED, lock_says
 from sweep.run.loop import StopRequest
 from sweep.tracking.tracker import RunTracker, Store, redact, redact_text
 
@@ -86,18 +87,42 @@ def trials_finished(n: int, parent: str):
 
 
 def unfinished_line(states: pd.Series) -> str | None:
-    """What the pick leaves out, or None: trials RUNNING (in other workers) and WAITING (queued, e.g.
+    """What the pick leaves out, or None: trials RUNNING (in other workers), DIED (RUNNING in the study,
+    but their worker of this host is dead: the next invocation recovers them) and WAITING (queued, e.g.
     re-enqueued from a dead worker: no worker holds them, the next invocation takes them first)."""
     running, waiting = int((states == "RUNNING").sum()), int((states == "WAITING").sum())
-    if not running and not waiting:
+    died = int((states == DIED).sum())
+    if not running and not waiting and not died:
         return None
     parts = [f"{running} running in other workers"] if running else []
+    if died:
+        parts.append(
+            f"{died} whose worker died, which the next run of this command recovers (marked FAIL, "
+            f"{'its' if died == 1 else 'their'} parameters run again)"
+        )
     if waiting:
         parts.append(f"{waiting} queued, which the next run of this command takes first")
     return (
         f"the pick covers the trials finished so far: {' and '.join(parts)}; once they end, "
         "`python -m sweep.report` gives the study's pick"
     )
+
+
+def mark_died(table: pd.DataFrame, client, own_parent: str) -> pd.DataFrame:
+    """The RUNNING trials whose worker (another of this host) is provably dead, its lock free, as DIED."""
+    tags: dict[str, dict | None] = {}
+    for i in table.index[table["state"] == "RUNNING"]:
+        parent = table.at[i, "parent_run_id"]
+        if not parent or parent == own_parent:
+            continue
+        if parent not in tags:
+            try:
+                tags[parent] = client.get_run(parent).data.tags
+            except Exception:  # not in this store, or the store is away: this host cannot tell
+                tags[parent] = None
+        if lock_says(tags[parent]) is False:
+            table.at[i, "state"] = DIED
+    return table
 
 
 def _sweep(cfg: Config, store: Store, console: Console, stop: StopRequest) -> SweepResult:
@@ -148,7 +173,7 @@ def _sweep_as_worker(
             ctx = _run_trials(cfg, study, storage, store, parent, console, anchor, stop)
             with trials_finished(s.n_trials, "KILLED"):  # the parent is still open: a signal now ends it KILLED
                 honour(stop)  # one passed on by the last trial's end-of-run phase
-                result = _result(cfg, study, parent, ctx, anchor, shown_storage, t0)
+                result = _result(cfg, study, store, parent, ctx, anchor, shown_storage, t0)
                 write_parent_artifacts(parent, result)
                 write_sweep_report(parent, result)
                 log_parent_summary(parent, result)
@@ -159,12 +184,19 @@ def _sweep_as_worker(
 
 
 def _result(
-    cfg: Config, study, parent: RunTracker, ctx: TrialContext, anchor: dict[str, float] | None, shown: str, t0: float
+    cfg: Config,
+    study,
+    store: Store,
+    parent: RunTracker,
+    ctx: TrialContext,
+    anchor: dict[str, float] | None,
+    shown: str,
+    t0: float,
 ) -> SweepResult:
     """This invocation's ``SweepResult``: the study's trials table and pick, and this worker's accounting."""
     s = cfg.study
     band = tuple(s.target_clip)
-    table = trials_table(study, band)
+    table = mark_died(trials_table(study, band), store.client, parent.run_id)
     c = ctx.counters
     return SweepResult(
         study_name=study.study_name,

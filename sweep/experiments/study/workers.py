@@ -33,9 +33,8 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from sweep.run.checkpoint import lock_run
+from sweep.run.liveness import lock_says
 from sweep.tracking.tracker import RunTracker, Store, redact, sqlite_path
-
-WORKER_TAGS = ("worker_host", "worker_lock")
 
 
 def hold_worker(store: Store, parent: RunTracker) -> FileLock:
@@ -43,21 +42,6 @@ def hold_worker(store: Store, parent: RunTracker) -> FileLock:
     lock = lock_run(store.uri, parent.run_id)
     parent.set_tags({"worker_host": socket.gethostname(), "worker_lock": str(Path(lock.lock_file).resolve())})
     return lock
-
-
-def _lock_says(tags: dict[str, str]) -> bool | None:
-    """Is the worker alive? True: it ran on this host and holds its lock; False: on this host with its lock
-    free (the OS released it: the process is gone); None: this host cannot tell (another host, no lock)."""
-    path = tags.get("worker_lock")
-    if tags.get("worker_host") != socket.gethostname() or not path or not Path(path).exists():
-        return None
-    lock = FileLock(path)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return True
-    lock.release()
-    return False
 
 
 @contextmanager
@@ -100,7 +84,7 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
         [store.experiment_id],
         filter_string=(f"tags.study = '{name}' and tags.sweep_role = 'parent' and attributes.status = 'RUNNING'"),
     )
-    says = {r.info.run_id: _lock_says(r.data.tags) for r in parents}
+    says = {r.info.run_id: lock_says(r.data.tags) for r in parents}
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     parent_of = {t.number: t.user_attrs.get("parent_run_id") for t in running}
     failed = _fail([t for t in running if says.get(parent_of[t.number]) is False], study)
