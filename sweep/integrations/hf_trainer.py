@@ -42,7 +42,7 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   (``docs/hf-trainer.md``, ``sweep.integrations.resume``).
 - Not seen: the data source of a batch, per-micro-batch norms. Refused: DeepSpeed and FSDP
   (they clip inside their engines). Under DDP the gradients are all-reduced before the clip:
-  every rank clips alike, rank 0 records (its local loss).
+  every rank clips alike, rank 0 records (the loss and token count summed over the ranks, as Trainer logs them).
 """
 
 from __future__ import annotations
@@ -232,6 +232,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._lr = float(optimizer.param_groups[0]["lr"])
         params = list(self._model.parameters())  # what Trainer's clip_grad_norm_ norms, in its order
         loss = None if self._loss is None else self._loss / (1 if self._loss_is_sum else max(self._micro, 1))
+        loss, self._tokens = _over_ranks(loss, self._tokens, self._loss_is_sum)
         self._measured = self.recorder.measure(
             params,
             state.global_step + 1,
@@ -246,3 +247,24 @@ class ClipampCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.recorder.record(state.global_step, self._lr, self._measured, scale=self._scale, skipped=self._skipped)
+
+
+def _over_ranks(loss: torch.Tensor | None, tokens: torch.Tensor | None, loss_is_sum: bool):
+    """The step's loss and token count over every rank, as Trainer logs them (one ``all_reduce``, on every
+    rank alike; nothing without DDP). With ``num_items_in_batch`` each rank's loss is its own sum over the
+    global token count, so the ranks' losses add up to the global mean; else each is a rank mean, averaged."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return loss, tokens
+    if loss is None and tokens is None:
+        return loss, tokens
+    device = (loss if loss is not None else tokens).device
+    nan = torch.tensor(float("nan"), device=device)
+    both = torch.stack([nan if loss is None else loss.float(), nan if tokens is None else tokens.float()])
+    dist.all_reduce(both)
+    total, count = both.unbind()
+    world = dist.get_world_size()
+    return (
+        None if loss is None else total if loss_is_sum else total / world,
+        None if tokens is None else count.round().long(),
+    )
