@@ -35,6 +35,7 @@ import atexit
 import json
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,6 +55,9 @@ from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
 from .resume import checkpoint_state, new_run, open_store
 from .resume import resume as restore
+
+#: The recorders of this process with a run open: a resume that continues another's run takes it over.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 COLUMNS = ("clipped", "token_count", "max_norm", "phase", "grad_l2_token_normalised")
 
@@ -154,8 +158,10 @@ class StepRecorder:
         tags, params = tags or {}, params or {}
         name = self.run_name or f"{tags.get('run', 'host')}-{tags.get('model', 'model')}"
         path = Path(self.csv_path) if self.csv_path else default_csv
+        _OPEN.add(self)
         if resume is not None:
-            return restore(self, resume, path=path, main_process=main_process, run_name=name, tags=tags, params=params)
+            restore(self, resume, path=path, main_process=main_process, run_name=name, tags=tags, params=params)
+            return self._take_over()
         if not main_process:
             return
         if self.tracking is not None:
@@ -165,9 +171,24 @@ class StepRecorder:
         self.writer = StepCSVWriter(path, COLUMNS)
         self.say(f"steps.csv: {path}")
 
+    def _take_over(self) -> None:
+        """This resumed recorder continues the run (or CSV) of another of this process that an exception left
+        open (a notebook resuming after a crash): that one lets go without ending or flushing it, so that its
+        exit handler neither ends the continued run nor sends the steps the resume dropped."""
+        mine = (self.tracker.run_id if self.tracker else None, self.writer.path if self.writer else None)
+        for other in list(_OPEN):
+            theirs = (other.tracker.run_id if other.tracker else None, other.writer.path if other.writer else None)
+            if other is not self and any(a is not None and a == b for a, b in zip(mine, theirs)):
+                atexit.unregister(other._at_exit)
+                if other.writer is not None:
+                    other.writer.close()
+                other.writer = other.tracker = None
+                _OPEN.discard(other)
+
     def abort(self, status: str) -> None:
         """Close the CSV and end the MLflow run (if still open) with ``status``: FAILED or KILLED."""
         atexit.unregister(self._at_exit)
+        _OPEN.discard(self)
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -198,6 +219,7 @@ class StepRecorder:
             if len(seen.norms) >= 2:
                 self._adopt_partial(seen)
         atexit.unregister(self._at_exit)
+        _OPEN.discard(self)
         if self.writer is None:
             return {}
         self.writer.close()

@@ -49,6 +49,19 @@ for step in range(1, 9):
 """
 
 
+SAME_PROCESS_RESUME = """
+import sys
+from sweep.integrations.accelerate import ClipampAccelerate
+from tests.app.integrations.test_accelerate_resume import OPTIONS, STEPS, loop
+
+def make(acc):
+    return ClipampAccelerate(acc, total_steps=STEPS, tracking=sys.argv[1], verbose=False, **OPTIONS)
+
+loop(Path("."), make, kill=True)  # a notebook cell that crashed after step 8 (save_state at 6), end() never run
+loop(Path("."), make, load=True)  # the next cell resumes in the same process and finishes
+"""
+
+
 def run_script(tmp_path, code: str, store: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text("from pathlib import Path\n" + textwrap.dedent(code))
@@ -74,3 +87,15 @@ def test_a_process_that_dies_mid_run_ends_its_run(tmp_path, store, code, status,
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]  # flushed: none of the 5 steps lost
     csv = Path(client.download_artifacts(run.info.run_id, "steps.csv", str(tmp_path)))
     assert [line.split(",")[0] for line in csv.read_text().splitlines()[1:]] == ["1", "2", "3", "4", "5"]
+
+
+def test_a_run_resumed_in_the_same_process_is_not_ended_by_the_crashed_ones_exit(tmp_path, store):
+    """The crashed loop's recorder lets go of the run the resumed one continues: after the process exits
+    the run is FINISHED and holds every step once (not KILLED, not steps 1–8 twice)."""
+    done = run_script(tmp_path, SAME_PROCESS_RESUME, store)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED" and "ended as" not in done.stderr
+    history = client.get_metric_history(run.info.run_id, "grad_l2_pre_clip")
+    assert sorted(m.step for m in history) == list(range(1, 13))
