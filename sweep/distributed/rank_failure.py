@@ -26,9 +26,17 @@ from sweep.errors import one_line
 
 def peer_failed(e: BaseException) -> bool:
     """Whether ``e`` is a collective broken by another rank's exit (that rank's record says why)."""
-    return isinstance(e, dist.DistError) or any(
-        s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    return (
+        isinstance(e, dist.DistError)
+        or timed_out(e)
+        or any(s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
     )
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that waited ``dist.timeout_s`` for a rank that never answered (gloo's
+    "Timed out waiting …ms for recv", NCCL's watchdog): a peer that hangs or was stopped, not this rank."""
+    return any(s in str(e) for s in ("Timed out waiting", "Watchdog caught collective operation timeout"))
 
 
 class RankFailed(Exception):
@@ -38,19 +46,27 @@ class RankFailed(Exception):
     KILLED for a rank killed from outside (like SIGTERM: nothing wrong with the run itself).
     """
 
-    def __init__(self, rank: int | None, world: int, cause: str | None, own: bool, store: Any = None) -> None:
+    def __init__(
+        self, rank: int | None, world: int, cause: str | None, own: bool, store: Any = None, hung: str | None = None
+    ) -> None:
         self.rank, self.world, self.cause, self.own, self.store = rank, world, cause, own, store
+        self.hung = hung  # a collective timed out: the error this rank got while waiting
         self.suffix = ""  # rank 0: what the run kept and how to continue it
         super().__init__(self.line())
 
     @property
     def status(self) -> str:
-        return "FAILED" if self.cause is not None else "KILLED"
+        return "FAILED" if self.cause is not None or self.hung is not None else "KILLED"
 
     def line(self) -> str:
         if self.cause is not None:
             return f"rank {self.rank} of {self.world} failed: {self.cause}{self.suffix}"
         who = f"rank {self.rank}" if self.rank is not None else "another rank"
+        if self.hung is not None:
+            return (
+                f"{who} of {self.world} stopped answering: a collective waited dist.timeout_s for it and timed out "
+                f"({self.hung}); a hung or stopped process (a deadlock, SIGSTOP, a stuck filesystem){self.suffix}"
+            )
         return (
             f"{who} of {self.world} died without an error (killed by a signal, e.g. the OOM killer; "
             f"torchrun's summary gives its exit code){self.suffix}"
@@ -103,6 +119,8 @@ def diagnose(e: BaseException, store: Any, rank: int, world: int) -> RankFailed:
             cause = _store_call(store, "get", f"failed/{r}")
             if cause:
                 return RankFailed(r, world, cause.decode(), own=False, store=store)
+    if timed_out(e):  # alive but silent: no process to find gone
+        return RankFailed(None, world, None, own=False, store=store, hung=one_line(e, 160))
     return RankFailed(_dead_rank(store, rank, range(world)), world, None, own=False, store=store)
 
 

@@ -183,3 +183,21 @@ def test_a_killed_rank_ends_the_run_killed_and_resume_finishes_it(tmp_path, one_
     assert resumed.returncode == 0 and f"resumed run {run_id} at step 4" in resumed.stdout, resumed.stderr[-3000:]
     _same_rows(pd.read_csv(csv), one_process)
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_collective_timeout_names_the_silent_peer_not_this_rank(sigterm_restored):
+    """A rank stopped (SIGSTOP) or hung: the others' collective times out after dist.timeout_s; the line says
+    another rank stopped answering, not that rank 0 failed with its own error."""
+    store = _store({0: os.getpid(), 1: os.getpid()})
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation"
+    )
+    failure = diagnose(gloo, store, rank=0, world=2)
+    assert not failure.own and failure.rank is None and failure.status == "FAILED"
+    assert store.check(["failed/0"]) is False  # not recorded as this rank's own failure
+    failure.kept(6, 4)
+    assert failure.report(0) == (
+        "another rank of 2 stopped answering: a collective waited dist.timeout_s for it and timed out (RuntimeError: "
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation); "
+        f"a hung or stopped process (a deadlock, SIGSTOP, a stuck filesystem); {KEPT.format('FAILED')}"
+    )
