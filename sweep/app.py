@@ -34,7 +34,12 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
     validate(cfg)
     trials_own = cfg.run == "sweep" and cfg.study.nproc_per_trial > 1  # dist.strategy is for the trials' jobs
     launch = ranks.start(
-        "auto" if trials_own else cfg.dist.strategy, cfg.run, cfg.data.batch_size, cfg.device, cfg.dist.timeout_s
+        "auto" if trials_own else cfg.dist.strategy,
+        cfg.run,
+        cfg.data.batch_size,
+        cfg.device,
+        cfg.dist.timeout_s,
+        cfg.clip.mode,
     )
 
     def go() -> object:

@@ -162,8 +162,9 @@ def _cuda(device: str) -> bool:
     return device.split(":")[0] == "cuda"
 
 
-def resolve_strategy(strategy: str, run: str, batch_size: int) -> tuple[str, int]:
-    """``(strategy, world)`` for this launch; a ``UserError`` names an impossible combination.
+def resolve_strategy(strategy: str, run: str, batch_size: int, clip_mode: str = "norm") -> tuple[str, int]:
+    """``(strategy, world)`` for this launch; a ``UserError`` names an impossible combination (before any
+    store is opened), the clip modes the engine refuses under DDP or FSDP2 included.
 
     ``auto`` is ``ddp`` under torchrun with several processes, else ``none``.
     """
@@ -196,15 +197,27 @@ def resolve_strategy(strategy: str, run: str, batch_size: int) -> tuple[str, int
         )
     if batch_size % world:
         raise UserError(f"data.batch_size={batch_size} does not split over {world} ranks: use a multiple of {world}")
+    from clipamp_engine.clip.registry import whole_param_modes
+
+    if clip_mode == "dpsgd":
+        raise UserError(
+            f"clip=dpsgd computes per-example gradients outside backward, which {strategy} never reduces: "
+            "run it in one process (without torchrun)"
+        )
+    if strategy == "fsdp2" and clip_mode in whole_param_modes():
+        raise UserError(
+            f"clip={clip_mode} needs whole (unsharded) parameters, which FSDP2 does not keep: use dist.strategy=ddp, "
+            f"or a clip mode other than {', '.join(whole_param_modes())}"
+        )
     return strategy, world
 
 
-def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: float) -> Launch:
+def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: float, clip_mode: str = "norm") -> Launch:
     """Join torchrun's process group as ``strategy`` needs (gloo on CPU, nccl on CUDA).
 
     Ranks other than 0 stay silent: their warnings are the same as rank 0's.
     """
-    strategy, _ = resolve_strategy(strategy, run, batch_size)
+    strategy, _ = resolve_strategy(strategy, run, batch_size, clip_mode)
     if strategy == "none":
         return Launch()
     local_rank = int(os.environ["LOCAL_RANK"])

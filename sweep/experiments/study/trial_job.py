@@ -27,7 +27,7 @@ def run(job: dict[str, Any]) -> RunResult:
     """Join torchrun's ranks and train the trial's config as its child run (rank 0 records)."""
     cfg = from_yaml(job["config"])
     cfg.tracking.uri = job["uri"]
-    launch = ranks.start(cfg.dist.strategy, "train", cfg.data.batch_size, cfg.device, cfg.dist.timeout_s)
+    launch = ranks.start(cfg.dist.strategy, "train", cfg.data.batch_size, cfg.device, cfg.dist.timeout_s, cfg.clip.mode)
 
     def go() -> RunResult:
         store = dataclasses.replace(open_store(cfg, None, launch, Path.cwd()), tags=job["store_tags"])

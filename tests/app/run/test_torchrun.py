@@ -87,12 +87,17 @@ def test_strategy_follows_the_launcher(torchrun_env, world, strategy, run, expec
         (2, "auto", "sweep", 4, "+experiment=sweep runs in one process: launch it without torchrun"),
         (2, "fsdp2", "spike", 4, "+experiment=spike under torchrun runs with dist.strategy=ddp, not fsdp2"),
         (2, "ddp", "train", 5, "data.batch_size=5 does not split over 2 ranks: use a multiple of 2"),
+        (2, "ddp", "train:dpsgd", 4, "clip=dpsgd computes per-example gradients outside backward, which ddp never"),
+        (2, "fsdp2", "train:per_group", 4, "clip=per_group needs whole (unsharded) parameters, which FSDP2 does not"),
+        (2, "fsdp2", "train:update", 4, "clip=update needs whole (unsharded) parameters"),
     ],
 )
 def test_impossible_combinations_are_one_line_errors(torchrun_env, world, strategy, run, batch, message):
+    """Refused before any store is opened (``start`` calls it first), the clip modes the engine refuses too."""
     torchrun_env(world)
+    run, _, clip = run.partition(":")
     with pytest.raises(UserError) as e:
-        resolve_strategy(strategy, run, batch)
+        resolve_strategy(strategy, run, batch, clip or "norm")
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
