@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from mlflow import MlflowClient
 
 accelerate = pytest.importorskip("accelerate")
 
 from sweep.integrations.accelerate import ClipampAccelerate  # noqa: E402
 from sweep.integrations.resume import ResumeWarning  # noqa: E402
+from tests.app.integrations.test_dropin_accelerate import backward  # noqa: E402
 from tests.engine.nanogpt_shaped import NanoGPTShaped, batches, configure_optimizers  # noqa: E402
 
 SIZE = dict(vocab=32, block=8, d=16, n_layer=1, n_head=2)
@@ -45,9 +45,7 @@ def loop(root, make_clipamp, *, kill=False, load=False, register=True):
         step, data = SAVE, data[ACCUMULATION * SAVE :]
     for x, y in data:
         with accelerator.accumulate(model):
-            logits, _ = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
-            accelerator.backward(loss)
+            loss = backward(accelerator, model, x, y)
             if accelerator.sync_gradients:
                 (clipamp or accelerator).clip_grad_norm_(model.parameters(), TAU)
             optimizer.step()

@@ -15,6 +15,14 @@ from tests.engine.nanogpt_shaped import NanoGPTShaped, batches, configure_optimi
 SIZE = dict(vocab=32, block=8, d=16, n_layer=1, n_head=2)
 
 
+def backward(accelerator, model, x, y) -> torch.Tensor:
+    """One micro-batch of the loops here: forward, the LM loss, ``accelerator.backward``; the loss."""
+    logits, _ = model(x)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+    accelerator.backward(loss)
+    return loss
+
+
 def run(tmp_path, steps, tau, clipamp: bool):
     """An accelerate loop (bf16, accumulation 2) clipping at ``tau`` (a number, or a function of the
     optimizer step); returns (model, pre-clip norms)."""
@@ -36,9 +44,7 @@ def run(tmp_path, steps, tau, clipamp: bool):
     norms = []
     for x, y in data:
         with accelerator.accumulate(model):
-            logits, _ = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
-            accelerator.backward(loss)
+            loss = backward(accelerator, model, x, y)
             if accelerator.sync_gradients:
                 clip = cb.clip_grad_norm_ if cb else accelerator.clip_grad_norm_
                 norms.append(float(clip(model.parameters(), tau_at(len(norms) + 1), norm_type=2)))  # accelerate's call
