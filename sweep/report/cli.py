@@ -24,7 +24,7 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
-from sweep.run.liveness import DIED, died_line, lock_says
+from sweep.run.liveness import DIED, died_line, trial_state
 from sweep.tracking.tracker import open_client, resolve_uri, sqlite_path
 
 DESCRIPTION = "Reports: a table across the runs of an experiment read from MLflow, and each sweep's pick."
@@ -81,8 +81,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
         t, m = r.data.tags, r.data.metrics
         state = _trial_state(r.info.status, t.get("outcome", ""))
         worker = by_id.get(t.get("sweep_parent") or t.get("mlflow.parentRunId", ""))
-        if state == "RUNNING" and worker is not None and lock_says(worker.data.tags) is False:
-            state = DIED  # its worker of this host is dead (its lock is free): the next sweep run recovers it
+        state = trial_state(state, worker.data.tags if worker is not None else None)  # DIED: the next run recovers it
         steps_run = m.get("steps_run")
         if steps_run is None and state == "KILLED":  # stopped by a signal before its summary: its last step
             steps_run = max((x.step for x in client.get_metric_history(r.info.run_id, "loss")), default=0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-WORKER_TAGS = ("worker_host", "worker_lock")
 DIED = "DIED"  # a trial's state in the tables: RUNNING in the study, but its worker of this host is dead
 
 
@@ -32,6 +31,11 @@ def lock_says(tags: dict[str, str] | None) -> bool | None:
         return True
     lock.release()
     return False
+
+
+def trial_state(state: str, worker_tags: dict[str, str] | None) -> str:
+    """A trial's state for a table: DIED where the study says RUNNING but its worker's lock says dead."""
+    return DIED if state == "RUNNING" and lock_says(worker_tags) is False else state
 
 
 def died_line(numbers: list[int]) -> str:

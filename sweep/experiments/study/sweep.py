@@ -32,7 +32,7 @@ from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
 from sweep.results.study import SweepResult, trials_table
 from sweep.run.checkpoint import release_run
-from sweep.run.liveness import DIED, lock_says
+from sweep.run.liveness import DIED, trial_state
 from sweep.run.loop import StopRequest
 from sweep.tracking.tracker import RunTracker, Store, redact, redact_text
 
@@ -120,8 +120,7 @@ def mark_died(table: pd.DataFrame, client, own_parent: str) -> pd.DataFrame:
                 tags[parent] = client.get_run(parent).data.tags
             except Exception:  # not in this store, or the store is away: this host cannot tell
                 tags[parent] = None
-        if lock_says(tags[parent]) is False:
-            table.at[i, "state"] = DIED
+        table.at[i, "state"] = trial_state("RUNNING", tags[parent])
     return table
 
 
