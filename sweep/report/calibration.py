@@ -46,6 +46,13 @@ def _needs(ci) -> str:
     return f"{need} for ±{TARGET_REL_WIDTH / 2:.0%}" if need and need > ci.n else "—"
 
 
+def steps(clip: CalibratedClip, w) -> str:
+    """A window's steps as the policy placed them (``491–690``), not its first logged step: on a log
+    sampled every N steps the first norm a window holds can be up to N − 1 steps after its start."""
+    span = clip.windows.window_at(w.end_step) if clip.windows is not None else None
+    return f"{span[0] if span is not None else w.start_step}–{w.end_step}"
+
+
 def markdown(clip: CalibratedClip) -> list[str]:
     """Report lines: placement, the first window's quantiles with intervals, the check, drift."""
     lines = []
@@ -55,7 +62,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
         return lines + ["No calibration window closed in this run.", ""]
     w = clip.summaries[0]
     lines += [
-        f"## Calibration window: steps {w.start_step}–{w.end_step} ({w.n_finite} finite norms, {w.n_skipped} skipped)",
+        f"## Calibration window: steps {steps(clip, w)} ({w.n_finite} finite norms, {w.n_skipped} skipped)",
         "",
         f"| quantile | ‖g‖ | {_level(clip)} interval | window for a ±10% interval | ‖g‖·√N_tok |",
         "|---|---|---|---|---|",
@@ -109,9 +116,7 @@ def tables(clip: CalibratedClip) -> list[Any]:
     if not clip.summaries:
         return out
     w = clip.summaries[0]
-    t = Table(
-        title=f"Calibration window, steps {w.start_step}–{w.end_step} ({w.n_finite} finite, {w.n_skipped} skipped)"
-    )
+    t = Table(title=f"Calibration window, steps {steps(clip, w)} ({w.n_finite} finite, {w.n_skipped} skipped)")
     for col in ("quantile", "‖g‖", f"{_level(clip)} interval", "window for ±10%", "‖g‖·√N_tok"):
         t.add_column(col, justify="right")
     for k, v in w.quantiles.items():
@@ -140,11 +145,11 @@ def tables(clip: CalibratedClip) -> list[Any]:
         out.append(_drift_table(clip))
         out.append(
             f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
-            f"from the previous one" + (f" (from step {drifted[0].start_step})" if drifted else "")
+            f"from the previous one" + (f" (from steps {steps(clip, drifted[0])})" if drifted else "")
         )
         last = clip.summaries[-1]
         out.append(
-            f"latest window, steps {last.start_step}–{last.end_step}: clip.max_norm={last.recommended_max_norm:.4g}, "
+            f"latest window, steps {steps(clip, last)}: clip.max_norm={last.recommended_max_norm:.4g}, "
             "the τ in force at the end; "
             + (
                 "the norms moved, so train on from here at this τ, not the first window's"
@@ -171,7 +176,7 @@ def _window_rows(clip: CalibratedClip, drift: str) -> list[tuple[str, ...]]:
     for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
         rows.append(
             (
-                f"{s.start_step}–{s.end_step}",
+                steps(clip, s),
                 _f(s.recommended_max_norm),
                 _interval(s.tau_ci),
                 f"{s.recommended_max_norm / prev:.2f}" if prev else "—",

@@ -130,6 +130,7 @@ def test_sparse_series_is_a_sample_and_says_what_that_does(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "grad_norm is logged every 5 steps: a 1-in-5 sample" in out
     assert "A 100-step window holds 20 norms" in out and "--window 98 → 100" in out
+    assert "Calibration window, steps 1–100 (20 finite, 0 skipped)" in out  # its steps, not its first norm's (5)
     rec = parse([str(path), "--start", "0", "--window", "98"])
     kept = steps % 5 == 0
     assert rec.clip.summaries[0].n_finite == 20
@@ -137,6 +138,9 @@ def test_sparse_series_is_a_sample_and_says_what_that_does(tmp_path, capsys):
     check = rec.clip.checks()[0]
     assert (check.clipped, check.steps) == realised(steps[kept], norms[kept], 100, rec.tau)
     assert "p95 from 20 norms has no 95% upper confidence bound" in out  # the interval of 20 norms
+    assert main([str(path), "--start", "0", "--window", "100", "--every", "100"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{a}–{a + 99} │" in out for a in (1, 101, 201, 301)), out  # every window's own steps
     assert "a p95 interval at 95% needs ≥ 72 norms, --window ≥ 360" in out
     assert main([str(path), "--start", "0", "--window", "98", "--confidence", "0.8"]) == 0
     assert "a p95 interval at 80% needs ≥ 45 norms, --window ≥ 225" in capsys.readouterr().out  # min_window(0.95, 0.8)
