@@ -165,6 +165,11 @@ class ProgressLines(Progress):
         self.every = max(1, every)
         self._shown: dict[Any, int] = {}
 
+    def add_task(self, description: str, *args: Any, completed: float = 0, **fields: Any) -> Any:
+        task_id = super().add_task(description, *args, completed=completed, **fields)
+        self._shown[task_id] = int(completed)  # a task that starts part-way (a resumed run) shows what it adds
+        return task_id
+
     def update(self, task_id: Any, *, line: bool = False, **fields: Any) -> None:
         super().update(task_id, **fields)
         task = self._tasks[task_id]
@@ -218,7 +223,8 @@ def run_steps(
     pending: deque[tuple[Any, torch.Tensor | bool]] = deque()
     phases: list[str] = []
     with progress_bar(progress, label, every=progress_every) as bar:
-        task = bar.add_task(label, total=len(steps), info="")
+        # counted in the run's steps: a run resumed after step 8 of 400 shows 9/400, not 1/392
+        task = bar.add_task(label, total=steps.stop - 1, completed=steps.start - 1, info="")
 
         def emit(logs: list[StepLog]) -> None:
             facts = [pending.popleft() for _ in logs]
@@ -229,7 +235,7 @@ def run_steps(
                 _record_step(log, phase, source, at_floor, writer, tracker, records)
                 stopped = _seen(on_record, log, stopped)
                 if bar.tasks:
-                    _show(bar, task, log, phase, phases, log.step - steps[0] + 1, len(steps), progress_every)
+                    _show(bar, task, log, phase, phases, log.step, steps.stop - 1, progress_every)
             if stopped is not None:
                 raise stopped
 

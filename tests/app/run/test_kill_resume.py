@@ -76,9 +76,12 @@ def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sto
     ckpt = tmp_path / "mlruns" / "checkpoints" / run_id / "checkpoint.pt"
     assert ckpt.exists()
 
-    res = _cli(tmp_path, f"steps={n + 6}", "resume=true")
+    res = _cli(tmp_path, f"steps={n + 6}", "resume=true", "progress=true", "progress_every=2")
     assert res.returncode == 0, res.stderr
     assert f"resumed run {run_id} at step {n}" in res.stdout
+    # progress counts the run's steps from the resume point on
+    shown = [ln.split("  ")[1] for ln in res.stdout.splitlines() if "  loss " in ln and "|g|" in ln]
+    assert shown[0] in (f"{n + 1}/{n + 6}", f"{n + 2}/{n + 6}") and shown[-1] == f"{n + 6}/{n + 6}", shown
     assert _complete_steps(csv) == list(range(1, n + 7))  # appended, nothing repeated or skipped
     assert client.get_run(run_id).info.status == "FINISHED" and not ckpt.exists()
 

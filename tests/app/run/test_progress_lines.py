@@ -91,3 +91,13 @@ def test_a_piped_run_prints_progress_while_it_trains(tmp_path):
         and progress[1][-1].startswith("τ ")
         and progress[0][-1] == "τ none"  # not clipped inside the window
     )
+
+
+def test_a_task_that_starts_part_way_counts_the_runs_steps():
+    """A run resumed after step 108 of 200: its lines say 150/200 and 200/200, not 42/92 and 92/92."""
+    console, out = _console(False)
+    with progress_bar(True, console=console, every=50) as bar:
+        task = bar.add_task("run-a", total=200, completed=108, info="")
+        for step in range(109, 201):
+            bar.update(task, completed=step)
+    assert [ln.split("  ")[1] for ln in out.getvalue().splitlines()] == ["150/200", "200/200"]
