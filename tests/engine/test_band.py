@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from clipamp_engine.band import PRETRAINING_BAND, band_quantile, check_band, clopper_pearson, validate_band
+from clipamp_engine.calibration import NormCalibrator
+from clipamp_engine.records import StepLog
 
 stats = pytest.importorskip("scipy.stats")
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,4 +139,33 @@ def test_a_window_too_short_for_the_band_is_told_to_lengthen_not_to_set_the_quan
     assert fixed.action == (
         "the window itself predicts 10.0%, outside the band: aim at the band with calibrate.quantile=null "
         f"(τ = Quantile_0.970); and a window of ≥ {need} norms (calibrate.window) predicts a ratio inside the band"
+    )
+
+
+def test_norms_that_repeat_at_tau_are_told_so_not_to_lengthen_the_window():
+    """200 norms whose top 10% are one value (a norm logged to 2 digits): Quantile_0.97 is that value, none is
+    above it, and no window length or quantile moves the ratio into the band."""
+    band = (0.01, 0.05)
+    q = band_quantile(band)
+    norms = np.concatenate([np.linspace(0.5, 1.0, 180, endpoint=False), np.full(20, 1.2)])
+    cal = NormCalibrator(quantile=q)
+    for step, n in enumerate(norms, 1):
+        cal.add(
+            StepLog(
+                step=step,
+                lr=1e-3,
+                grad_l2_pre_clip=float(n),
+                grad_l2_post_clip=float(n),
+                loss=1.0,
+                scaler_scale=None,
+                clipped=False,
+            )
+        )
+    s = cal.summary()
+    assert s.recommended_max_norm == float(np.quantile(norms, q)) == 1.2 and s.predicted_clip_ratio == 0.0
+    c = check_band(s.recommended_max_norm, s.predicted_clip_ratio, 0, 200, band, quantile=q, norms=200)
+    assert c.consistent and not c.inside
+    assert c.action == (
+        "τ = Quantile_0.970 of the window leaves 0.0% above it: its norms repeat (ties at τ), which no quantile or "
+        "window length resolves; set clip.max_norm from the quantile table"
     )
