@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 
 from sweep.config.schema import Config, window_ranges
-from sweep.report.format import markdown_table, pct
+from sweep.report.format import markdown_table, pct, ui_command
 from sweep.report.plots import legend, plt, save
 from sweep.results.spike import Arm, loss_excess
 from sweep.tasks.build import count_text
@@ -189,3 +189,9 @@ def _decorate(ax_loss, ax_ex, ax_norm, ax_16, pairs: Pairs, fp16: Pairs, cfg: Co
         ax.axvline(at, color="red", lw=0.8, alpha=0.5)
         ax.set_xlabel("step")
         legend(ax, fontsize=7, loc="best")
+
+
+def where_to_look(figure: Path, table: Any, uri: str, experiment_id: str, parent_run_id: str) -> str:
+    """The run's last lines: the figure, the table, and how to open the runs (the command every run prints,
+    ``ui_command``: a loopback ``mlflow ui`` for a file store, the server's page for an ``http`` store)."""
+    return f"figure: {figure}\ntable: {table}\nruns: {ui_command(uri, experiment_id)}  (parent run {parent_run_id})"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from sweep.report.spike import (
     summary_line,
     table_rows,
     table_title,
+    where_to_look,
     write_spike_table,
 )
 from sweep.results.spike import Arm, SpikeResult, arm_metrics, fp16_outcome
@@ -166,9 +166,6 @@ def report(
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(figure, dest)
         console.print(f"figure copied to {dest}")
-    console.print(
-        f"figure: {figure}\ntable: {parent.artifact_path('spike_table.md')}\n"
-        f"runs: mlflow ui --backend-store-uri {shlex.quote(redact(store.uri))} → experiment {store.experiment_id}, "
-        f"parent run {parent.run_id}"
-    )
+    table = parent.artifact_path("spike_table.md")
+    console.print(where_to_look(figure, table, redact(store.uri), store.experiment_id, parent.run_id))
     return SpikeResult(parent.run_id, pairs, fp16, rows, figure, ok, outcome)

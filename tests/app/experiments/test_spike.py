@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -15,6 +16,7 @@ from sweep.config import validate
 from sweep.config.convert import with_overrides
 from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
+from sweep.report.spike import where_to_look
 from sweep.results.spike import recovery_steps
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
@@ -285,3 +287,19 @@ def test_hf_fp16_pair_refuses_gpt_sizes_and_shrinks_with_model_config():
             )
         )
     assert "model.config.hidden_size" in str(e.value) and "model=hf model.pretrained=DIR" in str(e.value)
+
+
+def test_the_last_line_opens_the_runs_as_every_run_does_on_a_server_too():
+    """A file store gets the loopback ``mlflow ui`` command with its page; a server store its page to open
+    (``mlflow ui --backend-store-uri http://…`` would start a UI that cannot read it)."""
+    local = where_to_look(Path("s.png"), "t.md", "sqlite:////x/mlruns/mlflow.db", "3", "abc")
+    assert local.splitlines()[-1] == (
+        "runs: mlflow ui --backend-store-uri sqlite:////x/mlruns/mlflow.db --host 127.0.0.1 --port 5000  → "
+        "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=clipamp  "
+        "(parent run abc)"
+    )
+    served = where_to_look(Path("s.png"), "t.md", "http://127.0.0.1:5001", "3", "abc")
+    assert served.splitlines()[-1] == (
+        "runs: open http://127.0.0.1:5001/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=clipamp"
+        "  (parent run abc)"
+    )

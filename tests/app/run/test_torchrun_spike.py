@@ -19,6 +19,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from sweep.report.format import ui_command
 from tests.app.helpers import TINY
 from tests.app.run.test_torchrun import ENV, TORCHRUN
 
@@ -59,6 +60,8 @@ def _spike(cmd: list[str], cwd: Path) -> tuple[MlflowClient, str, dict[str, obje
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     parent = parents[0].info.run_id
+    ui = ui_command(uri, parents[0].info.experiment_id)  # the command every run prints, with its page
+    assert f"runs: {ui}  (parent run {parent})" in res.stdout
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent}
     assert set(children) == CHILDREN and len(runs) == len(CHILDREN) + 1
     assert all(r.info.status == "FINISHED" for r in children.values())
