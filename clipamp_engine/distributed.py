@@ -110,7 +110,8 @@ class GlobalBatchLoss:
     def add(self, result: Any, micro_batch: int) -> torch.Tensor | None:
         """Account one micro-batch; return its backward loss, or None if the loss is non-finite."""
         tokenwise = isinstance(result, tuple)
-        loss = (result[0] if tokenwise else result).float()
+        loss = result[0] if tokenwise else result
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))  # fp16/bf16 → fp32; an fp64 loss stays fp64
         wide = record_dtype(loss.device)
         count = torch.as_tensor(result[1] if tokenwise else 0, device=loss.device).to(wide)
         part = loss.detach().to(wide) * (1 if tokenwise else micro_batch)

@@ -286,3 +286,41 @@ def test_autoclip_and_zclip_keep_an_fp64_models_norms_in_fp64():
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel():
                 assert again.state_dict()[k].dtype == torch.float64 and torch.equal(again.state_dict()[k], v)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_an_fp64_model_with_accumulation_equals_the_canonical_loop(k):
+    """``(loss / k).backward()`` per micro-batch, ``clip_grad_norm_``, step: an fp64 loss is weighted in fp64
+    (fp32(1/3) would change every gradient) and recorded unrounded."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    model = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (x, x.sum(1, keepdim=True) * 3)
+        for x in (torch.randn(12, 6, generator=gen, dtype=torch.float64) for _ in range(4))
+    ]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    norms, losses = [], []
+    for inputs, targets in batches:
+        total = 0.0
+        for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k)):
+            loss = nn.functional.mse_loss(ref(x), y)
+            total += loss.item() * len(x)
+            (loss / k).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        losses.append(total / len(inputs))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = AmpTrainState(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        nn.functional.mse_loss,
+        dtype="fp32",
+        max_norm=0.5,
+        accumulation_steps=k,
+    )
+    logs = [state.step(x, y) for x, y in batches]
+    assert [log.grad_l2_pre_clip for log in logs] == norms
+    assert [log.loss for log in logs] == pytest.approx(losses, rel=1e-15)  # not rounded to fp32 (≈1e-8)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
