@@ -55,7 +55,8 @@ def check_sharding(world_kind: str, clip: Any, forensics: bool, whole_param_mode
 
 def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any, clip_window: Any) -> None:
     """At construction: ``max_norm`` is a number > 0 (when the default policy uses it), ``clip`` a policy
-    object, ``clip_window`` a step count, and the optimizer updates at least one of ``model``'s parameters."""
+    object, ``clip_window`` a step count, and the optimizer steps without a closure (LBFGS needs one) and updates
+    at least one of ``model``'s parameters."""
     if clip is None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm)):
         raise ValueError(
             f"max_norm={max_norm!r} must be a number > 0 (a float such as 1.0; math.inf never clips), "
@@ -73,6 +74,15 @@ def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: An
         raise ValueError(f"clip={clip!r} is not a clip policy: pass {named} or a policy such as GlobalNormClip(1.0)")
     if isinstance(clip_window, bool) or not isinstance(clip_window, int) or clip_window < 1:
         raise ValueError(f"clip_window={clip_window!r} must be a number of steps >= 1 (the clipping-ratio window)")
+    # the class's step (an LR scheduler wraps the instance's in a function of the unbound one), less ``self``
+    needs = _required_positionals(getattr(type(optimizer), "step", None))[1:]
+    if needs:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step() needs an argument ({', '.join(needs)}): it re-evaluates the loss "
+            "several times per update, and AmpTrainState runs one forward and backward per step and then calls "
+            "optimizer.step() with none; use a first-order optimizer (SGD, AdamW, ...) or step this one in a loop "
+            "of your own without AmpTrainState"
+        )
     own = {id(p) for p in model.parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     if held and not any(id(p) in own for p in held):

@@ -29,6 +29,18 @@ def test_an_optimizer_over_another_models_parameters_is_refused():
         AmpTrainState(model, torch.optim.SGD(other.parameters(), lr=0.1), F.mse_loss, dtype="fp32")
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_any_step():
+    """LBFGS re-evaluates the loss inside ``step(closure)``: refused when the state is built, not with torch's
+    ``missing 1 required positional argument: 'closure'`` after the first forward and backward."""
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as e:
+        AmpTrainState(model, torch.optim.LBFGS(model.parameters(), lr=0.1), F.mse_loss, dtype="fp32")
+    assert str(e.value).startswith("LBFGS.step() needs an argument (closure): it re-evaluates the loss")
+    assert "use a first-order optimizer (SGD, AdamW, ...)" in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_an_optimizer_with_an_extra_parameter_is_accepted():
     model = _model()
     extra = torch.nn.Parameter(torch.ones(()))
