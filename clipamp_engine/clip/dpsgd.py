@@ -13,6 +13,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,10 +105,12 @@ def dp_sgd_grads(
         params, buffers, inputs, targets
     )
     grads = [per_sample[n] for n in named]
-    layer_sq = torch.stack([g.flatten(1).float().pow(2).sum(1) for g in grads])  # (L, B), one reduction per tensor
+    reals = [torch.view_as_real(g) if g.is_complex() else g for g in grads]  # |z|² = re² + im²
+    wide = functools.reduce(torch.promote_types, [r.dtype for r in reals], torch.float32)  # fp64 stays fp64
+    layer_sq = torch.stack([r.flatten(1).to(wide).pow(2).sum(1) for r in reals])  # (L, B), one reduction per tensor
     sample_norm = layer_sq.sum(0).sqrt()  # (B,)
     if per_layer:
-        c = torch.tensor(bounds, dtype=torch.float32, device=layer_sq.device).unsqueeze(1)
+        c = torch.tensor(bounds, dtype=wide, device=layer_sq.device).unsqueeze(1)
         coef = torch.clamp(c / (layer_sq.sqrt() + CLIP_EPS), max=1.0)  # (L, B)
         clipped = (coef < 1).any(0)
         sensitivity = math.sqrt(sum(b * b for b in bounds))

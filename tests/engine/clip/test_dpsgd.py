@@ -53,6 +53,34 @@ def test_matches_a_per_example_backward_loop(per_layer):
         torch.testing.assert_close(p.grad, r, rtol=1e-4, atol=1e-6)
 
 
+class _ComplexLinear(nn.Module):
+    """A complex weight with a real output: its per-example norm is √Σ|z|², the imaginary parts included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 4, dtype=torch.cfloat))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head((x.to(torch.cfloat) @ self.w).abs())
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("kind", ["complex", "fp64"])
+def test_complex_and_fp64_models_match_the_per_example_loop(kind, per_layer):
+    """Before: ``.float()`` dropped a complex gradient's imaginary part (an example of norm 31.6 was clipped to
+    2.56, not 1) and normed an fp64 model's gradients in fp32."""
+    torch.manual_seed(0)
+    model = _ComplexLinear() if kind == "complex" else nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = model.double() if kind == "fp64" else model
+    x, y = torch.randn(12, 5, dtype=torch.float64 if kind == "fp64" else torch.float32) * 3, torch.randint(0, 3, (12,))
+    ref = _loop_reference(model, nn.functional.cross_entropy, x, y, 0.5, per_layer)
+    dp_sgd_grads(model, nn.functional.cross_entropy, x, y, max_norm=0.5, noise_multiplier=0.0, per_layer=per_layer)
+    tol = {"rtol": 1e-12, "atol": 1e-14} if kind == "fp64" else {"rtol": 1e-4, "atol": 1e-6}
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, **tol)
+
+
 def test_noise_has_std_sigma_c_over_b_and_is_reproducible():
     model = nn.Linear(2000, 1, bias=False)
     x = torch.zeros(4, 2000)  # zero gradients: .grad is pure noise / B
