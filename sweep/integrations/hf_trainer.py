@@ -27,11 +27,13 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   end; a ``train()`` cut short by an exception leaves it set, and the next ``train()`` still finds the
   user's τ (kept beside it on ``args``). ``grad_l2_pre_clip`` is therefore Trainer's own ``grad_norm``
   (NaN on a step whose norm is not finite); ``grad_l2_post_clip`` the norm the optimizer received.
-- Loss: the model's own ``outputs.loss`` (a forward hook), combined as Trainer combines it:
+- Loss: the model's own loss (a forward hook; ``outputs.loss``, or ``outputs[0]`` of a tuple, where
+  ``Trainer.compute_loss`` reads it), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
   mean over the accumulated batch), else averaged. With a ``compute_loss_func`` or label
   smoothing the loss is computed outside the model: the column reads NaN.
-  ``token_count``: labels ≠ -100 after the causal shift.
+  ``token_count``: the labels ≠ -100 Trainer counts as ``num_items_in_batch`` (after the causal shift
+  for a decoder-only LM, every label for a classifier or an encoder-decoder).
 - Skips: under fp16 (CUDA) the GradScaler skips overflow steps (read from the optimizer) and
   ``scaler_scale`` is its scale (1.0 without a scaler). Under bf16/fp32 Trainer applies a
   non-finite gradient; ``skip_nonfinite=True`` (the default with ``apply=True``) drops the
@@ -193,6 +195,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
             args.max_grad_norm = self._user_tau
             raise
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._shifts_labels = _loss_shifts_labels(model)
         self._reset()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -214,13 +217,15 @@ class ClipampCallback(TrainerCallback, ExportableState):
         if not module.training:
             return  # evaluation forwards
         self._micro += 1
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        loss = _model_loss(output)
         if loss is not None:
             self._loss = loss.detach().float() + (0 if self._loss is None else self._loss)
         self._loss_is_sum = "num_items_in_batch" in kwargs
-        labels = kwargs.get("labels")
-        if labels is not None:
-            n = (labels[..., 1:] != -100).sum()
+        shifted = kwargs.get("shift_labels")
+        labels = shifted if shifted is not None else kwargs.get("labels")
+        if torch.is_tensor(labels):
+            counted = labels[..., 1:] if shifted is None and self._shifts_labels else labels
+            n = (counted != -100).sum()
             self._tokens = n if self._tokens is None else self._tokens + n
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -247,6 +252,29 @@ class ClipampCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.recorder.record(state.global_step, self._lr, self._measured, scale=self._scale, skipped=self._skipped)
+
+
+def _model_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself, where ``Trainer.compute_loss`` reads it: ``outputs["loss"]`` (a
+    ``ModelOutput`` is a dict), else ``outputs[0]`` of a tuple when it is a scalar; None otherwise."""
+    if isinstance(output, dict):
+        return output.get("loss")
+    if isinstance(output, tuple | list):
+        first = output[0] if output else None
+        return first if torch.is_tensor(first) and first.ndim == 0 else None
+    return getattr(output, "loss", None)
+
+
+def _loss_shifts_labels(model: Any) -> bool:
+    """Trainer's rule for counting a batch's items (``num_items_in_batch``): a decoder-only causal-LM loss
+    never predicts each row's first label, so the count is over ``labels[..., 1:]``; any other model (a
+    classifier, an encoder-decoder) counts every label that is not -100."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.trainer_utils import unwrap_peft_model
+
+    inner = unwrap_peft_model(model)
+    causal = LOSS_MAPPING.get(getattr(inner, "loss_type", None)) is ForCausalLMLoss
+    return causal and not getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
 
 
 def _over_ranks(loss: torch.Tensor | None, tokens: torch.Tensor | None, loss_is_sum: bool):

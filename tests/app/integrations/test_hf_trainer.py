@@ -12,7 +12,14 @@ from mlflow import MlflowClient
 
 pytest.importorskip("transformers")
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from sweep.integrations.hf_trainer import ClipampCallback
 
@@ -230,3 +237,85 @@ def test_a_train_cut_short_then_run_again_is_the_same_run_as_without_the_callbac
     np.testing.assert_allclose(df["loss"], [h["loss"] for h in second], rtol=1e-5)  # one hook, not two
     runs = MlflowClient(store).search_runs([cb.tracker.experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]
+
+
+class LossFirstTuple(torch.nn.Module):
+    """A model that computes its own loss and returns ``(loss, logits)``: Trainer reads ``outputs[0]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 1)
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return (torch.nn.functional.mse_loss(out, labels), out)
+
+
+class LoggedLoss(TrainerCallback):
+    def __init__(self) -> None:
+        self.loss: list[float] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and "train_loss" not in logs:
+            self.loss.append(logs["loss"])
+
+
+def _args(tmp_path, steps: int) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+
+
+def test_a_tuple_loss_is_recorded_as_trainer_logs_it(tmp_path):
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+    ds = Dataset.from_dict({"x": x.tolist(), "labels": x.sum(1, keepdim=True).tolist()})
+    cb, logged = ClipampCallback(window=3, start=0, tracking=None, csv_path=tmp_path / "steps.csv"), LoggedLoss()
+    Trainer(model=LossFirstTuple(), args=_args(tmp_path, 4), train_dataset=ds, callbacks=[logged, cb]).train()
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert len(logged.loss) == 4 and np.isfinite(df["loss"]).all()  # was nan on every row
+    np.testing.assert_allclose(df["loss"], logged.loss, rtol=1e-5)
+
+
+def test_a_classifiers_token_count_is_trainers_count_of_its_labels(tmp_path):
+    """Trainer counts a causal LM's labels after the shift and a classifier's one per example
+    (``num_items_in_batch``); the record did the causal shift on every model (3 of 4 labels)."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    g = torch.Generator().manual_seed(1)
+    ds = Dataset.from_dict(
+        {
+            "input_ids": torch.randint(1, V, (32, T), generator=g).tolist(),
+            "labels": torch.randint(0, 3, (32,), generator=g).tolist(),
+        }
+    )
+    Trainer(
+        model=model,
+        args=_args(tmp_path, 3),
+        train_dataset=ds,
+        callbacks=[ClipampCallback(window=2, start=0, tracking=None, csv_path=tmp_path / "steps.csv")],
+    ).train()
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert (df["token_count"] == 4 * 2).all()  # 4 examples × 2 micro-batches
+    np.testing.assert_allclose(df["grad_l2_token_normalised"], df["grad_l2_pre_clip"] * math.sqrt(8), rtol=1e-6)
