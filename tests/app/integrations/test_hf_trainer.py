@@ -26,9 +26,8 @@ from sweep.integrations.hf_trainer import ClipampCallback
 V, T, REAL = 96, 16, 12  # vocab, sequence length, real (non -100) labels per row
 
 
-def tiny_llama(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(
+def tiny_config(**kw):
+    return AutoConfig.for_model(
         "llama",
         vocab_size=V,
         hidden_size=32,
@@ -37,8 +36,13 @@ def tiny_llama(seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        **kw,
     )
-    return AutoModelForCausalLM.from_config(cfg)
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config())
 
 
 def dataset(n: int = 64) -> Dataset:
@@ -49,22 +53,24 @@ def dataset(n: int = 64) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
-def trainer(tmp_path, callbacks, *, steps: int, max_grad_norm: float, seed: int = 0, **kw) -> Trainer:
-    args = TrainingArguments(
+def args_for(tmp_path, steps: int, **kw) -> TrainingArguments:
+    """Two micro-batches of 4 per step, a log line per step, on the CPU, nothing saved."""
+    return TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=steps,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
-        learning_rate=3e-3,
-        max_grad_norm=max_grad_norm,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
         save_strategy="no",
         disable_tqdm=True,
-        seed=seed,
         **kw,
     )
+
+
+def trainer(tmp_path, callbacks, *, steps: int, max_grad_norm: float, seed: int = 0, **kw) -> Trainer:
+    args = args_for(tmp_path, steps, learning_rate=3e-3, max_grad_norm=max_grad_norm, seed=seed, **kw)
     return Trainer(model=tiny_llama(seed), args=args, train_dataset=dataset(), callbacks=callbacks)
 
 
@@ -261,26 +267,16 @@ class LoggedLoss(TrainerCallback):
             self.loss.append(logs["loss"])
 
 
-def _args(tmp_path, steps: int) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=steps,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        remove_unused_columns=False,
-    )
-
-
 def test_a_tuple_loss_is_recorded_as_trainer_logs_it(tmp_path):
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
     ds = Dataset.from_dict({"x": x.tolist(), "labels": x.sum(1, keepdim=True).tolist()})
     cb, logged = ClipampCallback(window=3, start=0, tracking=None, csv_path=tmp_path / "steps.csv"), LoggedLoss()
-    Trainer(model=LossFirstTuple(), args=_args(tmp_path, 4), train_dataset=ds, callbacks=[logged, cb]).train()
+    Trainer(
+        model=LossFirstTuple(),
+        args=args_for(tmp_path, 4, remove_unused_columns=False),
+        train_dataset=ds,
+        callbacks=[logged, cb],
+    ).train()
     df = pd.read_csv(tmp_path / "steps.csv")
     assert len(logged.loss) == 4 and np.isfinite(df["loss"]).all()  # was nan on every row
     np.testing.assert_allclose(df["loss"], logged.loss, rtol=1e-5)
@@ -290,19 +286,7 @@ def test_a_classifiers_token_count_is_trainers_count_of_its_labels(tmp_path):
     """Trainer counts a causal LM's labels after the shift and a classifier's one per example
     (``num_items_in_batch``); the record did the causal shift on every model (3 of 4 labels)."""
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        "llama",
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_labels=3,
-        pad_token_id=0,
-    )
-    model = AutoModelForSequenceClassification.from_config(cfg)
+    model = AutoModelForSequenceClassification.from_config(tiny_config(num_labels=3, pad_token_id=0))
     g = torch.Generator().manual_seed(1)
     ds = Dataset.from_dict(
         {
@@ -312,7 +296,7 @@ def test_a_classifiers_token_count_is_trainers_count_of_its_labels(tmp_path):
     )
     Trainer(
         model=model,
-        args=_args(tmp_path, 3),
+        args=args_for(tmp_path, 3),
         train_dataset=ds,
         callbacks=[ClipampCallback(window=2, start=0, tracking=None, csv_path=tmp_path / "steps.csv")],
     ).train()
