@@ -29,8 +29,9 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   ``apply=False``, until the window closes with ``apply=True``).
   One optimizer only: a fit with more (a GAN's two) is refused when it starts, since one
   calibration window would mix the norms of different networks.
-- Loss: the ``loss`` of ``training_step``'s output, summed over the accumulated micro-batches
-  (Lightning divides each by ``accumulate_grad_batches``): their mean. Norm-based clipping only
+- Loss: the mean of the ``loss`` of ``training_step``'s output over the micro-batches the step
+  accumulated (Lightning divides each by ``accumulate_grad_batches``, also on the shorter last step
+  of an epoch: the callback divides by the micro-batches run). Norm-based clipping only
   (``gradient_clip_algorithm="norm"``).
 - Checkpoints: the callback's ``state_dict`` (the recorder's state at the step saved) goes into
   every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
@@ -168,7 +169,7 @@ class ClipampCallback(pl.Callback):
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
             },
         )
-        self._loss, self._recording = None, True
+        self._loss, self._losses, self._recording = None, 0, True
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._give_clip_back(trainer)
@@ -201,10 +202,13 @@ class ClipampCallback(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._loss = loss.detach().float() + (0 if self._loss is None else self._loss)
+            self._losses += 1
         if self._measured is None:
             return  # a micro-batch before the optimizer step
         m, self._measured = self._measured, None
         if self._loss is not None:
-            m.loss = float(self._loss)  # sync: once per optimizer step
-        self._loss = None
+            # Lightning divides each loss by accumulate_grad_batches, also on a step the epoch's end cuts short
+            run = trainer.accumulate_grad_batches / self._losses if pl_module.automatic_optimization else 1
+            m.loss = float(self._loss * run)  # sync: once per optimizer step
+        self._loss, self._losses = None, 0
         self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale)

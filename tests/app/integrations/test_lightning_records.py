@@ -1,0 +1,71 @@
+"""The Lightning ``ClipampCallback``'s records of the steps Lightning takes in its own ways: the loss of a step
+that accumulates fewer micro-batches, manual accumulation, the fit's length, skipped steps."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning")
+
+from sweep.integrations.lightning import ClipampCallback  # noqa: E402
+
+
+class Tiny(L.LightningModule):
+    """A linear regression that notes each batch's loss under the optimizer step it goes into."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 1)
+        self.losses: dict[int, list[float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.losses.setdefault(self.trainer.global_step + 1, []).append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def loader(batches: int) -> torch.utils.data.DataLoader:
+    torch.manual_seed(0)
+    x = torch.randn(8 * batches, 8)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def fit(tmp_path, module, batches, callbacks=(), **trainer) -> L.Trainer:
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=list(callbacks),
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer,
+    )
+    t.fit(module, loader(batches))
+    return t
+
+
+def callback(tmp_path, **kw) -> ClipampCallback:
+    return ClipampCallback(tracking=None, csv_path=tmp_path / "steps.csv", verbose=False, **kw)
+
+
+def means(module) -> list[float]:
+    return [sum(v) / len(v) for _, v in sorted(module.losses.items())]
+
+
+def test_a_step_the_epoch_end_cuts_short_records_the_mean_of_its_micro_batches(tmp_path):
+    """10 batches an epoch, accumulate_grad_batches=3: steps 4 and 8 accumulate one micro-batch each (Lightning
+    still divides its loss by 3); every step's loss is the mean of the losses of the micro-batches it ran."""
+    module = Tiny()
+    fit(tmp_path, module, 10, [callback(tmp_path, window=3, start=0)], max_epochs=2, accumulate_grad_batches=3)
+    assert [len(v) for _, v in sorted(module.losses.items())] == [3, 3, 3, 1] * 2
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["loss"].tolist() == pytest.approx(means(module), rel=1e-6)
