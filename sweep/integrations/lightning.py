@@ -26,7 +26,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
 - Manual optimization: ``on_before_optimizer_step`` runs inside ``opt.step()``, after your
   ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` and do not call
   ``self.clip_gradients`` yourself: the callback clips at it as that call would (throughout with
-  ``apply=False``, until the window closes with ``apply=True``).
+  ``apply=False``, until the window closes with ``apply=True``). A step's loss is the mean of the
+  ``loss`` of the batches since the previous ``opt.step()`` (manual accumulation: every N batches).
   One optimizer only: a fit with more (a GAN's two) is refused when it starts, since one
   calibration window would mix the norms of different networks.
 - Loss: the mean of the ``loss`` of ``training_step``'s output over the micro-batches the step
@@ -207,8 +208,8 @@ class ClipampCallback(pl.Callback):
             return  # a micro-batch before the optimizer step
         m, self._measured = self._measured, None
         if self._loss is not None:
-            # Lightning divides each loss by accumulate_grad_batches, also on a step the epoch's end cuts short
-            run = trainer.accumulate_grad_batches / self._losses if pl_module.automatic_optimization else 1
-            m.loss = float(self._loss * run)  # sync: once per optimizer step
+            # the mean of the batches since the last step: Lightning divides each loss by accumulate_grad_batches
+            # (automatic optimization; 1 under manual), also on a step the epoch's end cuts short
+            m.loss = float(self._loss * (trainer.accumulate_grad_batches / self._losses))  # sync: once per step
         self._loss, self._losses = None, 0
         self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale)

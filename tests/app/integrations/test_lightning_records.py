@@ -69,3 +69,31 @@ def test_a_step_the_epoch_end_cuts_short_records_the_mean_of_its_micro_batches(t
     assert [len(v) for _, v in sorted(module.losses.items())] == [3, 3, 3, 1] * 2
     df = pd.read_csv(tmp_path / "steps.csv")
     assert df["loss"].tolist() == pytest.approx(means(module), rel=1e-6)
+
+
+class ManualAccumulation(Tiny):
+    """Lightning's manual accumulation: backward every batch, ``opt.step()`` every ``N``-th."""
+
+    N = 2
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / self.N)
+        if (batch_idx + 1) % self.N == 0:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+
+def test_manual_accumulation_records_the_mean_of_the_batches_of_a_step(tmp_path):
+    """Each of the 4 steps accumulates two batches: its loss is their mean, as under automatic optimization."""
+    module = ManualAccumulation()
+    fit(tmp_path, module, 8, [callback(tmp_path, max_norm=1.0, window=3, start=0)], max_steps=4)
+    assert [len(v) for _, v in sorted(module.losses.items())] == [2] * 4
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["loss"].tolist() == pytest.approx(means(module), rel=1e-6)
