@@ -34,6 +34,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   accumulated (Lightning divides each by ``accumulate_grad_batches``, also on the shorter last step
   of an epoch: the callback divides by the micro-batches run). Norm-based clipping only
   (``gradient_clip_algorithm="norm"``).
+- Run length (where ``start="auto"`` places the window): ``trainer.estimated_stepping_batches``,
+  ``max_steps`` or ``max_epochs``, whichever ends the fit first; unknown (``None``) without either.
 - Checkpoints: the callback's ``state_dict`` (the recorder's state at the step saved) goes into
   every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
   opens, and the calibration, the ``steps.csv`` and the MLflow run continue from it
@@ -152,13 +154,15 @@ class ClipampCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Open the record (after Lightning restored a checkpoint's callback states, whatever the strategy)."""
         tau = self.max_norm if self.max_norm is not None else self._user_clip
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        # the steps the fit will take, max_steps and max_epochs both counted (the smaller); inf without a limit,
+        # max_steps (-1: none) when an IterableDataset's epoch has no length
+        total = trainer.estimated_stepping_batches
         resume, self._resume = self._resume, None
         if resume is None and trainer.global_step > 0:  # resumed from a checkpoint saved without the callback
             warn_fresh(trainer.global_step, "holds no ClipampCallback state (it was saved without the callback)")
         self.recorder.begin(
             resume=resume,
-            total_steps=int(total) if total and math.isfinite(total) else None,
+            total_steps=int(total) if math.isfinite(total) and total > 0 else None,
             user_tau=tau,
             default_csv=Path(trainer.default_root_dir) / "clipamp" / "steps.csv",
             main_process=trainer.is_global_zero,

@@ -37,7 +37,8 @@ def loader(batches: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
 
-def fit(tmp_path, module, batches, callbacks=(), **trainer) -> L.Trainer:
+def fit(tmp_path, module, data, callbacks=(), **trainer) -> L.Trainer:
+    """A quiet CPU fit of ``module`` on ``data`` (a ``DataLoader``, or that many batches of 8)."""
     t = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -49,7 +50,7 @@ def fit(tmp_path, module, batches, callbacks=(), **trainer) -> L.Trainer:
         enable_model_summary=False,
         **trainer,
     )
-    t.fit(module, loader(batches))
+    t.fit(module, loader(data) if isinstance(data, int) else data)
     return t
 
 
@@ -97,3 +98,47 @@ def test_manual_accumulation_records_the_mean_of_the_batches_of_a_step(tmp_path)
     assert [len(v) for _, v in sorted(module.losses.items())] == [2] * 4
     df = pd.read_csv(tmp_path / "steps.csv")
     assert df["loss"].tolist() == pytest.approx(means(module), rel=1e-6)
+
+
+class StopAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        trainer.should_stop = trainer.global_step >= self.step
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """12 batches of 8 with no length: Lightning cannot count an epoch's steps."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(12):
+            x = torch.randn(8, 8, generator=g)
+            yield x, x.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "limits,steps,total",
+    [
+        (dict(max_epochs=1), 40, 40),
+        (dict(max_steps=1000, max_epochs=1), 40, 40),  # the epoch ends first
+        (dict(max_steps=25, max_epochs=1), 25, 25),
+        (dict(max_steps=25), 25, 25),
+        (dict(max_epochs=-1, callbacks=[StopAt(12)]), 12, None),  # no limit: unknown
+        (dict(max_epochs=1, data=torch.utils.data.DataLoader(Stream(), batch_size=None)), 12, None),
+    ],
+    ids=["max_epochs", "max_steps_beyond_max_epochs", "max_steps_within", "max_steps", "no_limit", "iterable"],
+)
+def test_the_calibration_is_told_the_steps_the_fit_takes(tmp_path, limits, steps, total):
+    """The run length the window is placed in is Lightning's ``estimated_stepping_batches``: max_steps or
+    max_epochs, whichever ends the fit first; ``None`` (unknown) for a fit without a limit or an epoch
+    without a length. 40 batches an epoch, a window of 10 placed after the transient: it closes in a
+    40-step fit however the 40 steps are asked for."""
+    limits = dict(limits)
+    data, stop = limits.pop("data", 40), limits.pop("callbacks", [])
+    cb = callback(tmp_path, window=10)
+    trainer = fit(tmp_path, Tiny(), data, [cb, *stop], **limits)
+    assert trainer.global_step == steps and cb.policy.total_steps == total
+    if steps == 40:
+        assert cb.summary is not None and cb.summary.end_step < 40
