@@ -36,6 +36,9 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   (``gradient_clip_algorithm="norm"``).
 - Run length (where ``start="auto"`` places the window): ``trainer.estimated_stepping_batches``,
   ``max_steps`` or ``max_epochs``, whichever ends the fit first; unknown (``None``) without either.
+- Skips: under ``16-mixed`` the precision plugin's GradScaler skips ``optimizer.step()`` on an
+  inf/NaN gradient and backs its scale off; a step after which the scale is lower is recorded
+  skipped (``nonfinite_grad``), ``scaler_scale`` being the scale it ran at (1.0 without a scaler).
 - Checkpoints: the callback's ``state_dict`` (the recorder's state at the step saved) goes into
   every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
   opens, and the calibration, the ``steps.csv`` and the MLflow run continue from it
@@ -216,4 +219,7 @@ class ClipampCallback(pl.Callback):
             # (automatic optimization; 1 under manual), also on a step the epoch's end cuts short
             m.loss = float(self._loss * (trainer.accumulate_grad_batches / self._losses))  # sync: once per step
         self._loss, self._losses = None, 0
-        self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        # fp16: the GradScaler skipped optimizer.step() (an inf/NaN gradient) iff its update backed the scale off
+        skipped = scaler is not None and float(scaler.get_scale()) < self._scale  # sync (fp16)
+        self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale, skipped=skipped)

@@ -142,3 +142,46 @@ def test_the_calibration_is_told_the_steps_the_fit_takes(tmp_path, limits, steps
     assert trainer.global_step == steps and cb.policy.total_steps == total
     if steps == 40:
         assert cb.summary is not None and cb.summary.end_step < 40
+
+
+class Overflow(Tiny):
+    """An inf loss at step ``at``: every gradient inf/NaN, the GradScaler skips the step. Notes the weights
+    after each step."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.weights = at, {}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.trainer.global_step + 1 == self.at else loss
+
+    def on_train_batch_end(self, *args) -> None:
+        self.weights[self.trainer.global_step] = [p.detach().clone() for p in self.parameters()]
+
+
+def fp16_fit(tmp_path, callbacks, steps=6, at=3):
+    """``16-mixed`` as Lightning runs it on CUDA (its ``MixedPrecision`` plugin and a ``GradScaler``), on CPU."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = Overflow(at)
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    fit(tmp_path, module, steps, callbacks, max_steps=steps, plugins=[plugin], gradient_clip_val=1.0)
+    return module
+
+
+def test_a_step_the_grad_scaler_skips_is_recorded_skipped(tmp_path):
+    """The rows say skipped exactly where Lightning's step left the parameters as they were (step 3, the scale
+    backing off from 256 to 128 after it); that step stays out of the window; the fit is the fit without
+    the callback."""
+    cb = callback(tmp_path, window=4, start=0)
+    ours = fp16_fit(tmp_path / "a", [cb])
+    ref = fp16_fit(tmp_path / "b", [])
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
+    unchanged = [all(torch.equal(p, q) for p, q in zip(ours.weights[s], ours.weights[s - 1])) for s in range(2, 7)]
+    assert unchanged == [False, True, False, False, False]
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["skipped"].tolist() == [False, False, True, False, False, False]
+    assert df["skip_reason"].fillna("").tolist() == ["", "", "nonfinite_grad", "", "", ""]
+    assert df["scaler_scale"].tolist() == [256.0] * 3 + [128.0] * 3
+    assert (cb.summary.n_finite, cb.summary.n_skipped) == (3, 1)
