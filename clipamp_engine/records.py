@@ -18,8 +18,9 @@ CANONICAL_COLUMNS = (
     "scaler_scale",
 )
 
-#: Why a step can be skipped (a closed set).
-SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad")
+#: Why a step can be skipped (a closed set). ``no_loss``: the host ran the step without a loss, so without a
+#: backward and a gradient (Lightning's ``training_step`` returning ``None``).
+SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad", "no_loss")
 
 
 @dataclass(frozen=True)

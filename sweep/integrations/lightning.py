@@ -39,6 +39,9 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
 - Skips: under ``16-mixed`` the precision plugin's GradScaler skips ``optimizer.step()`` on an
   inf/NaN gradient and backs its scale off; a step after which the scale is lower is recorded
   skipped (``nonfinite_grad``), ``scaler_scale`` being the scale it ran at (1.0 without a scaler).
+- A step whose ``training_step`` returned ``None`` for every micro-batch (automatic optimization): Lightning
+  counts it (``global_step`` and the LR schedule advance) but runs no backward, so the optimizer changes
+  nothing; recorded skipped (``no_loss``, its norms NaN), out of the calibration window.
 - Checkpoints: the callback's ``state_dict`` (the recorder's state at the step saved) goes into
   every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
   opens, and the calibration, the ``steps.csv`` and the MLflow run continue from it
@@ -218,8 +221,12 @@ class ClipampCallback(pl.Callback):
             # the mean of the batches since the last step: Lightning divides each loss by accumulate_grad_batches
             # (automatic optimization; 1 under manual), also on a step the epoch's end cuts short
             m.loss = float(self._loss * (trainer.accumulate_grad_batches / self._losses))  # sync: once per step
+        no_loss = pl_module.automatic_optimization and not self._losses  # training_step returned None throughout
         self._loss, self._losses = None, 0
+        if no_loss:  # no backward, no gradient: Lightning counts the step, the optimizer changes nothing
+            m.pre = m.post = m.policy_post = math.nan
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         # fp16: the GradScaler skipped optimizer.step() (an inf/NaN gradient) iff its update backed the scale off
-        skipped = scaler is not None and float(scaler.get_scale()) < self._scale  # sync (fp16)
-        self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale, skipped=skipped)
+        skipped = no_loss or (scaler is not None and float(scaler.get_scale()) < self._scale)  # sync (fp16)
+        why = "no_loss" if no_loss else ""
+        self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale, skipped=skipped, why=why)

@@ -311,8 +311,11 @@ class StepRecorder:
         tok = None if math.isnan(values[4]) else int(values[4])
         return Measured(values[0], values[1], values[2], values[3], tok, dropped)
 
-    def record(self, step: int, lr: float, m: Measured, *, scale: float = 1.0, skipped: bool = False) -> StepLog:
-        """The step's record: fed to the calibration, written to ``steps.csv`` and MLflow."""
+    def record(
+        self, step: int, lr: float, m: Measured, *, scale: float = 1.0, skipped: bool = False, why: str = ""
+    ) -> StepLog:
+        """The step's record: fed to the calibration, written to ``steps.csv`` and MLflow. ``skipped``: the host
+        did not update (``why``: the ``SKIP_REASONS`` entry, ``nonfinite_grad`` unless said)."""
         tok = m.tokens
         common = dict(
             step=step,
@@ -328,7 +331,7 @@ class StepRecorder:
             },
         )
         if skipped or m.dropped:
-            log = SkipLog(grad_l2_post_clip=math.nan, clipped=False, skip_reason="nonfinite_grad", **common)
+            log = SkipLog(grad_l2_post_clip=math.nan, clipped=False, skip_reason=why or "nonfinite_grad", **common)
             seen = log
         else:
             log = StepLog(grad_l2_post_clip=m.post, clipped=m.post < m.pre, **common)

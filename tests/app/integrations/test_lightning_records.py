@@ -144,29 +144,44 @@ def test_the_calibration_is_told_the_steps_the_fit_takes(tmp_path, limits, steps
         assert cb.summary is not None and cb.summary.end_step < 40
 
 
-class Overflow(Tiny):
-    """An inf loss at step ``at``: every gradient inf/NaN, the GradScaler skips the step. Notes the weights
-    after each step."""
+class Noting(Tiny):
+    """Notes the parameters after each optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_end(self, *args) -> None:
+        self.weights[self.trainer.global_step] = [p.detach().clone() for p in self.parameters()]
+
+    def unchanged(self) -> list[bool]:
+        """Per step from 2: whether the step left the parameters as they were."""
+        w = self.weights
+        return [all(torch.equal(p, q) for p, q in zip(w[s], w[s - 1])) for s in range(2, max(w) + 1)]
+
+
+class Overflow(Noting):
+    """An inf loss at step ``at``: every gradient inf/NaN, the GradScaler skips the step."""
 
     def __init__(self, at: int):
         super().__init__()
-        self.at, self.weights = at, {}
+        self.at = at
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         return loss * float("inf") if self.trainer.global_step + 1 == self.at else loss
 
-    def on_train_batch_end(self, *args) -> None:
-        self.weights[self.trainer.global_step] = [p.detach().clone() for p in self.parameters()]
 
-
-def fp16_fit(tmp_path, callbacks, steps=6, at=3):
+def fp16():
     """``16-mixed`` as Lightning runs it on CUDA (its ``MixedPrecision`` plugin and a ``GradScaler``), on CPU."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
+    return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+
+def fp16_fit(tmp_path, callbacks, steps=6, at=3):
     module = Overflow(at)
-    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
-    fit(tmp_path, module, steps, callbacks, max_steps=steps, plugins=[plugin], gradient_clip_val=1.0)
+    fit(tmp_path, module, steps, callbacks, max_steps=steps, plugins=[fp16()], gradient_clip_val=1.0)
     return module
 
 
@@ -178,10 +193,54 @@ def test_a_step_the_grad_scaler_skips_is_recorded_skipped(tmp_path):
     ours = fp16_fit(tmp_path / "a", [cb])
     ref = fp16_fit(tmp_path / "b", [])
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
-    unchanged = [all(torch.equal(p, q) for p, q in zip(ours.weights[s], ours.weights[s - 1])) for s in range(2, 7)]
-    assert unchanged == [False, True, False, False, False]
+    assert ours.unchanged() == [False, True, False, False, False]
     df = pd.read_csv(tmp_path / "steps.csv")
     assert df["skipped"].tolist() == [False, False, True, False, False, False]
     assert df["skip_reason"].fillna("").tolist() == ["", "", "nonfinite_grad", "", "", ""]
     assert df["scaler_scale"].tolist() == [256.0] * 3 + [128.0] * 3
     assert (cb.summary.n_finite, cb.summary.n_skipped) == (3, 1)
+
+
+class NoLoss(Noting):
+    """``training_step`` returns ``None`` (Lightning: skip this batch) for the batches in ``none``."""
+
+    def __init__(self, none: set[int]):
+        super().__init__()
+        self.none = none
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in self.none else loss
+
+
+@pytest.mark.parametrize("precision", ["32", "16-mixed"])
+def test_a_step_without_a_loss_is_recorded_skipped_and_kept_out_of_the_window(tmp_path, precision):
+    """``training_step`` returns ``None`` at batches 2 and 3: Lightning counts steps 3 and 4 (global_step 8 after
+    8 batches) but they leave the parameters as they were (no backward: no gradient). Their rows say skipped,
+    ``no_loss``, norms and loss NaN; the window (steps 1-4) holds the norms of steps 1 and 2 only; the fit is
+    the fit without the callback."""
+    kw = dict(max_epochs=1, gradient_clip_val=1.0, plugins=[fp16()] if precision == "16-mixed" else [])
+    cb = callback(tmp_path, window=4, start=0)
+    ours = NoLoss({2, 3})
+    trainer = fit(tmp_path / "a", ours, 8, [cb], **kw)
+    ref = NoLoss({2, 3})
+    fit(tmp_path / "b", ref, 8, **{**kw, "plugins": [fp16()] if precision == "16-mixed" else []})
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
+    assert trainer.global_step == 8 and ours.unchanged() == [False, True, True, False, False, False, False]
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert df["skipped"].tolist() == [False, False, True, True] + [False] * 4
+    assert df["skip_reason"].fillna("").tolist() == ["", ""] + ["no_loss"] * 2 + [""] * 4
+    rows = df.iloc[2:4]
+    assert rows[["grad_l2_pre_clip", "grad_l2_post_clip", "loss"]].isna().all().all()
+    assert (cb.summary.n_finite, cb.summary.n_skipped) == (2, 2)
+    assert cb.summary.quantiles["max"] == df["grad_l2_pre_clip"][:2].max()
+
+
+def test_a_step_with_a_loss_in_some_micro_batches_is_taken(tmp_path):
+    """Accumulating 2: step 2's first micro-batch returns ``None``, its second a loss, whose gradient the step
+    applies: taken, its loss that batch's."""
+    module = NoLoss({2})
+    fit(tmp_path, module, 8, [callback(tmp_path, window=3, start=0)], max_epochs=1, accumulate_grad_batches=2)
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert not df["skipped"].any() and df["grad_l2_pre_clip"].gt(0).all()
+    assert df["loss"][1] == pytest.approx(module.losses[2][1], rel=1e-6)
