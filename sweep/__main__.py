@@ -8,48 +8,27 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
 
-
-def _interrupted_at_start(signum, frame) -> None:
-    """Ctrl-C before the app handles it (imports, composing the config): one line, exit 130.
-
-    It exits at once (``os._exit``): no run exists yet, and an exception raised here would unwind
-    through whatever import was running (a half-imported numpy then fails later with a RecursionError)."""
-    if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write("interrupted during start-up: no run was started, nothing to resume\n")
-        sys.stderr.flush()
-    os._exit(130)
-
-
-def _startup_sigint(on: bool) -> None:
-    """Ctrl-C during start-up is one line (``on``), then the app's own handling; an ignored SIGINT
-    (a background job) stays ignored."""
-    current = signal.getsignal(signal.SIGINT)
-    if on and current is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupted_at_start)
-    elif not on and current is _interrupted_at_start:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
+from sweep.startup import startup_sigint
 
 if __name__ == "__main__":
-    _startup_sigint(True)  # first: the imports below take seconds
+    startup_sigint(True)  # first: the imports below take seconds
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
-from sweep.config.convert import refuse_renamed, to_config  # noqa: E402
-from sweep.config.keys import unknown_key  # noqa: E402
-from sweep.config.schema import register  # noqa: E402
-from sweep.errors import UserError, fail, one_line  # noqa: E402
-from sweep.offline import stay_offline  # noqa: E402
-from sweep.paths import write_refusal  # noqa: E402
-from sweep.run.loop import RunInterrupted  # noqa: E402
-from sweep.secrets import hide_argv, redact_text  # noqa: E402
+from sweep.config.convert import refuse_renamed, to_config
+from sweep.config.keys import unknown_key
+from sweep.config.schema import register
+from sweep.errors import UserError, fail, one_line
+from sweep.offline import stay_offline
+from sweep.paths import write_refusal
+from sweep.run.loop import RunInterrupted
+from sweep.secrets import hide_argv, redact_text
 
 
 def _conf_dir() -> Path:
@@ -161,7 +140,7 @@ def main(cfg: DictConfig) -> None:
     from sweep.distributed.launch import rank_from_env, torchrun_world
     from sweep.distributed.rank_failure import RankFailed
 
-    _startup_sigint(False)  # from here the app handles Ctrl-C
+    startup_sigint(False)  # from here the app handles Ctrl-C
     try:
         hydra_cfg = HydraConfig.get()
         run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))
@@ -189,7 +168,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    _startup_sigint(True)
+    startup_sigint(True)  # again for a caller that imported this module itself
     stay_offline()  # before MLflow, transformers or datasets is imported
     sys.argv[1:] = hide_argv(sys.argv[1:])  # before Hydra can write or echo a password
     precheck(sys.argv[1:])

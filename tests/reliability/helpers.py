@@ -23,14 +23,17 @@ def assert_one_line_error(res, *fragments: str, status: int = 2) -> str:
     return lines[0]
 
 
-def start_cli(*args: str, cwd: Path, env: dict | None = None, module: str = "sweep") -> subprocess.Popen:
-    """``python -m sweep ARGS`` (or ``module``) in ``cwd`` with this tree's code, not waited for. Its SIGINT is as in a
-    terminal, whatever pytest inherited: a suite started as a background job ignores SIGINT, and the
-    app keeps an ignored SIGINT ignored (as ``nohup`` would want)."""
+def start_cli(
+    *args: str, cwd: Path, env: dict | None = None, module: str = "sweep", script: str | None = None
+) -> subprocess.Popen:
+    """``python -m sweep ARGS`` (or ``module``, or the console ``script`` beside this Python) in ``cwd`` with this
+    tree's code, not waited for. Its SIGINT is as in a terminal, whatever pytest inherited: a suite started as
+    a background job ignores SIGINT, and the app keeps an ignored SIGINT ignored (as ``nohup`` would want)."""
     full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full.update({"PYTHONPATH": str(REPO), **(env or {})})
+    command = [str(Path(sys.executable).parent / script)] if script else [sys.executable, "-m", module]
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [*command, *args],
         cwd=cwd,
         env=full,
         text=True,

@@ -17,8 +17,11 @@ def _stderr_lines(res) -> list[str]:
     return [line for line in res.stderr.splitlines() if line.strip()]
 
 
-def test_ctrl_c_during_start_up_is_one_line(tmp_path):
-    proc = start_cli("+experiment=train", *TINY, "steps=2", cwd=tmp_path)
+@pytest.mark.parametrize("script", [None, "clipamp"], ids=["python -m sweep", "clipamp"])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, script):
+    """The console script too: it imports its entry point's module before calling it, so that module is the
+    light ``sweep.startup`` (it was ``sweep.__main__``, whose imports ran before the handler: a traceback)."""
+    proc = start_cli("+experiment=train", *TINY, "steps=2", cwd=tmp_path, script=script)
     time.sleep(0.5)  # Python is up; the app's imports (torch, MLflow, Hydra) take seconds
     proc.send_signal(signal.SIGINT)
     res = finish(proc)
