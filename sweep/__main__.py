@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
-from sweep.config.schema import register
+from sweep.config.schema import RUNS, register
 from sweep.errors import UserError, fail, one_line
 from sweep.offline import stay_offline
 from sweep.paths import write_refusal
@@ -89,8 +89,15 @@ def _refuse_unwritable(key: str, folder: Path) -> None:
 def _unknown_override(e: Exception) -> Exception | None:
     """Hydra's "Could not override 'clip.maxnorm'. To append to your config use +clip.maxnorm=…" for a key
     the schema lacks: the schema's own line (the closest key and the section's keys) instead, since with
-    the ``+`` the key would be refused too."""
+    the ``+`` the key would be refused too; ``experiment=NAME`` is missing its ``+`` (the group is added)."""
     found = re.match(r"Could not override '([\w.]+)'", str(e))
+    if found and found.group(1) == "experiment":
+        value = re.search(r"\+experiment=(\S+)", str(e))
+        name = value.group(1) if value else "NAME"
+        return UserError(
+            f"experiment={name} needs a +: pass +experiment={name} (an experiment is added to the config, not "
+            f"overridden; NAME one of {', '.join(RUNS)})"
+        )
     return unknown_key(found.group(1)) if found else None
 
 

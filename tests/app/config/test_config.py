@@ -185,6 +185,7 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=train", "+clip.maxnorm=1"], "clip.maxnorm is not a key of clip: did you mean clip.max_norm?"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
+    (["experiment=calibrate"], "error: experiment=calibrate needs a +: pass +experiment=calibrate (an experiment is"),
     (
         ["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"],
         "data.path='/nonexistent/corpus.txt' does not exist",
