@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
 from sweep.config.schema import RUNS, register
+from sweep.config.validate import refuse_clip_overrides
 from sweep.errors import UserError, fail, one_line
 from sweep.offline import stay_offline
 from sweep.paths import write_refusal
@@ -74,7 +75,8 @@ def precheck(argv: list[str]) -> None:
     try:
         refuse_renamed(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            to_config(compose(config_name="config", overrides=overrides))
+            cfg = to_config(compose(config_name="config", overrides=overrides))
+        refuse_clip_overrides(cfg.run, overrides)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or e))
 

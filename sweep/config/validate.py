@@ -20,7 +20,7 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
-from sweep.config.schema import CALIBRATED, RUNS, ClipConfig, Config
+from sweep.config.schema import CALIBRATED, RUNS, CalibrateConfig, ClipConfig, Config
 from sweep.config.validate_spike import check_spike
 from sweep.errors import UserError
 
@@ -168,7 +168,28 @@ def _refuse_clip_in_calibrate(cfg: Config) -> None:
         return
     changed = [f.name for f in dataclasses.fields(ClipConfig) if getattr(cfg.clip, f.name) != getattr(default, f.name)]
     given = f"clip={cfg.clip.mode}" if "mode" in changed else f"clip.{changed[0]}={getattr(cfg.clip, changed[0])}"
-    raise UserError(
+    raise _ignored_in_calibrate(given)
+
+
+def refuse_clip_overrides(run: str | None, overrides: list[str]) -> None:
+    """The command line's ``clip=…`` / ``clip.*=…`` in a calibrate run, even one that repeats a default
+    (``clip=norm``, ``clip.max_norm=1``), which ``check_clip`` cannot tell from no override at all;
+    ``clip=calibrated`` names what the run trains with."""
+    if run != "calibrate":
+        return
+    for arg in overrides:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key.removeprefix("clip.") in _CALIBRATE_KEYS:
+            continue  # clip.quantile=…: check_clip names the calibrate.* key it meant
+        if (key == "clip" and value != "calibrated") or key.startswith("clip."):
+            raise _ignored_in_calibrate(arg.lstrip("+~"))
+
+
+_CALIBRATE_KEYS = {f.name for f in dataclasses.fields(CalibrateConfig)}
+
+
+def _ignored_in_calibrate(given: str) -> UserError:
+    return UserError(
         f"{given}: +experiment=calibrate trains at its calibrated τ (clip=calibrated, whose options are "
         f"calibrate.*), so the clip group would be ignored: drop it, or run +experiment=train {given}"
     )

@@ -185,6 +185,8 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=train", "+clip.maxnorm=1"], "clip.maxnorm is not a key of clip: did you mean clip.max_norm?"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
+    (["+experiment=calibrate", "clip=norm"], "error: clip=norm: +experiment=calibrate trains at its calibrated τ"),
+    (["+experiment=calibrate", "clip.max_norm=1"], "error: clip.max_norm=1: +experiment=calibrate trains at its"),
     (["experiment=calibrate"], "error: experiment=calibrate needs a +: pass +experiment=calibrate (an experiment is"),
     (
         ["+experiment=calibrate", "data=text", "data.path=/nonexistent/corpus.txt"],
