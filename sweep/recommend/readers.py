@@ -52,6 +52,8 @@ def read_series(
     run = RUN_ID.fullmatch(path)
     if run and (path.startswith("runs:/") or not p.exists()):
         return read_mlflow(run.group(1), norm=norm, lr=lr, tracking_uri=tracking_uri)
+    if path.startswith("runs:/"):
+        raise UserError(f"{path}: a run id is 32 hex digits (python -m sweep.report --wide lists them)")
     if not p.exists():
         raise UserError(f"{path}: no such file or folder (pass a trainer_state.json, an event file, a CSV or runs:/ID)")
     if p.is_dir():

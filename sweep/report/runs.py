@@ -30,7 +30,7 @@ NARROW = [
     ("eval", "metrics.eval_loss", fmt),
 ]
 #: Added by ``wide`` (after the run name: id and kind, the ``+experiment`` it ran; at the end: the rest).
-WIDE_FIRST = [("run_id", "run_id", lambda v: str(v)[:8]), ("kind", "tags.run", str)]  # +experiment=KIND
+WIDE_FIRST = [("run_id", "run_id", str), ("kind", "tags.run", str)]  # +experiment=KIND
 WIDE_LAST = [
     ("model", "tags.model", str),
     ("data", "tags.data", str),

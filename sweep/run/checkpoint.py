@@ -303,24 +303,34 @@ def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: 
             client.get_run(resume)
         except Exception:
             raise UserError(
-                f"resume={resume!r} is not a run id in this tracking store; "
-                f"use resume=true for the latest run named {run_name!r}"
+                f"resume={resume!r} is not a run id in this tracking store (a run id is 32 hex digits: "
+                f"python -m sweep.report --wide lists them); use resume=true for the latest run named {run_name!r}"
             ) from None
         return resume
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"attributes.run_name = '{run_name}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=50,
-    )
-    for run in runs:
-        if checkpoint_path(uri, run.info.run_id).exists():
-            return run.info.run_id
+    named = _latest_with_checkpoint(client, experiment_id, uri, f"attributes.run_name = '{run_name}'")
+    if named is not None:
+        return named.info.run_id
     experiment = client.get_experiment(experiment_id).name
+    other = _latest_with_checkpoint(client, experiment_id, uri)
+    hint = (
+        f"; the latest run with one is {other.info.run_name!r}: a run's name says its experiment, model and dtype, "
+        f"so another amp.dtype or model looks for another name; resume={other.info.run_id} continues that run "
+        "and names any setting that differs"
+        if other is not None
+        else ""
+    )
     raise UserError(
         f"resume=true: no run named {run_name!r} with a checkpoint in experiment {experiment!r}; "
-        f"start a new run (drop resume=) or pass resume=RUN_ID"
+        f"start a new run (drop resume=) or pass resume=RUN_ID{hint}"
     )
+
+
+def _latest_with_checkpoint(client, experiment_id: str, uri: str, filter_string: str = ""):
+    """The most recently started of the experiment's last 50 runs (matching ``filter_string``) that has a checkpoint."""
+    runs = client.search_runs(
+        [experiment_id], filter_string=filter_string, order_by=["attributes.start_time DESC"], max_results=50
+    )
+    return next((run for run in runs if checkpoint_path(uri, run.info.run_id).exists()), None)
 
 
 def load_resumable(

@@ -90,7 +90,7 @@ def test_wide_last_and_experiment(runs, capsys):
     assert {"p50", "p90", "p99", "status", "model"} <= set(header)
     newest = MlflowClient(store).get_run(ids[-1])
     cells = dict(zip(header, _cells(wide[1])))
-    assert cells["run"] == newest.info.run_name and cells["run_id"] == ids[-1][:8]  # not shortened in --wide
+    assert cells["run"] == newest.info.run_name and cells["run_id"] == ids[-1]  # whole: what resume=, runs:/ take
     assert float(cells["p99"]) == pytest.approx(newest.data.metrics["grad_norm_p99"], rel=1e-3)
     assert cells["status"] == "FINISHED"
     other = _report(capsys, "--tracking-uri", store, "--experiment", "other")

@@ -109,3 +109,33 @@ def test_a_checkpoint_write_cut_short_keeps_the_old_file_and_leaves_no_temporary
         C.save_checkpoint(path, state, step=2)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # before: checkpoint.pt.tmp too
+
+
+def test_resume_true_under_another_name_and_a_short_id_say_what_to_pass(tmp_path):
+    """A changed amp.dtype or model changes the run's name, so ``resume=true`` finds nothing by that name: the
+    line names the latest run with a checkpoint and its whole id; an id cut short says an id is 32 hex digits."""
+    from mlflow import MlflowClient
+
+    from sweep.errors import UserError
+    from sweep.run.checkpoint import checkpoint_path, find_resumable
+
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("clipamp")
+    killed = client.create_run(exp, run_name="train-gpt-bf16").info.run_id
+    client.create_run(exp, run_name="calibrate-gpt-bf16")  # newer, without a checkpoint
+    ckpt = checkpoint_path(uri, killed)
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+    assert find_resumable(client, exp, "train-gpt-bf16", uri, "true") == killed
+    with pytest.raises(UserError) as e:
+        find_resumable(client, exp, "train-gpt-fp32", uri, "true")
+    assert str(e.value) == (
+        "resume=true: no run named 'train-gpt-fp32' with a checkpoint in experiment 'clipamp'; start a new run "
+        "(drop resume=) or pass resume=RUN_ID; the latest run with one is 'train-gpt-bf16': a run's name says its "
+        "experiment, model and dtype, so another amp.dtype or model looks for another name; "
+        f"resume={killed} continues that run and names any setting that differs"
+    )
+    short = rf"resume='{killed[:8]}' is not a run id in this tracking store \(a run id is 32"
+    with pytest.raises(UserError, match=short):
+        find_resumable(client, exp, "train-gpt-bf16", uri, killed[:8])
