@@ -284,8 +284,9 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
         extra["skipped"] = df["skipped"].astype(str).str.strip().str.lower().isin(["true", "1", "yes"]).to_numpy()
         with open(path, newline="", encoding="utf-8") as f:
             extra["rows"] = [row for row, kept in zip(csv.DictReader(f), logged) if kept]
-    if "max_norm" in cols:
-        extra["max_norm"] = pd.to_numeric(df["max_norm"], errors="coerce").to_numpy()
+    for column, key in (("max_norm", "max_norm"), ("token_count", "tokens")):
+        if column in cols:
+            extra[key] = pd.to_numeric(df[column], errors="coerce").to_numpy()
     lrs = pd.to_numeric(df[lr_name], errors="coerce").to_numpy() if lr_name else None
     if lr_rows is not None:  # the LR of the norm's step, from whichever row logged it
         lr_steps = pd.to_numeric(lr_rows[step_name], errors="coerce")

@@ -95,12 +95,14 @@ def _lrs(series: NormSeries) -> np.ndarray | None:
     return pd.Series(series.lrs).ffill().bfill().to_numpy()
 
 
-def record(step: int, lr: float, norm: float, taken: bool, tau: float | None) -> StepLog:
-    """The record a run would have written for this step while clipping at ``tau`` (``None``: no clipping)."""
+def record(step: int, lr: float, norm: float, taken: bool, tau: float | None, tokens: float = math.nan) -> StepLog:
+    """The record a run would have written for this step while clipping at ``tau`` (``None``: no clipping),
+    with its token count where the log has one."""
+    count = int(tokens) if math.isfinite(tokens) and tokens > 0 else None
     if not taken:
-        return SkipLog(step, lr, norm, math.nan, math.nan, 1.0, clipped=False, max_norm=tau)
+        return SkipLog(step, lr, norm, math.nan, math.nan, 1.0, clipped=False, token_count=count, max_norm=tau)
     coef = 1.0 if tau is None else min(1.0, tau / (norm + CLIP_EPS))
-    return StepLog(step, lr, norm, norm * coef, math.nan, 1.0, clipped=coef < 1.0, max_norm=tau)
+    return StepLog(step, lr, norm, norm * coef, math.nan, 1.0, clipped=coef < 1.0, token_count=count, max_norm=tau)
 
 
 def replay(series: NormSeries, options: Options) -> CalibratedClip:
@@ -128,9 +130,11 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
         raise UserError(as_flags(str(e))) from None
     lrs = _lrs(series)
     lrs = np.ones(len(series.steps)) if lrs is None else lrs
+    tokens = np.full(len(series.steps), math.nan) if series.tokens is None else series.tokens
     try:
-        for step, lr, norm, taken in zip(series.steps.tolist(), lrs.tolist(), series.norms.tolist(), series.taken):
-            clip.observe(record(step, lr, norm, bool(taken), clip.threshold))
+        logged = zip(series.steps.tolist(), lrs.tolist(), series.norms.tolist(), series.taken, tokens.tolist())
+        for step, lr, norm, taken, count in logged:
+            clip.observe(record(step, lr, norm, bool(taken), clip.threshold, count))
     except CalibrationError as e:
         raise UserError(f"{series.source}: {e}") from None
     return clip

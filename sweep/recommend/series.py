@@ -46,7 +46,8 @@ class NormSeries:
     run clipped at per step (NaN where unknown). ``skipped``: steps whose update the run refused.
     ``rows``: the log's own per-step rows when it has the columns ``diagnose`` reads (clipamp's CSV).
     ``pre_clip``: why the series is known to be measured before clipping (``None``: assumed).
-    ``lr_name``: the tag, column or metric the LR came from.
+    ``lr_name``: the tag, column or metric the LR came from. ``tokens``: the token count of each step
+    (NaN where unknown; ``None``: the log has none), for the quantiles of ‖g‖·√N_tok.
     """
 
     source: str
@@ -60,6 +61,7 @@ class NormSeries:
     pre_clip: str | None = None
     lr_name: str | None = None
     notes: list[str] = field(default_factory=list)
+    tokens: np.ndarray | None = None
 
     @property
     def interval(self) -> int:
@@ -87,7 +89,7 @@ def make_series(source: str, name: str, steps, norms, lrs=None, **extra: Any) ->
     order = np.argsort(steps, kind="stable")
     last = np.r_[steps[order][1:] != steps[order][:-1], True]  # the last of each run of equal steps
     keep = order[last]
-    arrays = {"lrs": lrs, "max_norm": extra.pop("max_norm", None), "skipped": extra.pop("skipped", None)}
+    arrays = {"lrs": lrs, **{k: extra.pop(k, None) for k in ("max_norm", "skipped", "tokens")}}
     kept = {k: None if v is None else np.asarray(v)[keep] for k, v in arrays.items()}
     rows = extra.pop("rows", None)
     series = NormSeries(

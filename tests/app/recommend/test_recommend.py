@@ -158,8 +158,9 @@ def test_repeated_windows_equal_numpy_per_window(tmp_path):
 
 
 def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
-    """A real AmpTrainState run with clip=calibrated (start=auto, LR warm-up) writes steps.csv; the command on
-    that CSV places the window, summarises it and checks the band exactly as the run's policy did."""
+    """A real AmpTrainState run with clip=calibrated (start=auto, LR warm-up, a token-count loss) writes steps.csv;
+    the command on that CSV places the window, summarises it (‖g‖·√N_tok quantiles included) and checks the band
+    exactly as the run's policy did."""
     import torch
 
     from clipamp_engine.csvlog import StepCSVWriter
@@ -170,7 +171,11 @@ def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=30)
     policy = CalibratedClip(40, start="auto", total_steps=240)
-    state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32", clip=policy, scheduler=warmup)
+
+    def loss_fn(out, y):  # (loss_sum, token_count): the records carry token counts
+        return ((out - y) ** 2).sum(), y.numel()
+
+    state = AmpTrainState(model, opt, loss_fn, dtype="fp32", clip=policy, scheduler=warmup)
     writer = StepCSVWriter(tmp_path / "steps.csv")
     g = torch.Generator().manual_seed(1)
     logs = []
@@ -182,6 +187,7 @@ def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     rec = parse([str(tmp_path / "steps.csv"), "--window", "40"])
     assert policy.placement.rule == "auto" and rec.clip.placement == policy.placement
     assert [s.as_state() for s in rec.clip.summaries] == [s.as_state() for s in policy.summaries]
+    assert policy.summaries[0].token_quantiles  # compared above: the run's ‖g‖·√N_tok quantiles, not "—"
     assert rec.clip.checks() == policy.checks() and rec.tau == policy.tau
     assert rec.findings and rec.findings == diagnose(logs)  # the diagnosis a run's report prints
 
