@@ -1,8 +1,7 @@
 """Ctrl-C during the app's start-up (seconds of imports and config composition): one line, exit 130.
 
 Installed first, before any heavy import, by ``python -m sweep`` (``sweep/__main__.py``) and by the
-``clipamp`` console script (``clipamp()`` here: the script imports its entry point's module, so that
-module must be this light one); the app turns it off once it handles Ctrl-C itself.
+``clipamp`` console script (``sweep.console``); the app turns it off once it handles Ctrl-C itself.
 """
 
 from __future__ import annotations
@@ -29,11 +28,3 @@ def startup_sigint(on: bool) -> None:
         signal.signal(signal.SIGINT, _interrupted_at_start)
     elif not on and current is _interrupted_at_start:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def clipamp() -> None:
-    """The ``clipamp`` console script: the start-up handler, then the app (``sweep.__main__.cli``)."""
-    startup_sigint(True)
-    from sweep.__main__ import cli
-
-    cli()
