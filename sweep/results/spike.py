@@ -88,8 +88,9 @@ def arm_metrics(arm: Arm, twin: Arm, main_ref: Arm, cfg: Config) -> dict[str, fl
     return m
 
 
-def fp16_outcome(arm: Arm, cfg: Config) -> tuple[bool, str]:
-    """Did the fp16 run survive the spike: skipped + scale backed off (or clipped), then continued finite?"""
+def fp16_outcome(arm: Arm, cfg: Config, twin: Arm | None = None) -> tuple[bool, str]:
+    """Did the fp16 run survive the spike: skipped + scale backed off (or clipped), then continued finite?
+    ``twin``: the unspiked run; where it overflowed at the same step, the overflow was not the spike's."""
     at = cfg.spike.at_step
     row, rows = arm.rows[at - 1], arm.rows
     after = rows[at:]
@@ -104,6 +105,11 @@ def fp16_outcome(arm: Arm, cfg: Config) -> tuple[bool, str]:
             f"overflow at the spike ({row['skip_reason']}): step skipped, loss scale "
             f"2^{math.log2(s0):g} → 2^{math.log2(s1):g}"
         )
+        if twin is not None and twin.rows[at - 1]["skipped"]:
+            what += (
+                " (the unspiked twin overflowed at this step too: a natural overflow, so this replay does not "
+                "show what the spike alone does; move spike.at_step or lower amp.init_scale)"
+            )
         ok = backed and continued and finite
     else:
         tau = row["max_norm"]

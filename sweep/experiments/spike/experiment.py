@@ -111,7 +111,7 @@ def run_spike(
             return None
         for family, family_cfg in ((pairs, cfg), (fp16, cfg16)):
             measure_family(store, family, family_cfg)
-        ok, outcome = fp16_outcome(fp16["calibrated"][1], cfg16) if fp16 else (None, "")
+        ok, outcome = fp16_outcome(fp16["calibrated"][1], cfg16, twin=fp16["calibrated"][0]) if fp16 else (None, "")
         result = report(cfg, store, parent, pairs, fp16, ok, outcome, console)
         if ok is False:
             raise Fp16NotSurvived(

@@ -17,7 +17,7 @@ from sweep.config.convert import with_overrides
 from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
 from sweep.report.spike import where_to_look
-from sweep.results.spike import recovery_steps
+from sweep.results.spike import fp16_outcome, recovery_steps
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
@@ -155,7 +155,7 @@ def test_an_fp16_run_that_does_not_survive_ends_failed_in_one_line_with_everythi
     from sweep.experiments.spike import experiment as E
 
     real = E.fp16_outcome
-    monkeypatch.setattr(E, "fp16_outcome", lambda arm, cfg: (False, real(arm, cfg)[1]))
+    monkeypatch.setattr(E, "fp16_outcome", lambda arm, cfg, twin=None: (False, real(arm, cfg, twin)[1]))
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE, f"tracking.uri={uri}")
     threads = torch.get_num_threads()
@@ -303,3 +303,32 @@ def test_the_last_line_opens_the_runs_as_every_run_does_on_a_server_too():
         "runs: open http://127.0.0.1:5001/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=clipamp"
         "  (parent run abc)"
     )
+
+
+def test_an_overflow_the_unspiked_twin_has_too_is_not_called_the_spikes():
+    """fp16 at a small size can overflow at the spike step on its own: the outcome says the twin skipped too."""
+    from types import SimpleNamespace
+
+    cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE)
+
+    def arm(skipped_at: set[int]):
+        rows = [
+            {
+                "step": s,
+                "skipped": s in skipped_at,
+                "skip_reason": "nonfinite_grad" if s in skipped_at else "",
+                "scaler_scale": 2.0**18 if s <= AT else 2.0**17,
+                "loss": 1.0,
+                "max_norm": 1.0,
+                "grad_l2_pre_clip": 1.0,
+                "grad_l2_post_clip": 1.0,
+            }
+            for s in range(1, STEPS + 1)
+        ]
+        return SimpleNamespace(rows=rows, metrics={"params_finite": 1.0})
+
+    spiked = arm({AT})
+    ok, alone = fp16_outcome(spiked, cfg, twin=arm(set()))
+    assert ok and alone.startswith("overflow at the spike (nonfinite_grad): step skipped, loss scale 2^18 → 2^17;")
+    ok, natural = fp16_outcome(spiked, cfg, twin=arm({AT}))
+    assert ok and "(the unspiked twin overflowed at this step too: a natural overflow" in natural
