@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from clipamp_engine.calibration import QUANTILE_KEYS
 from clipamp_engine.diagnosis import diagnose, format_findings
 from sweep.report import calibration
 from sweep.report.format import fmt, markdown_table, pct, ui_command
@@ -27,7 +28,8 @@ def write_run_report(cfg: Config, tracker: RunTracker, result: RunResult) -> Non
     report = run_report_markdown(cfg, result)
     tracker.artifact_path("report.md").write_text(report)
     if cfg.tracking.plots and result.records.rows:
-        q = {k[len("grad_norm_") :]: v for k, v in result.metrics.items() if k.startswith("grad_norm_")}
+        m = result.metrics
+        q = {k: m[f"grad_norm_{k}"] for k in QUANTILE_KEYS if f"grad_norm_{k}" in m}  # not their intervals
         plot_run(
             result.records.rows,
             tracker.artifact_path("plots/x").parent,
