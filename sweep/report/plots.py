@@ -39,16 +39,22 @@ def plot_run(
     out_dir: Path,
     *,
     quantiles: dict[str, float] | None = None,
-    tau: float | None = None,
+    recommended: float | None = None,
     title: str = "",
 ) -> list[Path]:
-    """Write ``grad_norm.png``, ``grad_norm_hist.png``, ``scaler_scale.png`` and ``loss.png``."""
+    """Write ``grad_norm.png``, ``grad_norm_hist.png``, ``scaler_scale.png`` and ``loss.png``.
+
+    The norm figures draw the τ the run clipped at (the steps' ``max_norm``, red, "τ used") and, where it
+    is no τ the run used (e.g. a fixed-τ or unclipped run), the ``recommended`` τ (dashed, "recommended τ")."""
     out_dir.mkdir(parents=True, exist_ok=True)
     quantiles = {k: v for k, v in (quantiles or {}).items() if k != "max"}
+    used = taus_used(rows)
+    if recommended is not None and (not math.isfinite(recommended) or recommended in used):
+        recommended = None
     steps = [r["step"] for r in rows]
     paths = [
-        _grad_norm_trace(rows, quantiles, tau, title, out_dir / "grad_norm.png"),
-        _grad_norm_hist(rows, quantiles, tau, out_dir / "grad_norm_hist.png"),
+        _grad_norm_trace(rows, quantiles, recommended, title, out_dir / "grad_norm.png"),
+        _grad_norm_hist(rows, quantiles, used, recommended, out_dir / "grad_norm_hist.png"),
     ]
 
     fig, ax = plt.subplots(figsize=(9, 3))
@@ -65,7 +71,18 @@ def plot_run(
     return paths
 
 
-def _grad_norm_trace(rows, quantiles: dict[str, float], tau: float | None, title: str, path: Path) -> Path:
+def taus_used(rows: list[dict[str, Any]]) -> list[float]:
+    """The distinct finite τ the steps were clipped at (their ``max_norm``; what the ``tau_used`` tag condenses)."""
+    return sorted({float(v) for v in _finite(r.get("max_norm") for r in rows)})
+
+
+def _tau_trace(rows) -> tuple[list[int], list[float]]:
+    """The τ in force at each step (NaN where the step was not clipped at a τ)."""
+    values = [r.get("max_norm") for r in rows]
+    return [r["step"] for r in rows], [v if v is not None and math.isfinite(v) else math.nan for v in values]
+
+
+def _grad_norm_trace(rows, quantiles: dict[str, float], recommended: float | None, title: str, path: Path) -> Path:
     steps = [r["step"] for r in rows]
     pre = [r["grad_l2_pre_clip"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -78,8 +95,13 @@ def _grad_norm_trace(rows, quantiles: dict[str, float], tau: float | None, title
     for name, v in quantiles.items():
         ax.axhline(v, ls=":", lw=0.8, color="gray")
         ax.annotate(name, (steps[-1], v), fontsize=7, color="gray", ha="right", va="bottom")
-    if tau is not None:
-        ax.axhline(tau, color="red", lw=1.2, label=f"τ = {tau:.3g}")
+    used = taus_used(rows)
+    if used:
+        xs, ys = _tau_trace(rows)
+        label = f"τ used = {used[0]:.3g}" if len(used) == 1 else f"τ used ({used[0]:.3g}–{used[-1]:.3g})"
+        ax.step(xs, ys, where="post", color="red", lw=1.2, label=label)
+    if recommended is not None:
+        ax.axhline(recommended, color="purple", ls="--", lw=1.0, label=f"recommended τ = {recommended:.3g}")
     windows = [r["step"] for r in rows if r.get("phase") == "calibrate"]
     if windows:
         ax.axvspan(min(windows), max(windows), color="orange", alpha=0.08, label="calibration window")
@@ -93,7 +115,9 @@ def _grad_norm_trace(rows, quantiles: dict[str, float], tau: float | None, title
     return save(fig, path)
 
 
-def _grad_norm_hist(rows, quantiles: dict[str, float], tau: float | None, path: Path) -> Path:
+def _grad_norm_hist(
+    rows, quantiles: dict[str, float], used: list[float], recommended: float | None, path: Path
+) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     logs = [math.log10(p) for p in _finite(r["grad_l2_pre_clip"] for r in rows) if p > 0]
     ax.hist(logs, bins=40, color="steelblue")
@@ -101,8 +125,11 @@ def _grad_norm_hist(rows, quantiles: dict[str, float], tau: float | None, path: 
         if v > 0:
             ax.axvline(math.log10(v), ls="--", lw=0.8, color="gray")
             ax.annotate(name, (math.log10(v), ax.get_ylim()[1] * 0.9), fontsize=7, rotation=90)
-    if tau:
-        ax.axvline(math.log10(tau), color="red", lw=1.2)
+    for i, tau in enumerate(t for t in used if t > 0):
+        ax.axvline(math.log10(tau), color="red", lw=1.2, label="τ used" if i == 0 else None)
+    if recommended is not None and recommended > 0:
+        ax.axvline(math.log10(recommended), color="purple", ls="--", lw=1.0, label="recommended τ")
+    legend(ax, fontsize=7)
     ax.set(xlabel="log10 pre-clip ‖g‖", ylabel="steps", title="norm distribution (finite steps)")
     return save(fig, path)
 

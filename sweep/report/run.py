@@ -34,7 +34,7 @@ def write_run_report(cfg: Config, tracker: RunTracker, result: RunResult) -> Non
             result.records.rows,
             tracker.artifact_path("plots/x").parent,
             quantiles=q,
-            tau=result.metrics.get("recommended_max_norm"),
+            recommended=m.get("recommended_max_norm"),
             title=f"({cfg.model.name}, {cfg.amp.dtype})",
         )
     write_notes(tracker, result, report)

@@ -14,7 +14,7 @@ import sweep.report.run as run_report
 from clipamp_engine.calibration import QUANTILE_KEYS
 from sweep.run.loop import RunRecords
 from sweep.run.pipeline import RunResult
-from sweep.run.summary import summary_metrics
+from sweep.run.summary import summary_metrics, tau_tags
 from tests.app.helpers import TINY, compose_cfg
 
 
@@ -87,3 +87,24 @@ def test_the_quantile_lines_are_the_quantiles_not_their_intervals(tmp_path, figu
     _report(tmp_path, _rows())
     for name in ("grad_norm.png", "grad_norm_hist.png"):
         assert sorted(figures[name]["texts"]) == sorted(QUANTILE_KEYS), name
+
+
+def test_a_fixed_tau_run_draws_the_tau_it_clipped_at(tmp_path, figures):
+    rows = _rows(max_norm=1.0)
+    metrics = _report(tmp_path, rows, "clip.max_norm=1.0")
+    assert tau_tags(rows)["tau_used"] == "1"
+    assert metrics["recommended_max_norm"] != 1.0
+    trace = figures["grad_norm.png"]
+    assert "τ used = 1" in trace["labels"]
+    assert [set(ys) for ys in trace["red"]] == [{1.0}]  # the red line is τ used, at every step
+    rec = f"recommended τ = {metrics['recommended_max_norm']:.3g}"
+    assert rec in trace["labels"] and not any(label.startswith("τ =") for label in trace["labels"])
+    hist = figures["grad_norm_hist.png"]
+    assert [set(xs) for xs in hist["red"]] == [{0.0}]  # log10(1.0)
+    assert hist["labels"] == ["τ used", "recommended τ"]
+
+
+def test_an_unclipped_run_draws_no_tau_used(tmp_path, figures):
+    _report(tmp_path, _rows(max_norm=None), "clip=none")
+    assert figures["grad_norm.png"]["red"] == []
+    assert not any(label.startswith("τ used") for label in figures["grad_norm.png"]["labels"])
