@@ -66,11 +66,12 @@ def _taus(values: list[float | None]) -> str:
 
 def tau_tags(rows: list[dict[str, Any]]) -> dict[str, str]:
     """The τ a run clipped at, per phase (``tau.<phase>``: from the steps' ``max_norm``, skipped steps
-    included) and condensed (``tau_used``: the phases' values in order, repeats merged, e.g. ``none → 2.46``)."""
+    included) and condensed (``tau_used``: the phases' values in order, repeats merged, e.g. ``none → 2.46``).
+    A row without a phase (a step hook's raw record, e.g. a pruned trial's) is a ``train`` step."""
     phases: dict[str, list[float | None]] = {}
     for r in rows:
         v = r["max_norm"]
-        phases.setdefault(r["phase"], []).append(None if v is None or not math.isfinite(v) else float(v))
+        phases.setdefault(r.get("phase") or "train", []).append(None if v is None or not math.isfinite(v) else float(v))
     per_phase = {p: _taus(v) for p, v in phases.items()}
     texts = list(per_phase.values())
     condensed = [t for i, t in enumerate(texts) if i == 0 or t != texts[i - 1]]

@@ -26,6 +26,7 @@ from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdic
 from sweep.experiments.study.trial_launch import run_job
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
+from sweep.run.summary import tau_tags
 from sweep.tracking.outbox import PENDING, amend_pending, unreachable
 from sweep.tracking.tracker import RunTracker, Store, log_metrics, redact, redact_text, upload_dir
 
@@ -265,7 +266,8 @@ def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
             ctx.store,
             run_id,
             "KILLED",
-            {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran), "pruned_by": by},
+            {"pruned": "true", "outcome": "pruned", "pruned_at_step": str(ran), "pruned_by": by}
+            | tau_tags(watch.records.rows),  # what finish() sets for a run that ends
             part,
         )
     ctx.study.tell(trial, state=TrialState.PRUNED)
@@ -289,7 +291,8 @@ def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: f
         tracker.end("FAILED")
         run_id = tracker.run_id
     set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id, "error": reason})
-    end_child(ctx.store, run_id, "FAILED", {"outcome": "failed", "error": reason}, part)
+    taus = tau_tags(watch.records.rows) if watch.records.rows else {}
+    end_child(ctx.store, run_id, "FAILED", {"outcome": "failed", "error": reason} | taus, part)
     ctx.study.tell(trial, state=TrialState.FAIL)
     ctx.counters.failed += 1
     ctx.ui.end_trial(trial.number, "FAIL", reason)
