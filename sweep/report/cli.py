@@ -83,7 +83,7 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
         worker = by_id.get(t.get("sweep_parent") or t.get("mlflow.parentRunId", ""))
         state = trial_state(state, worker.data.tags if worker is not None else None)  # DIED: the next run recovers it
         steps_run = m.get("steps_run")
-        if steps_run is None and state == "KILLED":  # stopped by a signal before its summary: its last step
+        if steps_run is None:  # no summary yet (running) or ever (a signal, a dead worker): its last step
             steps_run = max((x.step for x in client.get_metric_history(r.info.run_id, "loss")), default=0)
         trials.setdefault(t.get("study", "?"), []).append(
             {

@@ -45,3 +45,31 @@ def test_a_trial_a_signal_stopped_is_killed_with_the_steps_it_ran(store):
     [(name, df, *_)] = sweeps_tables(client, "clipamp")
     assert name == "s"
     assert df[["state", "steps_run"]].values.tolist() == [["COMPLETE", 20], ["KILLED", 11], ["FAIL", 0]]
+
+
+def test_a_running_or_died_trial_has_the_steps_of_its_loss_history(store, tmp_path):
+    """A trial whose worker died (its lock free on this host) or that is still running has no summary:
+    the table said 'steps 0' for a died trial whose loss history had 750 steps."""
+    import socket
+
+    from mlflow import MlflowClient
+
+    from sweep.report.cli import sweeps_tables
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("clipamp")
+    lock = tmp_path / "worker.lock"
+    lock.write_text("")
+    dead = client.create_run(
+        exp,
+        tags={"sweep_role": "parent", "study": "s", "worker_host": socket.gethostname(), "worker_lock": str(lock)},
+    )
+    alive = client.create_run(exp, tags={"sweep_role": "parent", "study": "s"})
+    for number, parent, steps in ((0, dead, 17), (1, alive, 9)):
+        run = client.create_run(
+            exp, tags={"sweep_role": "trial", "study": "s", "trial": str(number), "sweep_parent": parent.info.run_id}
+        )
+        for step in range(1, steps + 1):
+            client.log_metric(run.info.run_id, "loss", 3.0, step=step)
+    [(_, df, *_)] = sweeps_tables(client, "clipamp")
+    assert df[["state", "steps_run"]].values.tolist() == [["DIED", 17], ["RUNNING", 9]]
