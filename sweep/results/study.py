@@ -45,21 +45,27 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+#: User attr ``outcome`` of a trial a signal stopped: FAIL in Optuna (no other state fits), KILLED in the tables.
+KILLED_OUTCOME = "killed"
+
+
 def trials_table(study, band: tuple[float, float]) -> pd.DataFrame:
-    """Every trial of ``study`` (user attrs hold the figures) with ``in_band`` and ``pareto`` flags."""
+    """Every trial of ``study`` (user attrs hold the figures) with ``in_band`` and ``pareto`` flags; a trial a
+    signal stopped is KILLED, as its MLflow run (and ``sweep.report``) says."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         ua = t.user_attrs
+        killed = t.state.name == "FAIL" and ua.get("outcome") == KILLED_OUTCOME
         row = {
             "trial": t.number,
-            "state": t.state.name,
+            "state": "KILLED" if killed else t.state.name,
             "dtype": t.params.get("dtype", ""),
             "max_norm": t.params.get("max_norm", math.nan),
         }
         for k in ("eval_loss", "clip_ratio", "skip_ratio", "final_loss", "wall_s"):
             v = ua.get(k)
             row[k] = float(v) if _finite(v) else math.nan
-        row["steps_run"] = int(ua.get("steps_run", 0))
+        row["steps_run"] = int(ua.get("steps_run") or 0)
         row["run_id"] = ua.get("run_id", "")
         row["parent_run_id"] = ua.get("parent_run_id", "")
         rows.append(row)

@@ -302,6 +302,7 @@ def log_parent_summary(tracker: RunTracker, result: SweepResult) -> None:
         "trials_complete": float(states.get("COMPLETE", 0)),
         "trials_pruned": float(states.get("PRUNED", 0)),
         "trials_failed": float(states.get("FAIL", 0)),
+        "trials_killed": float(states.get("KILLED", 0)),  # FAIL in Optuna: a signal stopped them
         "trials_run": float(result.trials_run),
         "pruned_share": result.pruned_share,
         "trial_steps_run": float(result.steps_run),

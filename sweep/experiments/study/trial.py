@@ -24,6 +24,7 @@ from sweep.errors import UserError, clip_words
 from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict
 from sweep.experiments.study.trial_launch import run_job
+from sweep.results.study import KILLED_OUTCOME
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
 from sweep.run.summary import tau_tags
@@ -227,7 +228,9 @@ def _run_trial(ctx: TrialContext, trial, announce: Callable[[str], None]) -> Non
     except optuna.TrialPruned as e:
         watch.ran_on(getattr(e, "late", []))
         _tell_pruned(ctx, trial, watch, time.perf_counter() - t0)
-    except (KeyboardInterrupt, UserError):
+    except (KeyboardInterrupt, UserError) as e:
+        if isinstance(e, KeyboardInterrupt):
+            _mark_killed(ctx, trial, watch, time.perf_counter() - t0)
         ctx.study.tell(trial, state=TrialState.FAIL)
         raise
     except Exception as e:
@@ -274,6 +277,16 @@ def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
     ctx.counters.pruned += 1
     ctx.counters.seconds_saved += (ctx.cfg.steps - ran) * wall / max(1, ran)
     ctx.ui.end_trial(trial.number, "PRUNED", f"pruned at step {ran} ({by}), train loss {part['final_loss']:.4g}")
+
+
+def _mark_killed(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
+    """A signal stopped the trial (its run ended KILLED): FAIL in Optuna, with what its run holds (run id, the
+    steps it ran, partial figures) and ``outcome=killed``, so the sweep's table says KILLED as sweep.report does."""
+    try:
+        run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number) or ""
+    except Exception:  # the store is away: the run id stays unknown here, sweep.report finds the run
+        run_id = ""
+    set_attrs(trial, {**watch.partial_metrics(), "wall_s": wall, "run_id": run_id, "outcome": KILLED_OUTCOME})
 
 
 def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: float, e: Exception) -> None:
