@@ -50,12 +50,19 @@ def run_note(result: RunResult, report: str) -> str:
     return _fit("\n".join(lines) + "\n" + report, RUN_NOTE_MAX, "… (the whole report: artifact `report.md`)")
 
 
+#: The ``sweep_role`` tag of a study's internal anchor-window run (``sweep.experiments.study.space``).
+ANCHOR_ROLE = "anchor"
+
+
 def experiment_note(runs) -> str:
     """The newest answer on one line (the newest run with a calibration window, else the newest with a
-    recommended τ, said to have none), then the table of the newest runs."""
+    recommended τ, said to have none), then the table of the newest runs. A study's anchor window (tag
+    ``sweep_role=anchor``) is the study's own measurement, never the answer."""
     answered = (
         runs[runs["metrics.recommended_max_norm"].notna()] if "metrics.recommended_max_norm" in runs else runs[:0]
     )
+    if "tags.sweep_role" in answered:
+        answered = answered[answered["tags.sweep_role"] != ANCHOR_ROLE]
     window = "metrics.window_clip_ratio_at_tau"
     windowed = answered[answered[window].notna()] if window in answered else answered[:0]
     lines = []

@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 from sweep.config.convert import child_config
 from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
+from sweep.report.notes import ANCHOR_ROLE
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.run.summary import QUANTILE_KEYS
 from sweep.tracking.tracker import RunTracker, Store
@@ -56,7 +57,7 @@ def window_quantiles(
     spec = RunSpec(
         f"anchor-window-{cfg.amp.dtype}",
         parent_run_id=parent_run_id,
-        tags={"sweep_role": "anchor", "study": study_name},
+        tags={"sweep_role": ANCHOR_ROLE, "study": study_name},  # never the experiment's "Latest" answer
     )
     result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
     if "clip_ratio" not in result.metrics or not math.isfinite(result.metrics["clip_ratio"]):
