@@ -59,10 +59,9 @@ def window_quantiles(
         parent_run_id=parent_run_id,
         tags={"sweep_role": ANCHOR_ROLE, "study": study_name},  # never the experiment's "Latest" answer
     )
+    # the whole run is the window: no step after it, so no clipping ratio realised at τ (its report says —);
+    # no clip_ratio metric either (the window's own, 0 unless calibrate.cap, is window_clip_ratio_at_tau's kin)
     result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
-    if "clip_ratio" not in result.metrics or not math.isfinite(result.metrics["clip_ratio"]):
-        # the whole run is the window: its clipping ratio is that of the window (0 unless calibrate.cap)
-        store.client.log_metric(result.run_id, "clip_ratio", result.records.clip_ratio(), step=wcfg.steps)
     return result.windows[0].quantiles, result.run_id
 
 

@@ -194,7 +194,11 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
     client = MlflowClient(uri)
     kids = {k.data.tags.get("trial", k.data.tags["sweep_role"]): k for k in children(client, result.parent_run_id)}
     assert kids["anchor"].info.status == "FINISHED"
-    assert {"clip_ratio", "final_loss", "grad_norm_p95"} <= set(kids["anchor"].data.metrics)
+    assert {"final_loss", "grad_norm_p95"} <= set(kids["anchor"].data.metrics)
+    anchor_id = kids["anchor"].info.run_id  # its report says no ratio after the window: no metric says one
+    assert "clip_ratio" not in kids["anchor"].data.metrics
+    report = open(client.download_artifacts(anchor_id, "report.md")).read()
+    assert "Clipping ratio realised after the first window (every later step, at the τ in force): —" in report
     assert kids["2"].info.status == "FAILED" and "injected failure" in kids["2"].data.tags["error"]
     assert kids["3"].info.status == "KILLED" and kids["3"].data.tags["pruned"] == "true"
     for n in ("2", "3"):  # stopped trials keep their CSV and partial figures
