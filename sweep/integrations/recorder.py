@@ -32,7 +32,6 @@ The records, the ``steps.csv`` columns and the MLflow metric names are those of 
 from __future__ import annotations
 
 import atexit
-import json
 import math
 import sys
 import weakref
@@ -50,6 +49,7 @@ from clipamp_engine.norms import clip_coefficient, grads_of, total_norm
 from clipamp_engine.records import SkipLog, StepLog
 
 from ..errors import one_line
+from ..run.artifacts import json_text
 from ..run.calibration import calibration_payload
 from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
@@ -232,7 +232,7 @@ class StepRecorder:
         if self.tracker is not None:
             self.tracker.log_metrics(metrics, step=step)
             payload = {"metrics": metrics, **calibration_payload(self.policy)}
-            self.tracker.artifact_path("quantiles.json").write_text(json.dumps(payload, indent=2, default=float))
+            self.tracker.artifact_path("quantiles.json").write_text(json_text(payload))
             self.tracker.end("FINISHED")
         return metrics
 

@@ -32,8 +32,12 @@ def write_data_artifacts(
     payload = {"metrics": metrics, "windows": [w.as_dict() for w in windows]}
     if calibration is not None:
         payload["calibration"] = calibration_payload(calibration)
-    text = json.dumps(finite_or_none(payload), indent=2, default=float, allow_nan=False)
-    tracker.artifact_path("quantiles.json").write_text(text)
+    tracker.artifact_path("quantiles.json").write_text(json_text(payload))
+
+
+def json_text(payload: Any) -> str:
+    """An artifact's JSON: indented, NaN and infinities as ``null`` (a strict parser refuses a bare NaN)."""
+    return json.dumps(finite_or_none(payload), indent=2, default=float, allow_nan=False)
 
 
 def finite_or_none(value: Any) -> Any:

@@ -21,7 +21,6 @@ with n seeds per cell).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +36,7 @@ from sweep.errors import UserError
 from sweep.experiments.study.space import QUANTILE_KEYS, open_parent_run, window_quantiles
 from sweep.report.entangle import NONE, plot_entangle
 from sweep.report.format import ui_command
+from sweep.run.artifacts import json_text
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.tracking.tracker import RunTracker, Store, redact
 
@@ -195,11 +195,7 @@ def _log_parent(parent: RunTracker, cfg: Config, df: pd.DataFrame, verdict: Verd
     df.to_csv(parent.artifact_path("trials.csv"), index=False)
     cells.to_csv(parent.artifact_path("cells.csv"), index=False)
     parent.artifact_path("verdict.json").write_text(
-        json.dumps(
-            {**verdict.as_dict(), "anchor": anchor, "rule": __doc__.split("answers in one line")[1].strip()},
-            indent=2,
-            default=float,
-        )
+        json_text({**verdict.as_dict(), "anchor": anchor, "rule": __doc__.split("answers in one line")[1].strip()})
     )
     plot_entangle(
         cells,

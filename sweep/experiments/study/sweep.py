@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from sweep.pick import PICK_RULES, pick_trial
 from sweep.report.run import write_run_report
 from sweep.report.sweep import print_sweep_summary, write_sweep_report
 from sweep.results.study import SweepResult, trials_table
+from sweep.run.artifacts import json_text
 from sweep.run.checkpoint import release_run
 from sweep.run.liveness import DIED, trial_state
 from sweep.run.loop import StopRequest
@@ -265,7 +265,7 @@ def write_parent_artifacts(tracker: RunTracker, result: SweepResult) -> None:
     df[df["in_band"]].to_csv(tracker.artifact_path("feasible.csv"), index=False)
     pick = dataclasses.asdict(result.pick) if result.pick else None
     tracker.artifact_path("pick.json").write_text(
-        json.dumps(
+        json_text(
             {
                 "study": result.study_name,
                 "storage": result.storage,
@@ -287,8 +287,6 @@ def write_parent_artifacts(tracker: RunTracker, result: SweepResult) -> None:
                 },
                 "anchor": result.anchor,
             },
-            indent=2,
-            default=float,
         )
     )
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -112,3 +114,7 @@ def test_entangle_study_end_to_end(store):
     clipped = trials[trials["tau"] != NONE]
     assert (clipped["clip_ratio"] > 0).any() and (trials[trials["tau"] == NONE]["clip_ratio"] == 0).all()
     assert "plots/entangle.png" in {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
+    text = Path(client.download_artifacts(parent.info.run_id, "verdict.json")).read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"verdict.json holds a bare {c}"))  # strict JSON
+    cell = saved["same_lr_unclipped"]
+    assert saved["kind"] == verdict.kind and (cell is None or cell["max_norm"] is None)  # unclipped: no τ
