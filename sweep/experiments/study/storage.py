@@ -223,4 +223,42 @@ def load_study(cfg: Config, storage, name: str):
             f"study.name={name!r} was run with study.dtypes=[{dtypes}], not {list(cfg.study.dtypes)}: pass "
             f"study.dtypes=[{dtypes}] to add trials to it, or another study.name"
         )
+    refuse_another_task(study, cfg)
     return study
+
+
+#: ``task_key``'s names for the ``study.*`` keys a user types.
+_TASK_NAMES = {
+    "space.low": "study.max_norm_low",
+    "space.high": "study.max_norm_high",
+    "space.band": "study.target_clip",
+}
+
+
+def refuse_another_task(study, cfg: Config) -> None:
+    """A named study (``study.name``) holds the trials of one task: trials of another (other steps, model, LR…)
+    are not comparable, and the pick would compare them. Unnamed studies are named after their task."""
+    stored = study.user_attrs.get("task")
+    if stored is None or not cfg.study.name:  # an unnamed study's name is its task's hash
+        return
+    now = json.loads(json.dumps(task_key(cfg), default=str))  # as the storage holds it
+    old, new = dict(_flat(stored)), dict(_flat(now))
+    changed = [
+        f"{_TASK_NAMES.get(k, k.removeprefix('space.'))} (study: {old.get(k, 'default')}, now: {new.get(k, 'default')})"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k) != new.get(k)
+    ]
+    if changed:
+        raise UserError(
+            f"study.name={study.study_name!r} holds the trials of another task: {'; '.join(changed)}; their losses "
+            f"are not comparable: pass the study's settings to add trials to it, or another study.name (without "
+            f"one, the study is named after its task)"
+        )
+
+
+def _flat(tree: dict[str, Any], prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v

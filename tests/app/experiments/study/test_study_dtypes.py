@@ -27,3 +27,24 @@ def test_other_dtypes_for_an_existing_study_are_refused_naming_the_stored_ones(t
     )
     states = [t.state for t in optuna.load_study(study_name="s", storage=storage).trials]
     assert states == [optuna.trial.TrialState.COMPLETE]  # nothing left RUNNING
+
+
+def test_a_named_study_of_another_task_is_refused_naming_what_differs(tmp_path):
+    """``study.name=`` reused with other steps (or model, LR, …): its trials' losses are not comparable with the
+    study's, and the pick would compare them; before, the trials were added and the stored task overwritten."""
+    from sweep.experiments.study.storage import task_key
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    first = compose_cfg("+experiment=sweep", "study.name=mine", "steps=40")
+    study = load_study(first, storage, "mine")
+    study.set_user_attr("task", task_key(first))  # as the sweep's set-up stores it
+    assert load_study(first, storage, "mine").user_attrs["task"] == task_key(first)  # the same task: resumed
+    other = compose_cfg("+experiment=sweep", "study.name=mine", "steps=20", "optim.lr=0.001")
+    with pytest.raises(UserError) as e:
+        load_study(other, storage, "mine")
+    assert str(e.value) == (
+        "study.name='mine' holds the trials of another task: optim.lr (study: default, now: 0.001); steps (study: "
+        "40, now: 20); their losses are not comparable: pass the study's settings to add trials to it, or another "
+        "study.name (without one, the study is named after its task)"
+    )
+    assert optuna.load_study(study_name="mine", storage=storage).user_attrs["task"] == task_key(first)  # kept
