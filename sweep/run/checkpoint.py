@@ -333,6 +333,18 @@ def _latest_with_checkpoint(client, experiment_id: str, uri: str, filter_string:
     return next((run for run in runs if checkpoint_path(uri, run.info.run_id).exists()), None)
 
 
+def refuse_other_task(logged: str | None, now: str, run_id: str) -> None:
+    """The same config can build another task: files edited since the run began (another corpus, and with
+    ``data=hf`` another trained tokenizer, whose ids the model's embedding does not mean). The run's ``task``
+    tag says what it trained on; a resume that would go on with other data is refused."""
+    if logged is not None and logged != now:
+        raise UserError(
+            f"resume={run_id}: the data or model differ from the run's, though the config is the same (files "
+            f"changed?): the run trained {logged}; this command builds {now}; resume with the files the run "
+            "began with, or start a new run (drop resume=)"
+        )
+
+
 def load_resumable(
     client, experiment_id: str, run_name: str, uri: str, resume: str, steps: int, params: dict[str, str] | None = None
 ) -> tuple[str, dict[str, Any]]:

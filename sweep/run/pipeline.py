@@ -34,6 +34,7 @@ from sweep.run.checkpoint import (
     load_checkpoint,
     load_resumable,
     lock_run,
+    refuse_other_task,
     release_run,
     remove_checkpoint,
     restore_run_checkpoint,
@@ -162,6 +163,7 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
             run_id, ckpt = load_resumable(
                 store.client, store.experiment_id, spec.name, store.uri, run_id, cfg.steps, logged_params(cfg)
             )
+            refuse_other_task(store.client.get_run(run_id).data.tags.get("task"), task.description, run_id)
             return RunTracker.reopen(store.client, run_id, flush_every=flush, upto=ckpt["step"]), ckpt, lock
         except BaseException:
             lock.release()

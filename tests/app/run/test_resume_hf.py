@@ -48,6 +48,19 @@ def test_sigterm_then_resume_equals_an_uninterrupted_hf_run(tmp_path, store, mon
     client = MlflowClient(store)
     assert client.get_run(run_id).info.status == "KILLED"
 
+    # the corpus edited since: the same config would train on other data with another tokenizer; refused
+    original = corpus.read_text()
+    corpus.write_text(original + '{"text": "return self while yield", "source": "code", "id": 400}\n')
+    other = K._cli(tmp_path, f"steps={n + 5}", "resume=true")
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-2000:]
+    assert (
+        other.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: resume={run_id}: the data or model differ from the run's, though the config is the same")
+    )
+    assert _complete_steps(csv)[-1] == n and client.get_run(run_id).info.status == "KILLED"  # nothing touched
+    corpus.write_text(original)
+
     res = K._cli(tmp_path, f"steps={n + 5}", "resume=true")
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed run {run_id} at step {n}" in res.stdout
