@@ -123,7 +123,7 @@ def file_docs(d: DataConfig) -> list[Doc]:
         texts = ds[d.text_field]
         sources = ds[d.source_field] if d.source_field else [f.name] * len(texts)
         docs += [
-            (f"{f.name}#{i}", str(s), t)
+            (f"{f.name}#{i}", f.name if s is None else str(s), t)  # a row without a source: its file's
             for i, (t, s) in enumerate(zip(texts, sources))
             if isinstance(t, str) and t.strip()
         ]

@@ -200,3 +200,14 @@ def test_not_a_model_dir_and_empty_dataset(tmp_path, corpus):
     for path in (blank, empty):
         with pytest.raises(UserError, match="hold no non-empty 'text' text"):
             hf_task(path)
+
+
+def test_a_row_without_a_source_is_its_files(tmp_path):
+    """``data.source_field`` null in a row: its data_source is the file's name (the documented default), not 'None'."""
+    from sweep.tasks import hf_data as D
+
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"text": f"document {i}", "source": None if i % 3 == 0 else "web"} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs = D.file_docs(DataConfig(name="hf", files=str(path), source_field="source"))
+    assert [source for _, source, _ in docs] == ["mixed.jsonl" if i % 3 == 0 else "web" for i in range(6)]
