@@ -110,6 +110,9 @@ def freeze(model: nn.Module, m: ModelConfig) -> None:
 
     if not m.train_only and not m.freeze:
         return  # the model's own requires_grad flags stand
+    from .own_loss import OwnLossModel
+
+    model = model.model if isinstance(model, OwnLossModel) else model  # the user's names, not the wrapper's
     names = [n for n, _ in model.named_parameters()]
 
     def patterns(key: str) -> list[re.Pattern]:

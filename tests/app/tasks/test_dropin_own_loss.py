@@ -49,3 +49,11 @@ def test_a_train_run_of_a_model_computing_its_own_loss(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "error" not in done.stderr.lower()
+
+
+def test_freeze_patterns_name_the_models_own_parameters():
+    """``model.freeze`` under ``loss_target=model`` matches the user's names (``^wte``), as without the option;
+    it matched the runner's wrapper's (``model.wte.weight``) and refused ``^wte``."""
+    task = _task("model.loss_target=model", "model.freeze=['^wte']")
+    frozen = [n for n, p in task.model.model.named_parameters() if not p.requires_grad]
+    assert frozen == ["wte.weight"] and any(p.requires_grad for p in task.model.parameters())
