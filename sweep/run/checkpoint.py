@@ -346,19 +346,30 @@ def refuse_other_task(logged: str | None, now: str, run_id: str) -> None:
 
 
 def load_resumable(
-    client, experiment_id: str, run_name: str, uri: str, resume: str, steps: int, params: dict[str, str] | None = None
+    client,
+    experiment_id: str,
+    run_name: str,
+    uri: str,
+    resume: str,
+    steps: int,
+    params: dict[str, str] | None = None,
+    task: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``
-    or if ``params`` (the config as logged) differ from the run's in a key outside ``RESUME_MAY_CHANGE``."""
+    """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``,
+    if ``params`` (the config as logged) differ from the run's in a key outside ``RESUME_MAY_CHANGE``, or if
+    ``task`` (what the command builds) is not what the run trained on (``refuse_other_task``)."""
     run_id = find_resumable(client, experiment_id, run_name, uri, resume)
+    logged = client.get_run(run_id).data if params is not None or task is not None else None
     if params is not None:
-        changed = config_differences(client.get_run(run_id).data.params, params)
+        changed = config_differences(logged.params, params)
         if changed:
             raise UserError(
                 f"resume={run_id}: the config differs from the run's in {'; '.join(changed)}; these "
                 f"change the maths of the remaining steps: drop those overrides to resume, or start a "
                 f"new run (drop resume=)"
             )
+    if task is not None:  # after the config: a changed key is named there, more precisely
+        refuse_other_task(logged.tags.get("task"), task, run_id)
     path = checkpoint_path(uri, run_id)
     if not path.exists():
         raise UserError(f"resume={run_id}: no checkpoint at {path}; the run cannot be resumed")

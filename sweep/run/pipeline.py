@@ -34,7 +34,6 @@ from sweep.run.checkpoint import (
     load_checkpoint,
     load_resumable,
     lock_run,
-    refuse_other_task,
     release_run,
     remove_checkpoint,
     restore_run_checkpoint,
@@ -160,10 +159,8 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
         run_id = find_resumable(store.client, store.experiment_id, spec.name, store.uri, str(cfg.resume))
         lock = lock_run(store.uri, run_id)
         try:
-            run_id, ckpt = load_resumable(
-                store.client, store.experiment_id, spec.name, store.uri, run_id, cfg.steps, logged_params(cfg)
-            )
-            refuse_other_task(store.client.get_run(run_id).data.tags.get("task"), task.description, run_id)
+            where = (store.client, store.experiment_id, spec.name, store.uri, run_id, cfg.steps)
+            run_id, ckpt = load_resumable(*where, logged_params(cfg), task.description)
             return RunTracker.reopen(store.client, run_id, flush_every=flush, upto=ckpt["step"]), ckpt, lock
         except BaseException:
             lock.release()

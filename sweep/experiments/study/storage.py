@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 import optuna
 
+from sweep.config.convert import flatten
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.experiments.study.pruning import constrained_pruner
@@ -242,7 +243,7 @@ def refuse_another_task(study, cfg: Config) -> None:
     if stored is None or not cfg.study.name:  # an unnamed study's name is its task's hash
         return
     now = json.loads(json.dumps(task_key(cfg), default=str))  # as the storage holds it
-    old, new = dict(_flat(stored)), dict(_flat(now))
+    old, new = flatten(stored), flatten(now)
     changed = [
         f"{_TASK_NAMES.get(k, k.removeprefix('space.'))} (study: {old.get(k, 'default')}, now: {new.get(k, 'default')})"
         for k in sorted(old.keys() | new.keys())
@@ -254,11 +255,3 @@ def refuse_another_task(study, cfg: Config) -> None:
             f"are not comparable: pass the study's settings to add trials to it, or another study.name (without "
             f"one, the study is named after its task)"
         )
-
-
-def _flat(tree: dict[str, Any], prefix: str = ""):
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
