@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import sys
 from typing import Any
 
 import torch
@@ -42,16 +43,25 @@ def _tokenizer(d: DataConfig, m: ModelConfig, docs: list[D.Doc], files: list) ->
 
 
 @functools.lru_cache(maxsize=4)
-def _corpora(d_json: str, pretrained: str | None) -> tuple[C.Corpus, C.Corpus, Any, str, int]:
-    """Tokenized train/eval corpora (cached in-process: sweep trials share them)."""
+def _corpora(d_json: str, pretrained: str | None) -> tuple[C.Corpus, C.Corpus, Any, str, int, str]:
+    """(train, held-out, tokenizer, where it came from, documents, rows skipped), tokenized once
+    per process (sweep trials share them)."""
     d = DataConfig(**json.loads(d_json))
     m = ModelConfig(name="hf", pretrained=pretrained)
     if d.name == "hf" and d.files:
-        files, docs = D.resolve_files(d.files), D.file_docs(d)
+        files, (docs, skipped) = D.resolve_files(d.files), D.file_docs(d)
     else:
-        files, docs = [], D.builtin_docs(d)
+        files, docs, skipped = [], D.builtin_docs(d), ""
     tok, where = _tokenizer(d, m, docs, files)
     full = D.tokenize(docs, tok)
+    if skipped:
+        print(f"note: data.files: {skipped}", file=sys.stderr)
+    if d.packing and D.separator(tok) is None:
+        print(
+            "note: the tokenizer has no eos_token or sep_token: packed documents are joined with no "
+            "token between them; pass data.tokenizer=DIR with one, or data.packing=false",
+            file=sys.stderr,
+        )
     train, held_out = C.split_corpus(
         full,
         float(d.eval_fraction),
@@ -67,7 +77,7 @@ def _corpora(d_json: str, pretrained: str | None) -> tuple[C.Corpus, C.Corpus, A
                 f"(packing needs one full window): lower data.seq_len, use more text"
                 + (", or raise data.eval_fraction" if split == "held-out" else "")
             )
-    return train, held_out, tok, where, len(full)
+    return train, held_out, tok, where, len(full), skipped
 
 
 def _batches(corpus: C.Corpus, d: DataConfig, g: torch.Generator, device: torch.device):
@@ -92,7 +102,7 @@ def hf_task(m: ModelConfig, d: DataConfig, *, seed: int, eval_seed: int, device:
         )
     M.precheck(m)  # before the (slower) data
     d_json = json.dumps(dict(vars(d)), sort_keys=True, default=str)
-    train, held_out, tok, where, n_docs = _corpora(d_json, m.pretrained)
+    train, held_out, tok, where, n_docs, skipped = _corpora(d_json, m.pretrained)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = M.build(m, len(tok))
@@ -103,8 +113,16 @@ def hf_task(m: ModelConfig, d: DataConfig, *, seed: int, eval_seed: int, device:
         itertools.islice(_batches(held_out, d, torch.Generator().manual_seed(eval_seed), device), int(d.eval_batches))
     )
     origin = f"model.pretrained={m.pretrained}" if m.pretrained else f"model_type={model.config.model_type}"
+    sep = D.separator(tok)
+    layout = (
+        "padded"
+        if not d.packing
+        else f"packed, {sep} after each"
+        if sep
+        else "packed with no separator (the tokenizer has no eos_token or sep_token)"
+    )
     about = (
-        f"({origin}) on {d.name} ({n_docs} docs, {train.nbytes + held_out.nbytes} tokens, {len(held_out)} "
-        f"docs held out; {'packed' if d.packing else 'padded'}; tokenizer: {where})"
+        f"({origin}) on {d.name} ({n_docs} docs{', ' + skipped if skipped else ''}, "
+        f"{train.nbytes + held_out.nbytes} tokens, {len(held_out)} docs held out; {layout}; tokenizer: {where})"
     )
     return model, _batches(train, d, torch.Generator().manual_seed(seed), device), evals, about, tok

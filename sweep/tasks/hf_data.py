@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..config.schema import DataConfig
-from ..errors import UserError, one_line
+from ..errors import UserError, clip_words, one_line
 from . import corpus as C
 from .file_checks import TEXT_BUILDERS, bad_json_line, check_utf8
 
@@ -87,8 +87,13 @@ def _builder(d: DataConfig, files: list[Path]) -> str:
     return kinds.pop()
 
 
-def file_docs(d: DataConfig) -> list[Doc]:
-    """One document per row of every file (``data.text_field``); source = ``data.source_field`` or the file."""
+def file_docs(d: DataConfig) -> tuple[list[Doc], str]:
+    """(one document per row of every file (``data.text_field``), what was skipped).
+
+    A document's source is ``data.source_field`` or its file. Rows whose text is empty or null
+    are skipped, and so are rows whose text is not a string (a number, a list: a JSON Lines file may
+    mix types); the second item counts them and names the first non-string one ("" if none).
+    """
     files = resolve_files(d.files)
     builder = _builder(d, files)
     offline()
@@ -97,6 +102,7 @@ def file_docs(d: DataConfig) -> list[Doc]:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" lines: the error says it
     docs: list[Doc] = []
+    empty, not_text, first_not_text = 0, 0, ""
     for f in files:
         if f.stat().st_size == 0:
             continue  # no rows (datasets cannot even infer the columns)
@@ -122,16 +128,22 @@ def file_docs(d: DataConfig) -> list[Doc]:
                 )
         texts = ds[d.text_field]
         sources = ds[d.source_field] if d.source_field else [f.name] * len(texts)
-        docs += [
-            (f"{f.name}#{i}", f.name if s is None else str(s), t)  # a row without a source: its file's
-            for i, (t, s) in enumerate(zip(texts, sources))
-            if isinstance(t, str) and t.strip()
-        ]
+        for i, (t, s) in enumerate(zip(texts, sources)):
+            if isinstance(t, str) and t.strip():
+                docs.append((f"{f.name}#{i}", f.name if s is None else str(s), t))  # no source: its file's
+            elif t is None or isinstance(t, str):
+                empty += 1
+            else:
+                not_text += 1
+                first_not_text = first_not_text or f"{f.name}#{i} holds {type(t).__name__} {clip_words(repr(t), 40)}"
     if not docs:
         raise UserError(
-            f"data.files={d.files!r} hold no non-empty {d.text_field!r} text: pass files with text in data.text_field"
+            f"data.files={d.files!r} hold no non-empty {d.text_field!r} text"
+            + (f" ({not_text} rows are not strings; {first_not_text})" if not_text else "")
+            + ": pass files with text in data.text_field"
         )
-    return docs
+    parts = [f"{empty} empty"] * bool(empty) + [f"{not_text} not strings, first {first_not_text}"] * bool(not_text)
+    return docs, (f"{empty + not_text} rows skipped: {'; '.join(parts)}" if parts else "")
 
 
 def builtin_docs(d: DataConfig) -> list[Doc]:
@@ -213,11 +225,18 @@ def trained_tokenizer(d: DataConfig, docs: list[Doc], files: list[Path]):
     return load_tokenizer(where, "data.cache_dir"), where
 
 
+def separator(tokenizer) -> str | None:
+    """The token that ends each document: the tokenizer's EOS, else its SEP (BERT-style
+    tokenizers mark document ends with it), else None (documents are then joined as they are)."""
+    return tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.sep_token
+
+
 def tokenize(docs: list[Doc], tokenizer) -> C.Corpus:
-    """Documents -> a ``Corpus`` of int32 token ids, EOS after each document (batched, in Rust)."""
+    """Documents -> a ``Corpus`` of int32 token ids, ``separator`` after each document (batched, in Rust)."""
     ids = tokenizer([t for _, _, t in docs], add_special_tokens=False)["input_ids"]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    arrays = [np.asarray(x + eos, dtype=np.int32) for x in ids]
+    sep = separator(tokenizer)
+    end = [] if sep is None else [tokenizer.convert_tokens_to_ids(sep)]
+    arrays = [np.asarray(x + end, dtype=np.int32) for x in ids]
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
     pieces = torch.from_numpy(flat).split([len(a) for a in arrays])
     return C.Corpus.from_pieces([(n, s, p) for (n, s, _), p in zip(docs, pieces)])

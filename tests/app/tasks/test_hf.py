@@ -112,7 +112,7 @@ def test_trained_tokenizer_is_cached_and_lossless(corpus, tmp_path):
     from sweep.tasks import hf_data as D
 
     d = DataConfig(name="hf", files=str(corpus), vocab_size=300, cache_dir=str(tmp_path))
-    docs = D.file_docs(d)
+    docs, _ = D.file_docs(d)
     tok, where = D.trained_tokenizer(d, docs, [corpus])
     stamp = (where / "tokenizer.json").stat().st_mtime_ns
     tok2, where2 = D.trained_tokenizer(d, docs, [corpus])
@@ -209,5 +209,61 @@ def test_a_row_without_a_source_is_its_files(tmp_path):
     path = tmp_path / "mixed.jsonl"
     rows = [{"text": f"document {i}", "source": None if i % 3 == 0 else "web"} for i in range(6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    docs = D.file_docs(DataConfig(name="hf", files=str(path), source_field="source"))
+    docs, skipped = D.file_docs(DataConfig(name="hf", files=str(path), source_field="source"))
+    assert skipped == ""
     assert [source for _, source, _ in docs] == ["mixed.jsonl" if i % 3 == 0 else "web" for i in range(6)]
+
+
+def test_rows_without_text_are_skipped_and_counted(tmp_path, corpus, capfd):
+    """Empty, null and non-string text rows are not documents; the run says how many it skipped and
+    the first non-string one (a JSON Lines file may mix types), and a file of only lists is refused
+    with that row named."""
+    from sweep.errors import UserError
+    from sweep.tasks import hf_data as D
+
+    path = tmp_path / "mixed.jsonl"
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    rows[3]["text"], rows[5]["text"], rows[8]["text"], rows[9]["text"] = None, "", 5, ["a", "b"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs, skipped = D.file_docs(DataConfig(name="hf", files=str(path)))
+    assert [name for name, _, _ in docs] == [f"mixed.jsonl#{i}" for i in range(len(rows)) if i not in (3, 5, 8, 9)]
+    assert skipped == "4 rows skipped: 2 empty; 2 not strings, first mixed.jsonl#8 holds int 5"
+    task = hf_task(path)
+    assert "2 not strings" in task.description
+    assert "note: data.files: 4 rows skipped: 2 empty; 2 not strings" in capfd.readouterr().err
+    lists = tmp_path / "lists.jsonl"
+    lists.write_text(json.dumps({"text": ["a b", "c"]}) + "\n" + json.dumps({"text": ["d"]}) + "\n")
+    with pytest.raises(UserError, match=r"\(2 rows are not strings; lists.jsonl#0 holds list \['a b', 'c'\]\)"):
+        D.file_docs(DataConfig(name="hf", files=str(lists)))
+
+
+def test_documents_end_with_eos_else_sep_else_nothing_said(corpus, tmp_path, capfd):
+    """Packed documents are separated by the tokenizer's EOS, by its SEP when it has no EOS (BERT-style),
+    and joined with nothing between them only when it has neither, which the run then says."""
+    from sweep.tasks import hf_data as D
+
+    d = DataConfig(name="hf", files=str(corpus), vocab_size=300, cache_dir=str(tmp_path / "bpe"))
+    docs, _ = D.file_docs(d)
+    docs = docs[:5]
+    tok, _ = D.trained_tokenizer(d, docs, [corpus])
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for _, _, t in docs]
+    ends = {}
+    for kind, special in (("eos", {}), ("sep", {"eos_token": None, "sep_token": D.EOS}), ("none", {"eos_token": None})):
+        tok.save_pretrained(tmp_path / kind)
+        t = D.load_tokenizer(tmp_path / kind, "data.tokenizer")
+        for key, value in special.items():
+            setattr(t, key, value)
+        ids = D.tokenize(docs, t)
+        ends[kind] = [int(ids.data[end - 1]) for end in ids.offsets[1:]]
+        assert ids.offsets.diff().tolist() == [n + (kind != "none") for n in lengths]
+    eos_id = tok.convert_tokens_to_ids(D.EOS)
+    assert ends["eos"] == ends["sep"] == [eos_id] * len(docs) and eos_id not in ends["none"]
+    plain = tmp_path / "plain"
+    tok.save_pretrained(plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    capfd.readouterr()
+    task = hf_task(corpus, packing=True, tokenizer=str(plain))
+    assert "packed with no separator (the tokenizer has no eos_token or sep_token)" in task.description
+    assert "packed documents are joined with no token between them" in capfd.readouterr().err

@@ -94,7 +94,7 @@ def test_finetune_from_save_pretrained_with_frozen_modules(tmp_path, store):
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     d = DataConfig(name="hf", files=str(corpus), vocab_size=300, cache_dir=str(tmp_path / "cache"))
-    tok, _ = D.trained_tokenizer(d, D.file_docs(d), [corpus])
+    tok, _ = D.trained_tokenizer(d, D.file_docs(d)[0], [corpus])
     torch.manual_seed(123)
     cfg_kw = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     saved = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=len(tok), **cfg_kw))
