@@ -4,3 +4,6 @@
 (``series``, with the checks of what it can tell); ``replay`` feeds it to the engine's
 ``CalibratedClip``; ``report`` prints the runner's calibration report; ``track`` records it in MLflow.
 """
+
+#: Ctrl-C (at start-up or later): one line, exit 130.
+STOPPED = "interrupted: the recommendation was not finished"

@@ -12,7 +12,6 @@ norms than a window) is one line and exit status 2.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 from rich.console import Console
@@ -173,8 +172,3 @@ def main(argv: list[str] | None = None) -> int:
             run_id = log_recommendation(*store, rec)
             console.print(f"MLflow run {run_id} in experiment {args.experiment!r}", markup=False, highlight=False)
     return 0
-
-
-def cli() -> None:
-    """The ``clipamp-recommend`` console script."""
-    sys.exit(main())

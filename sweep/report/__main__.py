@@ -1,5 +1,8 @@
-import sys
+from sweep.report import STOPPED
+from sweep.startup import exit_interruptible, startup_sigint
 
-from sweep.report.cli import main
+startup_sigint(True, STOPPED)  # first: the imports below take seconds
 
-sys.exit(main())
+from sweep.report.cli import main  # noqa: E402
+
+exit_interruptible(main, STOPPED)

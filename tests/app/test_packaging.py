@@ -120,6 +120,7 @@ def test_wheel_carries_the_config_tree_and_the_console_script(wheel):
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry).decode()
     assert re.search(r"^clipamp = sweep\.console:clipamp$", scripts, re.M), scripts  # light: Ctrl-C at start-up
+    assert re.search(r"^clipamp-recommend = sweep\.console:clipamp_recommend$", scripts, re.M), scripts
 
 
 @pytest.mark.slow  # a subprocess or a wheel build

@@ -52,3 +52,40 @@ def test_ctrl_c_before_the_first_step_says_nothing_to_resume(tmp_path):
     assert lines == ["interrupted: before the first step: no step ran, nothing to resume; re-run the same command"], (
         lines
     )
+
+
+@pytest.mark.parametrize(
+    "module, script, line",
+    [
+        ("sweep.report", None, "interrupted: the report was not finished"),
+        ("sweep.recommend", None, "interrupted: the recommendation was not finished"),
+        ("sweep.recommend", "clipamp-recommend", "interrupted: the recommendation was not finished"),
+    ],
+    ids=["python -m sweep.report", "python -m sweep.recommend", "clipamp-recommend"],
+)
+def test_ctrl_c_during_a_reading_tools_start_up_is_one_line(tmp_path, module, script, line):
+    """The report and the recommendation import pandas, MLflow and torch for seconds before their own code runs:
+    a Ctrl-C then was a traceback through whatever import was running."""
+    args = ["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"] if module == "sweep.report" else ["steps.csv"]
+    proc = start_cli(*args, cwd=tmp_path, module=module, script=script)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    res = finish(proc)
+    assert res.returncode == 130, res.stderr[-2000:]
+    assert _stderr_lines(res) == [
+        line + (" (it only reads the tracking store: nothing there changed)" * (module == "sweep.report"))
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_a_reading_tool_works_is_one_line(capsys):
+    """After start-up, a Ctrl-C inside the tool (a slow store, a large log) is the same one line and exit 130."""
+    from sweep.startup import exit_interruptible
+
+    def main() -> int:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        exit_interruptible(main, "interrupted: the report was not finished")
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "interrupted: the report was not finished\n"
