@@ -23,6 +23,9 @@ What is used, and why:
   (``values()`` refuses the in-place updates clipping needs).
 - ``sys.modules["torch.distributed.tensor"]``: the DTensor class when, and only when, something
   already imported it (importing it costs seconds and no DTensor can exist before).
+- ``torch._dynamo.eval_frame.OptimizedModule._orig_mod``: the module a ``torch.compile`` wrapper
+  runs, whose ``forward`` signature says how to pass it the targets (the wrapper's takes
+  ``*args, **kwargs``); read only once ``torch.compile`` imported that module.
 
 The ``torch._foreach_*`` kernels are documented (torch's "Foreach operations") and used directly.
 """
@@ -37,6 +40,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 __all__ = [
+    "compiled_original",
     "dtensor_class",
     "found_infs",
     "fused_kernel_devices",
@@ -98,3 +102,9 @@ def dtensor_class() -> type | None:
     """``torch.distributed.tensor.DTensor`` if that module is already imported, else ``None``."""
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
+
+
+def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, or ``None`` for any other module."""
+    module = sys.modules.get("torch._dynamo.eval_frame")
+    return model._orig_mod if module is not None and isinstance(model, module.OptimizedModule) else None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._torch_compat import compiled_original
 from .norms import record_dtype
 
 __all__ = ["DDPReplicas", "FSDPReplicas", "GlobalBatchLoss", "Replicas", "replicas_of", "unwrap"]
@@ -161,8 +162,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod  # torch.compile's wrapper (torch._dynamo, not imported for the check)
+        elif compiled_original(model) is not None:  # torch.compile's wrapper
+            model = compiled_original(model)
         else:
             return model
 

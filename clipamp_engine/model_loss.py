@@ -3,8 +3,10 @@
 Many models compute their loss themselves from the targets: nanoGPT's ``model(idx, targets)``
 returns ``(logits, loss)``, a Hugging Face model called with ``labels=`` returns an output whose
 ``.loss`` is set. With ``loss_fn=None`` the step calls the model with the targets and takes that
-loss: ``model(inputs, targets)``, or ``model(**inputs, labels=targets)`` when ``inputs`` is a
-mapping (a tokenizer's batch). Any other output is one ``ValueError`` naming the forms expected;
+loss: ``model(inputs, targets)``, ``model(inputs, labels=targets)`` when ``forward`` takes
+``labels`` (a Hugging Face model, whose second positional parameter is something else), or
+``model(**inputs, labels=targets)`` when ``inputs`` is a mapping (a tokenizer's batch). Any other
+output is one ``ValueError`` naming the forms expected;
 a ``loss_fn``'s result is checked by ``clipamp_engine.checks.checked_loss``.
 """
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from .checks import checked_loss
+from .distributed import unwrap
 
 __all__ = ["EXPECTED_MODEL_OUTPUT", "loss_function", "model_loss"]
 
@@ -63,17 +66,19 @@ def model_loss(output: Any) -> torch.Tensor:
 def loss_function(model: nn.Module, loss_fn: Callable[[Any, Any], Any] | None) -> Callable[[Any, Any], Any]:
     """``(inputs, targets) -> loss`` for one micro-batch, run inside the step's autocast.
 
-    With ``loss_fn=None``: ``model(inputs, targets)``, or ``model(**inputs, labels=targets)`` for a mapping;
+    With ``loss_fn=None``: ``model(inputs, targets)`` (``model(inputs, labels=targets)`` when ``forward`` takes
+    ``labels``), or ``model(**inputs, labels=targets)`` for a mapping;
     ``targets=None`` calls ``model(inputs)`` (``model(**inputs)``: a batch that holds its own ``labels``).
     A model whose ``forward`` takes neither the targets nor ``labels`` is a ``ValueError`` here, at
     construction; a mapping that holds ``labels`` with targets given too, at the step.
     """
     if loss_fn is not None:
         return lambda x, y: checked_loss(loss_fn(model(x), y))
-    if not _takes_targets(model):
+    params = _forward_params(model)
+    if params is not None and not _takes_targets(params):
         raise ValueError(
             f"loss_fn=None means the model computes its own loss from the targets (model(inputs, targets), or "
-            f"model(**inputs, labels=targets)), and {type(model).__name__}.forward takes neither: pass "
+            f"model(**inputs, labels=targets)), and {type(unwrap(model)).__name__}.forward takes neither: pass "
             "loss_fn (e.g. torch.nn.functional.mse_loss), which the step calls as loss_fn(model(inputs), targets)"
         )
 
@@ -85,20 +90,41 @@ def loss_function(model: nn.Module, loss_fn: Callable[[Any, Any], Any] | None) -
                     "batch's own labels (state.step(batch, None)), or leave 'labels' out of the batch"
                 )
             return model_loss(model(**x) if y is None else model(**x, labels=y))
-        return model_loss(model(x) if y is None else model(x, y))
+        if y is None:
+            return model_loss(model(x))
+        return model_loss(model(x, labels=y) if by_name else model(x, y))
 
+    by_name = _labels_by_name(params)
     return own
 
 
-def _takes_targets(model: nn.Module) -> bool:
-    """Whether ``model.forward`` can take ``(inputs, targets)`` or ``labels=`` (an unreadable signature: yes)."""
+def _forward_params(model: nn.Module) -> list[inspect.Parameter] | None:
+    """The parameters of the forward the model runs: past ``DistributedDataParallel`` and ``torch.compile``
+    wrappers (``unwrap``), whose own forwards take ``*args, **kwargs``; ``None`` if unreadable."""
+    model = unwrap(model)
     try:
-        params = inspect.signature(model.forward).parameters.values()
+        return list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
-        return True
+        return None
+
+
+def _takes_targets(params: list[inspect.Parameter]) -> bool:
+    """Whether a forward of these parameters can take ``(inputs, targets)`` or ``labels=``."""
     kinds = {p.kind for p in params}
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = {p.name for p in params}
     return bool(kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}) or (
-        len(positional) >= 2 or "labels" in names
+        len(positional) >= 2 or any(p.name == "labels" for p in params)
     )
+
+
+def _labels_by_name(params: list[inspect.Parameter] | None) -> bool:
+    """Whether ``targets`` go in as ``labels=``: the forward takes ``labels`` and a positional call would put
+    them elsewhere (a Hugging Face model's second positional parameter is ``past_key_values`` or
+    ``attention_mask``) or nowhere (``forward(x, *, labels)``). A forward whose second positional parameter
+    takes the targets (nanoGPT's ``forward(idx, targets)``) gets them there, even beside a keyword-only ``labels``."""
+    params = params or []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    labels = next((p for p in params if p.name == "labels"), None)
+    if labels is None or (len(positional) >= 2 and positional[1] is labels):
+        return False
+    return labels.kind is labels.POSITIONAL_OR_KEYWORD or len(positional) < 2

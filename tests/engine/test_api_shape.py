@@ -37,6 +37,7 @@ PRIVATE_TORCH = {
     "_growth_interval",
     "_last_lr",
     "_values",
+    "_orig_mod",
     "OptState",
 }
 

@@ -216,3 +216,38 @@ def test_a_mapping_batch_with_a_list_of_samples_first_splits_with_its_tensors():
     texts = [f"t{i}" for i in range(7)]
     state.step({"texts": texts, "x": torch.randn(7, 4)}, torch.randn(7, 1))
     assert seen == [(["t0", "t1", "t2"], 3), (["t3", "t4"], 2), (["t5", "t6"], 2)]
+
+
+def test_a_hugging_face_model_takes_tensor_targets_as_labels():
+    """``state.step(input_ids, labels)`` on a transformers model: ``model(ids, labels)`` put the labels in its
+    second positional parameter (``past_key_values`` for GPT-2: an AttributeError deep inside transformers);
+    the step passes ``labels=`` when ``forward`` takes it elsewhere, as the mapping form does. Also through a
+    ``torch.compile`` wrapper, whose own forward takes ``*args, **kwargs``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=40, n_positions=16, loss_type="ForCausalLMLoss")
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    ids = torch.randint(0, 40, (4, 8), generator=torch.Generator().manual_seed(0))
+    states = []
+    for form in ("tensor", "mapping", "compiled"):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config)
+        wrapped = torch.compile(model) if form == "compiled" else model
+        state = AmpTrainState(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3), dtype="fp32", max_norm=0.5)
+        if form != "compiled":  # compiling takes seconds: its signature is what this checks
+            logs = [state.step({"input_ids": ids} if form == "mapping" else ids, ids) for _ in range(2)]
+            states.append((logs, model))
+        else:
+            from clipamp_engine.model_loss import _forward_params, _labels_by_name
+
+            assert _labels_by_name(_forward_params(wrapped))
+    (tensor_logs, tensor_model), (mapping_logs, mapping_model) = states
+    assert [r.grad_l2_pre_clip for r in tensor_logs] == [r.grad_l2_pre_clip for r in mapping_logs]
+    assert all(torch.equal(p, q) for p, q in zip(tensor_model.parameters(), mapping_model.parameters()))
+
+
+def test_a_wrapped_model_that_takes_no_targets_is_refused_at_construction_too():
+    """A ``torch.compile`` wrapper's forward takes ``*args, **kwargs``: the wrapped module's signature decides."""
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match=r"Linear.forward takes neither: pass loss_fn"):
+        AmpTrainState(torch.compile(model), torch.optim.SGD(model.parameters(), lr=0.1))

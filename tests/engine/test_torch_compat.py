@@ -148,3 +148,11 @@ def test_dtensor_class_is_the_imported_class():
     import torch.distributed.tensor as dt
 
     assert compat.dtensor_class() is dt.DTensor and callable(dt.DTensor.full_tensor)
+
+
+def test_compiled_original_is_the_module_a_compile_wrapper_runs():
+    """``torch.compile`` wraps a module in an ``OptimizedModule`` whose forward takes ``*args, **kwargs``;
+    the engine reads the wrapped module's signature (how to pass targets) through this one function."""
+    plain = torch.nn.Linear(2, 2)
+    assert compat.compiled_original(plain) is None
+    assert compat.compiled_original(torch.compile(plain)) is plain
