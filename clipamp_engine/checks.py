@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -53,10 +54,15 @@ def check_sharding(world_kind: str, clip: Any, forensics: bool, whole_param_mode
         )
 
 
-def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Any, clip: Any, clip_window: Any) -> None:
-    """At construction: ``max_norm`` is a number > 0 (when the default policy uses it), ``clip`` a policy
-    object, ``clip_window`` a step count, and the optimizer steps without a closure (LBFGS needs one) and updates
-    at least one of ``model``'s parameters."""
+def check_setup(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, max_norm: Any, clip: Any, clip_window: Any
+) -> None:
+    """At construction: ``model`` is a module, ``optimizer`` an optimizer and ``loss_fn`` callable (or
+    ``None``), ``max_norm`` a number > 0 (when the default policy uses it), ``clip`` a policy object,
+    ``clip_window`` a step count, and the optimizer steps without a closure (LBFGS needs one) and updates
+    at least one of ``model``'s parameters. Warns when some of the model's trainable parameters are not
+    the optimizer's: their gradients are computed, never applied, never zeroed, and not normed."""
+    _check_types(model, optimizer, loss_fn)
     if clip is None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm)):
         raise ValueError(
             f"max_norm={max_norm!r} must be a number > 0 (a float such as 1.0; math.inf never clips), "
@@ -85,10 +91,39 @@ def check_setup(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: An
         )
     own = {id(p) for p in model.parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    if held and not any(id(p) in own for p in held):
+    if not any(id(p) in own for p in held):
         raise ValueError(
             f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: every step would "
             "update nothing; build it from this model, e.g. torch.optim.AdamW(model.parameters())"
+        )
+    held_ids = {id(p) for p in held}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held_ids]
+    if left:
+        warnings.warn(
+            f"{len(left)} of the model's parameter tensors require grad but the optimizer does not hold them "
+            f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): the step computes their gradients, never "
+            "applies or zeroes them, and leaves them out of the clipped norm (clip_grad_norm_(model.parameters()) "
+            "would count them); freeze them with p.requires_grad_(False), or give them to the optimizer",
+            stacklevel=3,
+        )
+
+
+def _check_types(model: Any, optimizer: Any, loss_fn: Any) -> None:
+    """The three positional arguments are what their names say (swapped ones fail here, not deep inside)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model is a {type(model).__name__}, not a torch.nn.Module: call AmpTrainState(model, optimizer, loss_fn)"
+        )
+    if not isinstance(getattr(optimizer, "param_groups", None), list) or not callable(getattr(optimizer, "step", None)):
+        raise ValueError(
+            f"optimizer is a {type(optimizer).__name__}, not an optimizer (param_groups and step()): call "
+            "AmpTrainState(model, optimizer, loss_fn)"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(
+            f"loss_fn={loss_fn!r} is not callable: pass a function of (output, targets) such as "
+            "torch.nn.functional.cross_entropy, or loss_fn=None for a model that computes its own loss; dtype, "
+            "max_norm and the other settings are keyword arguments (dtype='bf16')"
         )
 
 

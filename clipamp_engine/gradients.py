@@ -49,4 +49,10 @@ class ScaledBackward(GradientSource):
     """``scaler.scale(loss).backward()``: gradients of the (loss-scaled) loss, accumulated in ``.grad``."""
 
     def backward(self, loss, scaler, model, loss_fn, inputs, targets) -> None:
+        if not loss.requires_grad:  # metadata: no sync
+            raise ValueError(
+                "the loss does not require grad, so it has no gradient to step on: every parameter it depends on "
+                "is frozen (requires_grad=False), or it was computed under torch.no_grad() or detached; unfreeze "
+                "the parameters to train, or compute the loss from the model's output"
+            )
         scaler.scale(loss).backward()

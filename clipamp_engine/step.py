@@ -125,10 +125,9 @@ class AmpTrainState:
             raise TypeError(unknown_arguments_message(unknown))
         self.autocast_dtype = parse_dtype(dtype)
         self.dtype = dtype
-        model_device = model_device_type(model)
-        check_arguments(model_device, device_type, dtype, accumulation_steps, scaler)
-        self.device_type = model_device
-        check_setup(model, optimizer, max_norm, clip, clip_window)
+        check_setup(model, optimizer, loss_fn, max_norm, clip, clip_window)
+        self.device_type = model_device_type(model)
+        check_arguments(self.device_type, device_type, dtype, accumulation_steps, scaler)
         check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss
@@ -146,7 +145,7 @@ class AmpTrainState:
         check_sharding(self.replicas.kind, self.clip, forensics is not None, whole_param_modes())
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
-        self.scaler = scaler if scaler is not None else LossScaler(model_device, enabled=dtype == "fp16")
+        self.scaler = scaler if scaler is not None else LossScaler(self.device_type, enabled=dtype == "fp16")
         self.skip_monitor = skip_monitor if skip_monitor is not None else SkipRateMonitor()
         self.clip_monitor = ClipRatioMonitor(clip_window)
         self.forensics = forensics if forensics is not None else NoForensics()

@@ -294,3 +294,62 @@ def test_a_scaler_for_another_device_is_refused_not_silently_disabled(make):
         model, torch.optim.AdamW(model.parameters()), F.mse_loss, dtype="fp16", scaler=HysteresisScaler("cpu")
     )
     assert state.step(*_batch()).scaler_scale == 2.0**16
+
+
+def test_an_optimizer_holding_nothing_is_refused():
+    """``SGD([{"params": []}])`` builds in torch; every step would have returned a record of ‖g‖ = 0."""
+    with pytest.raises(ValueError, match=r"^the optimizer holds 0 parameter tensor\(s\), none of them the model's"):
+        AmpTrainState(_model(), torch.optim.SGD([{"params": []}], lr=0.1), F.mse_loss, dtype="fp32")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ("swapped", r"^model is a SGD, not a torch.nn.Module: call AmpTrainState\(model, optimizer, loss_fn\)"),
+        ("not_an_optimizer", r"^optimizer is a Linear, not an optimizer \(param_groups and step\(\)\)"),
+        ("dtype_as_loss_fn", r"^loss_fn='bf16' is not callable: pass a function of \(output, targets\).*dtype='bf16'"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_named_at_construction(args, message):
+    """Swapped positional arguments, or a dtype passed where ``loss_fn`` goes: before, an ``AttributeError`` from
+    ``model.parameters()`` or a ``TypeError: 'str' object is not callable`` at the first step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    call = {
+        "swapped": (opt, model, F.mse_loss),
+        "not_an_optimizer": (model, torch.nn.Linear(1, 1), F.mse_loss),
+        "dtype_as_loss_fn": (model, opt, "bf16"),
+    }[args]
+    with pytest.raises(ValueError, match=message):
+        AmpTrainState(*call)
+
+
+@pytest.mark.parametrize("why", ["frozen", "detached"])
+def test_a_loss_without_a_gradient_is_named_and_takes_no_step(why):
+    """Every parameter frozen, or a loss cut from the graph: torch's "element 0 of tensors does not require
+    grad" before; now one line that names both causes, and the step takes no step number."""
+    model = _model()
+    loss_fn = F.mse_loss if why == "frozen" else (lambda out, y: F.mse_loss(out, y).detach())
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, dtype="fp32")
+    if why == "frozen":
+        model.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^the loss does not require grad, so it has no gradient to step on"):
+        state.step(*_batch())
+    assert state.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_trainable_parameters_the_optimizer_does_not_hold_are_named_in_a_warning():
+    """A head-only fine-tune that left the body trainable: the engine norms what the optimizer updates, the
+    loop ``clip_grad_norm_(model.parameters())`` would count the body's never-zeroed gradients too."""
+    model = _model()
+    with pytest.warns(UserWarning) as caught:
+        AmpTrainState(model, torch.optim.SGD(model[2].parameters(), lr=0.1), F.mse_loss, dtype="fp32")
+    assert len(caught) == 1 and str(caught[0].message).startswith(
+        "2 of the model's parameter tensors require grad but the optimizer does not hold them (0.weight, 0.bias)"
+    )
+    assert caught[0].filename == __file__  # points at the caller's line
+    model[0].requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AmpTrainState(model, torch.optim.SGD(model[2].parameters(), lr=0.1), F.mse_loss, dtype="fp32")
