@@ -83,7 +83,9 @@ class StepCSVWriter:
             if truncate_after is not None:  # the caller resumes at truncate_after + 1: nothing can be refused
                 self._apply_rewrite()
         else:
-            self.columns = list(CANONICAL_COLUMNS) + [c for c in extra_columns if c not in CANONICAL_COLUMNS]
+            self.columns = list(CANONICAL_COLUMNS) + list(
+                dict.fromkeys(c for c in extra_columns if c not in CANONICAL_COLUMNS)
+            )
             self._file = open(self.path, "w", newline="", encoding="utf-8")
             self._write_line(self.columns)
 
@@ -149,6 +151,11 @@ class StepCSVWriter:
         A step not after the last one written is refused (``ValueError``) before the file changes.
         """
         row = record.row() if isinstance(record, StepLog) else dict(record)
+        if row.get("step") is None:
+            raise ValueError(
+                f"a row without a step: got columns {', '.join(map(str, row)) or 'none'}; write a StepLog/SkipLog "
+                f"or a mapping with 'step' (the file is unchanged)"
+            )
         step = int(row["step"])
         if self.last_step is not None and step <= self.last_step:
             self._refused = True

@@ -231,3 +231,25 @@ def test_a_tail_torn_inside_a_quoted_field_is_dropped_and_a_bad_middle_row_is_re
     path.write_text("\n".join([lines[0], "1,0.001", *lines[3:]]))  # a hand-cut row before step 2
     with pytest.raises(ValueError, match="data row 1 has 2 fields, the header 12; fix or remove that row"):
         StepCSVWriter(path, mode="resume")
+
+
+def test_a_repeated_extra_column_is_one_column(tmp_path):
+    """``extra_columns=("clipped", "clipped")`` wrote a header ``clipped,clipped`` that pandas reads as
+    ``clipped, clipped.1``."""
+    path = tmp_path / "steps.csv"
+    with StepCSVWriter(path, extra_columns=("clipped", "max_norm", "clipped")) as w:
+        w.write(_log(1))
+    assert list(pd.read_csv(path).columns)[8:] == ["clipped", "max_norm", "token_count"]  # the row widens it
+
+
+def test_a_row_without_a_step_is_named_and_changes_nothing(tmp_path):
+    """A mapping without ``step`` raised a bare ``KeyError: 'step'``."""
+    path = tmp_path / "steps.csv"
+    with StepCSVWriter(path) as w:
+        w.write(_log(1))
+        before = path.read_bytes()
+        with pytest.raises(ValueError, match=r"^a row without a step: got columns loss, lr; write a StepLog"):
+            w.write({"loss": 0.5, "lr": 1e-3})
+        assert path.read_bytes() == before
+        w.write(_log(2))
+    assert pd.read_csv(path)["step"].tolist() == [1, 2]
