@@ -99,6 +99,8 @@ class _Watch:
             self.clipped += bool(log.clipped)
         if math.isfinite(log.loss):
             self.window.append(float(log.loss))
+        if log.step >= ctx.cfg.steps:  # the last step: pruning saves nothing and would lose the finished trial
+            return
         t = time.perf_counter()
         verdict = self.band and band_verdict(
             log.step, self.taken, self.clipped, ctx.cfg.steps, self.band.band, self.band.below_after

@@ -217,3 +217,37 @@ def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path,
         if t in pruned:
             assert run.data.tags["pruned_at_step"] == str(rows)  # before: the decision's step, rows short of it
     assert result.steps_run == sum(t.user_attrs["steps_run"] for t in trials)
+
+
+class _Always(optuna.pruners.BasePruner):
+    def prune(self, study, trial) -> bool:
+        return True
+
+
+def test_a_trial_is_never_pruned_at_its_last_step():
+    """Pruned at step 30 of 30 (seen with ``bench/bench_pruning.py -- steps=30``): nothing saved, and the trial
+    that had run every step lost its evaluation and could not be picked. The step before still asks."""
+    from types import SimpleNamespace
+
+    from sweep.experiments.study.trial import Counters, Pruned, _Watch
+    from sweep.run.loop import StepLog
+
+    cfg = compose_cfg("+experiment=sweep", "study=constrained", "steps=30", "study.report_every=1")
+    study = optuna.create_study(pruner=_Always())
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        study=study,
+        storage=SimpleNamespace(record_heartbeat=lambda trial_id: None),
+        counters=Counters(),
+        ui=SimpleNamespace(step=lambda step: None),
+    )
+
+    def log(step: int):
+        return StepLog(
+            step=step, lr=1e-3, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, loss=2.0, scaler_scale=1.0, clipped=False
+        )
+
+    last = _Watch(ctx, study.ask())
+    last.on_step(log(30))  # asks nothing
+    with pytest.raises(Pruned, match="pruned at step 29"):
+        _Watch(ctx, study.ask()).on_step(log(29))
