@@ -85,10 +85,14 @@ class RankFailed(Exception):
         return self
 
     def report(self, rank: int) -> str | None:
-        """The line this process prints: rank 0's; a failing rank's own only when rank 0 is gone (same host);
-        rank 1's when rank 0 itself died silently (no other rank records the run); None on the other ranks
-        (their own gloo connections keep rank 0 waiting until they exit)."""
-        if rank == 0 or (self.own and _dead_rank(self.store, rank, [0]) == 0):
+        """The line this process prints: rank 0's (recorded as ``reported`` in the store); a failing rank's
+        own only when rank 0 is gone (same host) without having reported (every rank raising the same error:
+        rank 0 prints and exits first); rank 1's when rank 0 itself died silently (no other rank records the
+        run); None on the other ranks (their own gloo connections keep rank 0 waiting until they exit)."""
+        if rank == 0:
+            _store_call(self.store, "set", "reported", "0")
+            return self.line()
+        if self.own and _dead_rank(self.store, rank, [0]) == 0 and not _store_call(self.store, "check", ["reported"]):
             return self.line()
         if rank == 1 and self.rank == 0 and self.cause is None:
             return (

@@ -79,6 +79,15 @@ def test_a_failing_rank_reports_itself_when_rank_0_is_gone(sigterm_restored, dea
     assert diagnose(ValueError("x"), store, rank=1, world=2).report(1) == "rank 1 of 2 failed: ValueError: x"
 
 
+def test_a_failing_rank_stays_quiet_when_rank_0_reported_before_it_left(sigterm_restored, dead_pid):
+    """Every rank raising the same error (clip=agc under FSDP2 did): rank 0 prints and exits, and rank 1 found
+    it gone and printed the line again; now rank 0's report is recorded and rank 1 says nothing."""
+    store = _store({0: dead_pid, 1: os.getpid()})
+    zero = RankFailed(0, 2, "RuntimeError: x", own=True, store=store)
+    assert zero.report(0) == "rank 0 of 2 failed: RuntimeError: x" and store.check(["reported"])
+    assert diagnose(RuntimeError("x"), store, rank=1, world=2).report(1) is None
+
+
 def test_a_silently_dead_rank_is_named_and_the_run_ends_killed(sigterm_restored, dead_pid):
     store = _store({0: os.getpid(), 1: os.getpid(), 2: dead_pid})
     failure = diagnose(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), store, 0, 3)
