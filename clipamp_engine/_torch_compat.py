@@ -23,6 +23,11 @@ What is used, and why:
   (``values()`` refuses the in-place updates clipping needs).
 - ``sys.modules["torch.distributed.tensor"]``: the DTensor class when, and only when, something
   already imported it (importing it costs seconds and no DTensor can exist before).
+- ``FSDPModule._get_fsdp_state()._fsdp_param_groups[i].fsdp_params`` and each ``FSDPParam``'s
+  ``_unsharded_param.grad`` / ``unsharded_accumulated_grad``: where FSDP2 keeps the gradient of
+  micro-batches run with ``set_requires_gradient_sync(False)``, not reduced yet. ``optimizer.zero_grad``
+  clears only the sharded ``.grad`` and ``reset_iter_state`` keeps them; a step refused after some
+  backward passes must drop them, or the next step's reduction adds them in.
 - ``torch._dynamo.eval_frame.OptimizedModule._orig_mod``: the module a ``torch.compile`` wrapper
   runs, whose ``forward`` signature says how to pass it the targets (the wrapper's takes
   ``*args, **kwargs``); read only once ``torch.compile`` imported that module.
@@ -43,6 +48,8 @@ __all__ = [
     "compiled_original",
     "dtensor_class",
     "found_infs",
+    "fsdp_drop_unreduced_grads",
+    "fsdp_unreduced_grads",
     "fused_kernel_devices",
     "record_found_inf",
     "reset_inf_checks",
@@ -108,3 +115,28 @@ def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, or ``None`` for any other module."""
     module = sys.modules.get("torch._dynamo.eval_frame")
     return model._orig_mod if module is not None and isinstance(model, module.OptimizedModule) else None
+
+
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """Every ``FSDPParam`` of the ``fully_shard``-ed modules in ``model`` (``model`` included)."""
+    states = (m._get_fsdp_state() for m in model.modules() if callable(getattr(m, "_get_fsdp_state", None)))
+    return [p for state in states for group in state._fsdp_param_groups for p in group.fsdp_params]
+
+
+def fsdp_unreduced_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients FSDP2 holds unreduced (accumulated under ``set_requires_gradient_sync(False)``): the
+    unsharded parameters' ``.grad``, or, with a ``reduce_dtype`` that differs, the upcast accumulator."""
+    out = []
+    for p in _fsdp_params(model):
+        unsharded = getattr(p, "_unsharded_param", None)  # absent before the first all-gather
+        grads = (p.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad)
+        out += [g for g in grads if g is not None]
+    return out
+
+
+def fsdp_drop_unreduced_grads(model: torch.nn.Module) -> None:
+    """Forget the gradients ``fsdp_unreduced_grads`` lists: the next backward starts from none."""
+    for p in _fsdp_params(model):
+        p.unsharded_accumulated_grad = None
+        if getattr(p, "_unsharded_param", None) is not None:
+            p._unsharded_param.grad = None

@@ -12,6 +12,10 @@ lockstep, so a step is taken or skipped everywhere with the same norm and record
 - **one record**: the same all-reduce gives the global loss and token count.
 - **one gradient reduction per step**: micro-batches before the last accumulate locally
   (DDP ``no_sync()``, FSDP2 ``set_requires_gradient_sync(False)``).
+- **nothing carried over**: a step that ends without its update (a skip, an exception) leaves no
+  gradient behind. DDP accumulates in ``.grad``, which ``zero_grad`` clears; FSDP2 keeps what
+  micro-batches before a refused one accumulated in its own unsharded state, which ``zero_grad``
+  does not reach: it is dropped too, and FSDP2's iteration state reset (``reset_iter_state``).
 
 Single-process runs get the no-op ``Replicas``: same syncs, no collectives.
 
@@ -30,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._torch_compat import compiled_original
+from ._torch_compat import compiled_original, fsdp_drop_unreduced_grads
 from .norms import record_dtype
 
 __all__ = ["DDPReplicas", "FSDPReplicas", "GlobalBatchLoss", "Replicas", "replicas_of", "unwrap"]
@@ -49,6 +53,11 @@ class Replicas:
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over ranks (here: the values themselves)."""
         return values
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, aborted: bool) -> None:
+        """End of a step: ``optimizer.zero_grad(set_to_none=True)``; ``aborted``: the step ended without its
+        update (a skip, an exception), so gradients accumulated but never reduced are dropped as well."""
+        optimizer.zero_grad(set_to_none=True)
 
 
 class _Collective(Replicas):
@@ -86,6 +95,12 @@ class FSDPReplicas(_Collective):
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, aborted: bool) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if aborted:  # micro-batches before the refused one left unreduced gradients inside FSDP2
+            self.model.reset_iter_state()  # a forward without its backward, as after an exception
+            fsdp_drop_unreduced_grads(self.model)
 
 
 class GlobalBatchLoss:

@@ -252,7 +252,7 @@ class AmpTrainState:
                 self.step_count -= 1
             raise
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.replicas.zero_grad(self.optimizer, aborted=not self._updated)  # FSDP2: unreduced ones too
 
     def _follow_param_groups(self) -> None:
         """The optimizer's parameters changed since the last step (``add_param_group``, say): norm, check

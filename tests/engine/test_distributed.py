@@ -30,6 +30,7 @@ WORLD = 2
 GLOBAL_BATCH = 8
 STEPS = 6
 NAN_STEP, INF_STEP = 3, 5
+LATE_NAN_ROW = 7  # rank 1's second micro-batch under accumulation 2: after its first one's backward
 MARK = 7.0  # x[:, 0] == MARK: inf into the gradient of l2.weight[-1, 0]
 TIMEOUT = datetime.timedelta(seconds=30)  # a desynchronised collective fails the test, never hangs it
 
@@ -70,12 +71,12 @@ def token_loss(out, target):
     return ((out.float() - y) ** 2 * mask).sum(), mask.sum()
 
 
-def global_batch(step: int):
+def global_batch(step: int, nan_row: int = 5):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, 8, generator=g)
     y, mask = torch.randn(GLOBAL_BATCH, 4, generator=g), (torch.rand(GLOBAL_BATCH, 4, generator=g) > 0.4).float()
     if step == NAN_STEP:
-        x[5, 2] = float("nan")  # rank 1's shard (rows 4..7)
+        x[nan_row, 2] = float("nan")  # rank 1's shard (rows 4..7); row 7: its second micro-batch under k=2
     if step == INF_STEP:
         x[1, 0] = MARK  # rank 0's shard (rows 0..3)
     return x, (y, mask)
@@ -133,8 +134,8 @@ def full_params(model) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
 
 
-def run(state, rank=0, world=1, steps=STEPS) -> dict:
-    rows = [state.step(*shard(global_batch(s), rank, world)).row() for s in range(1, steps + 1)]
+def run(state, rank=0, world=1, steps=STEPS, nan_row=5) -> dict:
+    rows = [state.step(*shard(global_batch(s, nan_row), rank, world)).row() for s in range(1, steps + 1)]
     return {"rows": rows, "params": full_params(state.model)}
 
 
@@ -252,9 +253,12 @@ SCENARIOS = {
     "ddp_mean": lambda r, w: run(build(ddp), r, w),
     "ddp_token_k2": lambda r, w: run(build(ddp, k=2, loss_fn=token_loss), r, w),
     "ddp_comm": scenario_comm,
+    "ddp_mean_k2_late_nan": lambda r, w: run(build(ddp, k=2), r, w, nan_row=LATE_NAN_ROW),
     "ddp_unused_k2": lambda r, w: run(build(ddp_unused, k=2, loss_fn=token_loss, net=NetWithUnused), r, w),
     "fsdp_fp32_norms": scenario_norms,
     "fsdp_token_k2": lambda r, w: run(build(fsdp2, k=2, loss_fn=token_loss), r, w),
+    "fsdp_mean_k2_late_nan": lambda r, w: run(build(fsdp2, k=2), r, w, nan_row=LATE_NAN_ROW),
+    "fsdp_token_k2_late_nan": lambda r, w: run(build(fsdp2, k=2, loss_fn=token_loss), r, w, nan_row=LATE_NAN_ROW),
     "fsdp_bf16": lambda r, w: run(build(fsdp2, dtype="bf16"), r, w),
     "fsdp_fp16": lambda r, w: run(build(fsdp2, dtype="fp16"), r, w),
 }
@@ -292,14 +296,23 @@ def _spawn(tmp_path, names) -> list[dict]:
 def ddp_results(tmp_path_factory):
     return _spawn(
         tmp_path_factory.mktemp("ddp"),
-        ["refusals", "ddp_checkpoint", "ddp_mean", "ddp_token_k2", "ddp_comm", "ddp_unused_k2"],
+        ["refusals", "ddp_checkpoint", "ddp_mean", "ddp_token_k2", "ddp_comm", "ddp_unused_k2", "ddp_mean_k2_late_nan"],
     )
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     return _spawn(
-        tmp_path_factory.mktemp("fsdp"), ["fsdp_refusals", "fsdp_fp32_norms", "fsdp_token_k2", "fsdp_bf16", "fsdp_fp16"]
+        tmp_path_factory.mktemp("fsdp"),
+        [
+            "fsdp_refusals",
+            "fsdp_fp32_norms",
+            "fsdp_token_k2",
+            "fsdp_mean_k2_late_nan",
+            "fsdp_token_k2_late_nan",
+            "fsdp_bf16",
+            "fsdp_fp16",
+        ],
     )
 
 
@@ -414,6 +427,24 @@ def test_fsdp2_token_mean_with_accumulation(fsdp_results):
     per_rank = _get(fsdp_results, "fsdp_token_k2")
     _assert_same_on_every_rank(per_rank)
     ref = run(build(k=2, loss_fn=token_loss))
+    _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"])
+
+
+@pytest.mark.parametrize("loss", ["mean", "token"])
+def test_fsdp2_nan_after_a_backward_leaves_no_gradient_for_the_next_step(fsdp_results, loss):
+    """Rank 1's loss is NaN in its second micro-batch, after the first one's backward: every rank skips,
+    and the gradient FSDP2 accumulated unreduced for that step is discarded, not added to the next."""
+    per_rank = _get(fsdp_results, f"fsdp_{loss}_k2_late_nan")
+    _assert_same_on_every_rank(per_rank)
+    ref = run(build(k=2, loss_fn=mean_loss if loss == "mean" else token_loss), nan_row=LATE_NAN_ROW)
+    _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"])
+
+
+def test_ddp_nan_after_a_backward_leaves_no_gradient_for_the_next_step(ddp_results):
+    """The same under DDP: ``no_sync`` accumulates in ``.grad``, which the skip's ``zero_grad`` clears."""
+    per_rank = _get(ddp_results, "ddp_mean_k2_late_nan")
+    _assert_same_on_every_rank(per_rank)
+    ref = run(build(k=2), nan_row=LATE_NAN_ROW)
     _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"])
 
 

@@ -156,3 +156,43 @@ def test_compiled_original_is_the_module_a_compile_wrapper_runs():
     plain = torch.nn.Linear(2, 2)
     assert compat.compiled_original(plain) is None
     assert compat.compiled_original(torch.compile(plain)) is plain
+
+
+_FSDP_CHILD = """
+import os, sys, tempfile
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from clipamp_engine import _torch_compat as compat
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+x1, x2 = torch.randn(4, 3), torch.randn(4, 3)
+for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 2)
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(3, 2), **({"mp_policy": mp} if mp else {}))
+    assert compat.fsdp_unreduced_grads(model) == []
+    model.set_requires_gradient_sync(False)
+    model(x1).sum().backward()  # accumulated, not reduced: the sharded .grad is still None
+    held = compat.fsdp_unreduced_grads(model)
+    assert len(held) == 2 and all(p.grad is None for p in model.parameters()), held
+    compat.fsdp_drop_unreduced_grads(model)
+    assert compat.fsdp_unreduced_grads(model) == []
+    model.set_requires_gradient_sync(True)
+    model(x2).sum().backward()  # reduced: x2's gradient only, nothing of x1's
+    (plain(x2.to(torch.bfloat16).float() if mp else x2)).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-2 if mp else 1e-6, atol=1e-2 if mp else 1e-7)
+print("ok")
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter with a one-rank process group
+def test_fsdp_unreduced_grads_are_what_no_sync_accumulated_and_drop_forgets_them():
+    """FSDP2 keeps micro-batches' gradients under ``set_requires_gradient_sync(False)`` in its own unsharded
+    state (with a ``reduce_dtype``, an upcast accumulator): listed, dropped, and absent from the next reduction."""
+    out = subprocess.run([sys.executable, "-c", _FSDP_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok"]
