@@ -114,6 +114,19 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
 
 
+def replicated(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor whose reduction is pending (a ``Partial`` placement: the norm of an FSDP2-sharded vector,
+    or over a sharded dim) as the replicated DTensor of its value (a collective over its mesh); any other
+    tensor as is. Unlike ``full_tensor`` it stays a DTensor, so it mixes with FSDP2's shards in one
+    foreach op, and in-place ops on it are allowed (DTensor refuses them on a ``Partial``)."""
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(t, dtensor) or not any(p.is_partial() for p in t.placements):
+        return t
+    from torch.distributed.tensor import Replicate  # imported already: t is a DTensor
+
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+
 def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
     """Multiply every gradient (sparse: its values) in place by one factor (fused, no sync)."""
     views = dense_views(grads)

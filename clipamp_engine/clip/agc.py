@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..norms import CLIP_EPS, accumulation_dtype, total_norm
+from ..norms import CLIP_EPS, accumulation_dtype, replicated, total_norm
 from .base import ClipPolicy, NamedParams, compile_patterns, embedding_param_ids, param_names, positive, scale_each_
 
 __all__ = ["DEFAULT_AGC_EXCLUDE", "AdaptiveGradClip", "unitwise_norm"]
@@ -24,11 +24,14 @@ DEFAULT_AGC_EXCLUDE = (r"(^|\.)(wte|wpe|tok|pos)\.weight$", r"embed")
 def unitwise_norm(x: torch.Tensor) -> torch.Tensor:
     """NFNets unit-wise L2 norm: one norm per output unit (dim 0), reduced over the other dims
     and kept broadcastable; a vector or scalar is a single unit. Accumulates in at least fp32
-    (fp64 stays fp64, as in timm's ``unitwise_norm``, which norms in the tensor's own dtype)."""
+    (fp64 stays fp64, as in timm's ``unitwise_norm``, which norms in the tensor's own dtype).
+
+    Under FSDP2 (DTensor shards over dim 0) a unit's row is local; a vector's norm, or one over a
+    sharded dim, is reduced over the mesh (``replicated``): the norm of the whole unit, on every rank."""
     acc = accumulation_dtype(x.dtype)
     if x.ndim <= 1:
-        return torch.linalg.vector_norm(x, dtype=acc)
-    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=acc)
+        return replicated(torch.linalg.vector_norm(x, dtype=acc))
+    return replicated(torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=acc))
 
 
 class AdaptiveGradClip(ClipPolicy):

@@ -235,6 +235,13 @@ def scenario_fsdp_refusals(rank, world):
     return {"messages": messages}
 
 
+def agc_1d(exclude_1d=False):
+    """AGC on every parameter, the 1-D biases included (each a single unit: the norm of the whole vector)."""
+    from clipamp_engine import make_clip_policy
+
+    return make_clip_policy("agc", clip_factor=0.3, exclude_1d=exclude_1d)
+
+
 def scenario_ddp_checkpoint(rank, world):
     """A DDP engine's state dict is one process's: a plain module loads its model state, DDP loads it back."""
     state = build(ddp)
@@ -259,6 +266,7 @@ SCENARIOS = {
     "fsdp_token_k2": lambda r, w: run(build(fsdp2, k=2, loss_fn=token_loss), r, w),
     "fsdp_mean_k2_late_nan": lambda r, w: run(build(fsdp2, k=2), r, w, nan_row=LATE_NAN_ROW),
     "fsdp_token_k2_late_nan": lambda r, w: run(build(fsdp2, k=2, loss_fn=token_loss), r, w, nan_row=LATE_NAN_ROW),
+    "fsdp_agc_1d": lambda r, w: run(build(fsdp2, clip=agc_1d()), r, w),
     "fsdp_bf16": lambda r, w: run(build(fsdp2, dtype="bf16"), r, w),
     "fsdp_fp16": lambda r, w: run(build(fsdp2, dtype="fp16"), r, w),
 }
@@ -310,6 +318,7 @@ def fsdp_results(tmp_path_factory):
             "fsdp_token_k2",
             "fsdp_mean_k2_late_nan",
             "fsdp_token_k2_late_nan",
+            "fsdp_agc_1d",
             "fsdp_bf16",
             "fsdp_fp16",
         ],
@@ -438,6 +447,25 @@ def test_fsdp2_nan_after_a_backward_leaves_no_gradient_for_the_next_step(fsdp_re
     _assert_same_on_every_rank(per_rank)
     ref = run(build(k=2, loss_fn=mean_loss if loss == "mean" else token_loss), nan_row=LATE_NAN_ROW)
     _assert_matches_reference(per_rank[0]["rows"], ref["rows"], per_rank[0]["params"], ref["params"])
+
+
+def test_fsdp2_agc_on_1d_parameters_matches_one_process(fsdp_results):
+    """``exclude_1d=False``: a bias is one unit, so its norm is over the whole vector, which FSDP2 shards;
+    every unit norm is reduced over the mesh and the clipped gradients match one process."""
+    per_rank = _get(fsdp_results, "fsdp_agc_1d")
+    _assert_same_on_every_rank(per_rank)
+    rows, ref = per_rank[0]["rows"], run(build(clip=agc_1d()))
+    assert [r["skip_reason"] for r in rows] == [r["skip_reason"] for r in ref["rows"]]
+    taken = [i for i, r in enumerate(rows) if not r["skipped"]]
+    assert taken and all(rows[i]["clipped"] for i in taken)
+    for key in ("grad_l2_pre_clip", "grad_l2_post_clip", "loss"):
+        got = torch.tensor([rows[i][key] for i in taken], dtype=torch.float64)
+        want = torch.tensor([ref["rows"][i][key] for i in taken], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
+    for p, q in zip(per_rank[0]["params"], ref["params"]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    without_1d = run(build(clip=agc_1d(exclude_1d=True)))["params"]
+    assert not torch.allclose(ref["params"][1], without_1d[1], rtol=1e-5, atol=1e-6)  # the biases were clipped
 
 
 def test_ddp_nan_after_a_backward_leaves_no_gradient_for_the_next_step(ddp_results):
