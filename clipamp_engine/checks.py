@@ -46,12 +46,16 @@ def check_arguments(model_device: str, device_type: Any, dtype: str, accumulatio
 
 def check_sharding(world_kind: str, clip: Any, forensics: bool, whole_param_modes: list[str]) -> None:
     """At construction: FSDP2 keeps no whole parameters, which some clip modes and forensics read."""
-    if world_kind == "fsdp2" and (clip.needs_whole_params or forensics):
-        what = f"clip mode {clip.mode!r}" if clip.needs_whole_params else "forensics"
+    if world_kind != "fsdp2":
+        return
+    unsharded = "needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP"
+    if clip.needs_whole_params:
+        also = "; forensics needs them too: pass forensics=None" if forensics else ""
         raise ValueError(
-            f"{what} needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
-            f"or a clip mode other than {', '.join(whole_param_modes)} without forensics"
+            f"clip mode {clip.mode!r} {unsharded}, or a clip mode other than {', '.join(whole_param_modes)}{also}"
         )
+    if forensics:
+        raise ValueError(f"forensics {unsharded}, or turn forensics off (forensics=None)")
 
 
 def check_setup(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sweep.config import Config, validate
+from sweep.config import Config, forensics_on, validate
 from sweep.distributed import launch as ranks
 from sweep.experiments.training import run_single
 from sweep.tracking.tracker import open_store
@@ -40,6 +40,7 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
         cfg.device,
         cfg.dist.timeout_s,
         cfg.clip.mode,
+        forensics_on(cfg.forensics),
     )
 
     def go() -> object:

@@ -360,6 +360,14 @@ def window_ranges(cfg: Config) -> list[range]:
     return CalibrationWindows(cfg.calibrate.window, cfg.calibrate.every, cfg.steps).ranges()
 
 
+def forensics_on(f: ForensicsConfig) -> list[str]:
+    """The ``forensics.*`` overrides that turn forensics on, as a user writes them (``forensics.top_k=2``);
+    ``[]``: forensics is off (no ``StepForensics``)."""
+    flags = (("update_norm", f.update_norm), ("param_norm", f.param_norm), ("zero_grads", f.zero_grads))
+    on = [f"forensics.{name}=true" for name, value in flags if value]
+    return on + ([f"forensics.top_k={f.top_k}"] if f.top_k else [])
+
+
 def calibrated(cfg: Config) -> Config:
     """``cfg`` with ``clip=calibrated``, which reads its options from ``calibrate.*``: what a calibrate
     run (or a spike's calibrated arm, or a sweep's anchor window) does, so its logged params say so

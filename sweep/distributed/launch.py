@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -162,9 +162,12 @@ def _cuda(device: str) -> bool:
     return device.split(":")[0] == "cuda"
 
 
-def resolve_strategy(strategy: str, run: str, batch_size: int, clip_mode: str = "norm") -> tuple[str, int]:
+def resolve_strategy(
+    strategy: str, run: str, batch_size: int, clip_mode: str = "norm", forensics: Sequence[str] = ()
+) -> tuple[str, int]:
     """``(strategy, world)`` for this launch; a ``UserError`` names an impossible combination (before any
-    store is opened), the clip modes the engine refuses under DDP or FSDP2 included.
+    store is opened), the clip modes and the forensics (``forensics``: the overrides that turn it on,
+    ``forensics_on``) the engine refuses under DDP or FSDP2 included.
 
     ``auto`` is ``ddp`` under torchrun with several processes, else ``none``.
     """
@@ -209,15 +212,31 @@ def resolve_strategy(strategy: str, run: str, batch_size: int, clip_mode: str = 
             f"clip={clip_mode} needs whole (unsharded) parameters, which FSDP2 does not keep: use dist.strategy=ddp, "
             f"or a clip mode other than {', '.join(whole_param_modes())}"
         )
+    if strategy == "fsdp2" and forensics:
+        keys = [setting.partition("=")[0] for setting in forensics]
+        off = " ".join(f"{key}={0 if key == 'forensics.top_k' else 'false'}" for key in keys)
+        raise UserError(
+            f"forensics ({' '.join(forensics)}) needs whole (unsharded) parameters, which FSDP2 does not keep: "
+            f"turn it off ({off}) or use dist.strategy=ddp"
+        )
     return strategy, world
 
 
-def start(strategy: str, run: str, batch_size: int, device: str, timeout_s: float, clip_mode: str = "norm") -> Launch:
-    """Join torchrun's process group as ``strategy`` needs (gloo on CPU, nccl on CUDA).
+def start(
+    strategy: str,
+    run: str,
+    batch_size: int,
+    device: str,
+    timeout_s: float,
+    clip_mode: str = "norm",
+    forensics: Sequence[str] = (),
+) -> Launch:
+    """Join torchrun's process group as ``strategy`` needs (gloo on CPU, nccl on CUDA); ``clip_mode`` and
+    ``forensics`` (the overrides that turn it on) are checked against it first (``resolve_strategy``).
 
     Ranks other than 0 stay silent: their warnings are the same as rank 0's.
     """
-    strategy, _ = resolve_strategy(strategy, run, batch_size, clip_mode)
+    strategy, _ = resolve_strategy(strategy, run, batch_size, clip_mode, forensics)
     if strategy == "none":
         return Launch()
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -8,7 +8,7 @@ import torch
 
 from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
 from clipamp_engine.forensics import StepForensics
-from sweep.config.schema import Config, OptimConfig
+from sweep.config.schema import Config, OptimConfig, forensics_on
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
 
@@ -86,7 +86,7 @@ def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: in
     amp = cfg.amp
     f = cfg.forensics
     forensics = None
-    if f.update_norm or f.param_norm or f.top_k or f.zero_grads:
+    if forensics_on(f):
         forensics = StepForensics(
             model, update_norm=f.update_norm, param_norm=f.param_norm, top_k=f.top_k, zero_grads=f.zero_grads
         )

@@ -219,7 +219,7 @@ def scenario_fsdp_refusals(rank, world):
     from clipamp_engine.forensics import StepForensics
 
     messages = []
-    for clip, forensics in ((make_clip_policy("update"), False), (None, True)):
+    for clip, forensics in ((make_clip_policy("update"), False), (None, True), (make_clip_policy("update"), True)):
         torch.manual_seed(0)
         model = fsdp2(Net())
         try:
@@ -498,6 +498,13 @@ def test_unreduced_gradients_under_several_ranks_are_refused(ddp_results):
 
 
 def test_fsdp2_refuses_what_needs_whole_parameters(fsdp_results):
-    update, forensics = _get(fsdp_results, "fsdp_refusals")[0]["messages"]
-    assert update.startswith("clip mode 'update' needs whole (unsharded) parameters")
-    assert forensics.startswith("forensics needs whole (unsharded) parameters")
+    update, forensics, both = _get(fsdp_results, "fsdp_refusals")[0]["messages"]
+    assert update == (
+        "clip mode 'update' needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
+        "or a clip mode other than per_group, update"
+    )
+    assert forensics == (
+        "forensics needs whole (unsharded) parameters, which FSDP2 does not keep: use DDP, "
+        "or turn forensics off (forensics=None)"
+    )
+    assert both == update + "; forensics needs them too: pass forensics=None"

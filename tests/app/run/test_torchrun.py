@@ -101,6 +101,39 @@ def test_impossible_combinations_are_one_line_errors(torchrun_env, world, strate
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "forensics, off",
+    [
+        (["forensics.top_k=2"], "forensics.top_k=0"),
+        (["forensics.update_norm=true", "forensics.top_k=3"], "forensics.update_norm=false forensics.top_k=0"),
+    ],
+)
+def test_forensics_under_fsdp2_is_refused_before_the_run(torchrun_env, forensics, off):
+    """The engine refuses forensics under FSDP2 (whole parameters); the app says so at launch, naming the
+    overrides to turn it off, instead of after a run was opened."""
+    torchrun_env(2)
+    with pytest.raises(UserError) as e:
+        resolve_strategy("fsdp2", "train", 4, "norm", forensics)
+    assert str(e.value) == (
+        f"forensics ({' '.join(forensics)}) needs whole (unsharded) parameters, which FSDP2 does not keep: "
+        f"turn it off ({off}) or use dist.strategy=ddp"
+    )
+    assert resolve_strategy("ddp", "train", 4, "norm", forensics) == ("ddp", 2)
+    assert resolve_strategy("fsdp2", "train", 4, "norm", []) == ("fsdp2", 2)
+
+
+def test_forensics_on_names_the_overrides_that_turn_it_on():
+    from sweep.config import forensics_on
+    from sweep.config.schema import ForensicsConfig
+
+    assert forensics_on(ForensicsConfig()) == []
+    assert forensics_on(ForensicsConfig(top_k=2)) == ["forensics.top_k=2"]
+    assert forensics_on(ForensicsConfig(param_norm=True, zero_grads=True)) == [
+        "forensics.param_norm=true",
+        "forensics.zero_grads=true",
+    ]
+
+
 def test_ranks_share_each_global_batch_in_order():
     batch = Batch(torch.arange(12).view(6, 2), torch.arange(6), "src")
     shares = [next(Launch("ddp", rank, 3).share(iter([batch]))) for rank in range(3)]
@@ -253,15 +286,27 @@ def test_fsdp2_shards_that_cannot_be_read_are_one_line_and_the_run_stays_killed(
 
 
 @pytest.mark.slow
-def test_a_user_mistake_under_torchrun_is_one_line(tmp_path):
-    res = subprocess.run(
-        [*TORCHRUN, "+experiment=sweep", *TINY], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300
-    )
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (
+            ["+experiment=sweep"],
+            "+experiment=sweep runs in one process: launch it without torchrun "
+            "(under torchrun: +experiment=calibrate, train or spike)",
+        ),
+        (
+            ["+experiment=train", "dist.strategy=fsdp2", "forensics.top_k=2"],
+            "forensics (forensics.top_k=2) needs whole (unsharded) parameters, which FSDP2 does not keep: "
+            "turn it off (forensics.top_k=0) or use dist.strategy=ddp",
+        ),
+    ],
+)
+def test_a_user_mistake_under_torchrun_is_one_line(tmp_path, args, error):
+    res = subprocess.run([*TORCHRUN, *args, *TINY], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0, res.stderr[-3000:]
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-    assert errors == [
-        "error: +experiment=sweep runs in one process: launch it without torchrun "
-        "(under torchrun: +experiment=calibrate, train or spike)"
-    ]
+    assert errors == [f"error: {error}"]
+    assert "(exitcode: 2)" in res.stderr  # the rank's exit status for a user mistake
+    assert "steps.csv" not in res.stdout
     assert "Traceback" not in res.stderr.split("error:")[0]  # no traceback from our ranks before it
     assert not (tmp_path / "mlruns").exists()  # refused before any store was opened
