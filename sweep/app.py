@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sweep.config import Config, forensics_on, validate
+from sweep.config.convert import flat_params
 from sweep.distributed import launch as ranks
 from sweep.experiments.training import run_single
 from sweep.tracking.tracker import open_store
@@ -44,6 +45,8 @@ def run(cfg: Config, overrides: list[str] | None = None, base_dir: Path | None =
     )
 
     def go() -> object:
+        if launch.distributed:
+            launch.refuse_different(flat_params(cfg))  # before the store opens: nothing to clean up
         store = open_store(cfg, overrides, launch, base_dir or Path.cwd())
         if launch.distributed:  # calibrate, train or spike (resolve_strategy refuses the sweep)
             return experiment(cfg.run)(cfg, store, Console(soft_wrap=True, quiet=not launch.is_main), launch)

@@ -88,6 +88,22 @@ class Launch:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
+    def refuse_different(self, params: dict[str, Any]) -> None:
+        """A ``UserError`` on every rank when the ranks composed different configs (an override that reads
+        ``$RANK``, a config file that differs by host): each rank builds its task from its own config,
+        while the run logs rank 0's, so the ranks would train on batches one process never sees."""
+        every = self.gather(params)
+        keys = sorted({k for p in every for k in p if len({repr(q.get(k)) for q in every}) > 1})
+        if keys:
+            shown = "; ".join(
+                f"{k}: " + ", ".join(f"rank {r} {p.get(k)!r}" for r, p in enumerate(every)) for k in keys[:3]
+            )
+            raise UserError(
+                f"the ranks composed different configs ({shown}{'; ...' if len(keys) > 3 else ''}): every rank "
+                "must train with the same values (an override read from $RANK or $LOCAL_RANK differs by rank); "
+                "pass the same values to every rank"
+            )
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)

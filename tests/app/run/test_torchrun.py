@@ -310,3 +310,24 @@ def test_a_user_mistake_under_torchrun_is_one_line(tmp_path, args, error):
     assert "steps.csv" not in res.stdout
     assert "Traceback" not in res.stderr.split("error:")[0]  # no traceback from our ranks before it
     assert not (tmp_path / "mlruns").exists()  # refused before any store was opened
+
+
+@pytest.mark.slow
+def test_ranks_that_composed_different_configs_are_refused_before_the_store(tmp_path):
+    """``seed=${oc.env:RANK}``: each rank trained on its own seed's batches while the run logged rank 0's
+    seed=0 and exited 0 (the step-6 norm 20% off the one-process run's); now one line names the key."""
+    res = subprocess.run(
+        [*TORCHRUN, *RUN, "steps=8", "seed=${oc.env:RANK}"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode != 0, res.stderr[-3000:]
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert errors == [
+        "error: the ranks composed different configs (seed: rank 0 0, rank 1 1): every rank must train with the "
+        "same values (an override read from $RANK or $LOCAL_RANK differs by rank); pass the same values to every rank"
+    ]
+    assert not (tmp_path / "mlruns").exists()
