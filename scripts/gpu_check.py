@@ -16,7 +16,8 @@ bounds them all. ``--only`` picks among the phases after ``install``, which runs
 ``--only`` says, unless ``--python PY`` is given (or ``--profile smoke`` without ``--install``).
 Writes three files under ``--out``: ``gpu_check.json``, ``summary.txt`` and
 ``gpu_check_files.tar.gz`` (the logs, the JUnit XML, the benches' JSON, the MLflow stores; loose in
-``--work``). Exits 0 when every phase run succeeded, 1 otherwise.
+``--work``, where only an earlier check's files are removed: a folder holding others is refused).
+Exits 0 when every phase run succeeded, 1 otherwise.
 
 ``--profile smoke`` runs every phase at toy sizes, the app runs and the benches on the CPU (only
 the ``pytest -m cuda`` phase uses a GPU, where one is visible), without installing anything (with
@@ -118,7 +119,8 @@ class Check:
 
     ``out`` receives three files: ``gpu_check.json``, ``summary.txt`` and ``gpu_check_files.tar.gz``
     (every log, the JUnit XML, the benches' JSON and the app runs' MLflow stores, rewritten after
-    each phase). The loose files live in ``work``, emptied first.
+    each phase). The loose files live in ``work``, emptied of an earlier check's files first; a
+    ``work`` that :func:`work_refusal` refuses raises ValueError.
     """
 
     BUNDLE = "gpu_check_files.tar.gz"
@@ -134,9 +136,11 @@ class Check:
             "python": sys.executable,
         }
         self.data["phases"] = {}
+        refusal = work_refusal(self.work.resolve(), out.resolve())
+        if refusal:
+            raise ValueError(refusal)
         out.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.work, ignore_errors=True)
-        self.work.mkdir(parents=True)
+        clear_work(self.work)
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -160,6 +164,63 @@ class Check:
             if path.stat().st_size <= self.BUNDLE_MAX:
                 break
         return path
+
+
+#: What the check writes into ``--work``, and all it removes from there: a log per phase, the JUnit
+#: XML, the benches' JSON and ``app/`` with a folder per app run.
+WORK_FILES = {"tests.xml", *(f"{p}.log" for p in PHASES), *(f"{p}.json" for p in TIMED)}
+APP_RUNS = ("calibrate_bf16", "calibrate_fp16", "sweep")
+
+
+def foreign_entries(work: Path) -> list[str]:
+    """What ``work`` holds that the check does not write there (relative names; [] when none or no folder)."""
+    if not work.is_dir():
+        return []
+    found = []
+    for item in sorted(work.iterdir()):
+        if item.name == "app" and item.is_dir() and not item.is_symlink():
+            found += [f"app/{run.name}" for run in sorted(item.iterdir()) if run.name not in APP_RUNS]
+        elif item.name not in WORK_FILES or item.is_dir():
+            found.append(item.name)
+    return found
+
+
+def work_refusal(work: Path, out: Path) -> str | None:
+    """Why ``work`` (resolved) must not hold the loose files, as one line naming the fix; None when it may.
+
+    Refused: ``/`` and the folders right under it, ``$HOME``, the temp folders, the checkout and the
+    folders above any of them, ``--out`` or a folder holding it, and a folder holding anything that
+    the check does not write (:data:`WORK_FILES`, ``app/`` runs): the check empties only its own.
+    """
+    home = Path.home().resolve()
+    temps = {Path(tempfile.gettempdir()).resolve(), Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")}
+    shared = {home, *home.parents, REPO, *REPO.parents, *temps}
+    fix = "give --work a new or empty folder of its own, e.g. .gpu_check_work"
+    if work in shared or work.parent == Path(work.anchor):
+        return f"--work {work}: a system, home or temp folder, the checkout or one above it; {fix}"
+    if work == out or work in out.parents:
+        return f"--work {work}: --out {out} is inside it; {fix}, apart from --out"
+    if work.exists() and not work.is_dir():
+        return f"--work {work}: not a folder; {fix}"
+    strangers = foreign_entries(work)
+    if strangers:
+        listed = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
+        return f"--work {work}: holds {listed}, which the check did not write and would not empty; {fix}"
+    return None
+
+
+def clear_work(work: Path) -> None:
+    """Empty ``work`` of an earlier check's files (it holds no other: :func:`work_refusal`), or make it."""
+    work.mkdir(parents=True, exist_ok=True)
+    for item in work.iterdir():
+        if item.name == "app" and item.is_dir() and not item.is_symlink():
+            for run in item.iterdir():
+                if run.name in APP_RUNS and run.is_dir() and not run.is_symlink():
+                    shutil.rmtree(run)
+                elif run.name in APP_RUNS:
+                    run.unlink()
+        elif item.name in WORK_FILES and not item.is_dir():
+            item.unlink()
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -531,15 +592,21 @@ def main() -> int:
     ap.add_argument("--wheels", type=Path, default=default_wheelhouse(), help="install from this wheelhouse, offline")
     ap.add_argument("--venv", type=Path, default=VENV, help="the venv the install phase makes (default .venv-gpu)")
     ap.add_argument("--install", action="store_true", help="run the install phase with --profile smoke too")
-    ap.add_argument("--work", type=Path, default=REPO / ".gpu_check_work", help="the loose logs (emptied first)")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=REPO / ".gpu_check_work",
+        help="the loose logs; an earlier check's are removed first, and a folder holding anything else is refused",
+    )
     args = ap.parse_args()
     only = {p for p in args.only.split(",") if p}
     unknown = only - set(PHASES)
     if unknown:
         ap.error(f"--only: unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
     work = args.work.resolve()
-    if work in (REPO, *REPO.parents, args.out.resolve()):
-        ap.error(f"--work {args.work}: the check empties it first, so it must not be the checkout, above it or --out")
+    refusal = work_refusal(work, args.out.resolve())
+    if refusal:
+        ap.error(refusal)
     check = Check(args.out.resolve(), args.budget, args.profile, work)
     check.data["nvidia_smi"] = _nvidia_smi()
     py = args.python or (sys.executable if args.profile == "smoke" and not args.install else None)

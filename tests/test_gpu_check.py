@@ -366,20 +366,61 @@ def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
         assert argv[argv.index("--device") + 1] == "cuda", name
 
 
-@pytest.mark.parametrize("where", ["checkout", "out"])
+FIX = "give --work a new or empty folder of its own, e.g. .gpu_check_work"
+
+
+@pytest.mark.parametrize("where", ["checkout", "out", "above_out", "foreign"])
 def test_a_work_folder_it_would_empty_wrongly_is_refused(tmp_path, where):
+    """Nothing the check did not write is deleted: a folder holding --out, or anything else, is
+    refused with one line naming it and the fix (the old check emptied it, --out with it)."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "kept.txt").write_text("figures from an earlier check")
-    work = ROOT if where == "checkout" else out
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "keep.txt").write_text("x")
+    work = {"checkout": ROOT, "out": out, "above_out": tmp_path, "foreign": tmp_path / "precious"}[where]
     argv = [sys.executable, "scripts/gpu_check.py", "--profile", "smoke", "--out", str(out), "--work", str(work)]
+    argv += ["--only", "tests", "--budget", "3"]
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.splitlines()[-1] == (
-        f"gpu_check.py: error: --work {work}: the check empties it first, so it must not be the checkout, "
-        "above it or --out"
-    )
+    why = {
+        "checkout": "a system, home or temp folder, the checkout or one above it; " + FIX,
+        "out": f"--out {out} is inside it; {FIX}, apart from --out",
+        "above_out": f"--out {out} is inside it; {FIX}, apart from --out",
+        "foreign": f"holds keep.txt, which the check did not write and would not empty; {FIX}",
+    }[where]
+    assert p.stderr.splitlines()[-1] == f"gpu_check.py: error: --work {work}: {why}"
     assert (out / "kept.txt").read_text() == "figures from an earlier check" and (ROOT / "pyproject.toml").exists()
+    assert (tmp_path / "precious" / "keep.txt").read_text() == "x"
+
+
+def test_home_root_and_temp_folders_are_refused_and_an_earlier_checks_files_are_emptied(tmp_path):
+    """/, $HOME, /tmp and the folders right under / are never a work folder, even empty; a work
+    folder that holds only what a check wrote (the default one, on a second run) is emptied."""
+    g = _script()
+    out = tmp_path / "out"
+    for folder in (Path("/"), Path.home(), Path("/tmp"), Path("/var/tmp"), Path("/opt"), ROOT.parent):
+        why = g.work_refusal(folder.resolve(), out)
+        assert why and why.startswith(f"--work {folder.resolve()}: a system, home or temp folder"), folder
+        assert why.endswith(FIX)
+    with pytest.raises(ValueError, match="holds notes.md, which the check did not write"):
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "notes.md").write_text("mine")
+        g.Check(out, budget=60, profile="smoke", work=tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.md").exists()
+
+    work = tmp_path / "work"
+    check = g.Check(out, budget=60, profile="smoke", work=work)
+    g.run_phases(check, {"sweep": ([sys.executable, "-c", "open('mlflow.db', 'w')"], work / "app" / "sweep", {})})
+    (work / "tests.xml").write_text("<testsuites/>")
+    check.record("sweep", {"status": "ok"})
+    assert sorted(p.name for p in work.rglob("*")) == ["app", "mlflow.db", "sweep", "sweep.log", "tests.xml"]
+    assert g.work_refusal(work, out) is None
+    g.Check(out, budget=60, profile="smoke", work=work)  # the second run
+    assert [p.name for p in work.rglob("*")] == ["app"]
+    (work / "app" / "mine").mkdir()
+    why = "holds app/mine, which the check did not write and would not empty"
+    assert g.work_refusal(work, out) == f"--work {work}: {why}; {FIX}"
 
 
 def test_the_wheelhouse_script_names_a_missing_have_file_and_a_failing_pip(tmp_path):
