@@ -470,8 +470,24 @@ def junit_figures(path: Path) -> dict:
         elif skip is not None:
             skips[name] = skip.get("message", "")
         for prop in case.iter("property"):
-            props[prop.get("name")] = prop.get("value")
-    return {"counts": counts, "outcomes": outcomes, "failures": failures, "skips": skips, "properties": props}
+            props.setdefault(prop.get("name"), {})[name] = prop.get("value")
+    return {"counts": counts, "outcomes": outcomes, "failures": failures, "skips": skips, "properties": _keyed(props)}
+
+
+def _keyed(props: dict[str, dict[str, str]]) -> dict[str, str]:
+    """One key per recorded value: a property's name when one test recorded it, else ``name[id]``
+    for each test that did, ``id`` its parameters (``test_x::test_y[fused]`` → ``fused``) or, where
+    those do not tell the tests apart, the whole test name."""
+    out = {}
+    for prop, by_case in props.items():
+        if len(by_case) == 1:
+            out[prop] = next(iter(by_case.values()))
+            continue
+        ids = {case: case.partition("[")[2].rstrip("]") or case for case in by_case}
+        if len(set(ids.values())) < len(ids):
+            ids = {case: case for case in by_case}
+        out |= {f"{prop}[{ids[case]}]": value for case, value in by_case.items()}
+    return out
 
 
 def _scale_trace(db: sqlite3.Connection, run: str) -> dict | None:

@@ -178,6 +178,29 @@ def test_junit_figures_read_outcomes_messages_and_properties(tmp_path):
     assert f["skips"] == {"test_x::test_gpu": "needs a CUDA device"} and f["properties"] == {"syncs": "3"}
 
 
+def test_a_property_that_several_tests_record_keeps_each_tests_value(tmp_path):
+    """test_fp16_skips_backoff_and_growth_match_gradscaler[default] and [fused] both record
+    fp16_scale_trace: both traces are kept, keyed by the test's parameters (else its name)."""
+    g = _script()
+    case = '<testcase classname="tests.cuda.{m}" name="{t}"><properties>{p}</properties></testcase>'
+    prop = '<property name="{n}" value="{v}" />'
+    trace = "test_fp16_skips_backoff_and_growth_match_gradscaler[{}]"
+    cases = [
+        case.format(m="test_scaler", t=trace.format("default"), p=prop.format(n="fp16_scale_trace", v="[1, 2]")),
+        case.format(m="test_scaler", t=trace.format("fused"), p=prop.format(n="fp16_scale_trace", v="[1, 3]")),
+        case.format(m="test_syncs", t="test_one", p=prop.format(n="syncs_bf16", v="0") + prop.format(n="n", v="1")),
+        case.format(m="test_syncs", t="test_two", p=prop.format(n="n", v="2")),
+    ]
+    (tmp_path / "t.xml").write_text(f'<testsuites><testsuite name="pytest">{"".join(cases)}</testsuite></testsuites>')
+    assert g.junit_figures(tmp_path / "t.xml")["properties"] == {
+        "fp16_scale_trace[default]": "[1, 2]",
+        "fp16_scale_trace[fused]": "[1, 3]",
+        "syncs_bf16": "0",
+        "n[test_syncs::test_one]": "1",
+        "n[test_syncs::test_two]": "2",
+    }
+
+
 @pytest.mark.slow
 def test_smoke_profile_runs_every_phase_and_its_figures_agree_with_the_logs(tmp_path):
     """The driver at toy sizes on this CPU: the cuda tests all skip (none counted as passing), the
