@@ -39,6 +39,18 @@ def test_without_a_cuda_device_it_prints_one_line_and_exits_0(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing installed, nothing written
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_shows_the_options_without_a_cuda_device(tmp_path, flag):
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # a python3 >= 3.11 first
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path / "out"), PATH=path)
+    argv = ["bash", "scripts/gpu_check", "--profile", "smoke", flag]
+    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.startswith("usage: gpu_check.py") and "no CUDA device" not in p.stdout
+    assert all(f"--{name}" in p.stdout for name in ("out", "budget", "profile", "only", "work", "wheels"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failing_or_overrunning_phase_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
     g = _script()
     monkeypatch.setitem(g.LIMITS, "tests", 1)
