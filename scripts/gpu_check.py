@@ -556,7 +556,9 @@ def jobs_for(check: Check, py: str, profile: dict, only: set[str]) -> tuple[dict
     concurrent["sweep"] = [py, "-m", "sweep", "+experiment=sweep", f"device={dev}", *task, *profile["sweep"]]
     for name in ("calibrate_bf16", "calibrate_fp16", "sweep"):
         store = f"tracking.uri=sqlite:///{app / name / 'mlflow.db'}"
-        concurrent[name] += [store, "progress_every=100"]
+        # No periodic checkpoint (at 85M parameters each is ~1 GB, three runs writing at once);
+        # SIGKILL at a phase's limit writes none either.
+        concurrent[name] += [store, "progress_every=100", "checkpoint_every=0"]
     for size in ("50M", "1B"):
         bench = [py, "bench/bench_pipeline.py", "--device", dev, *profile[f"pipeline_{size}"]]
         timed[f"pipeline_{size}"] = [*bench, "--json", str(check.work / f"pipeline_{size}.json")]

@@ -382,7 +382,8 @@ def test_the_wrapper_runs_the_python_that_has_torch(tmp_path):
 
 def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
     """What the check runs on a GPU, checked here: each app run's overrides compose into the typed
-    config at the GPU size (85M parameters), and each bench's arguments parse."""
+    config at the GPU size (85M parameters) without periodic checkpoints, and each bench's
+    arguments parse."""
     from tests.app.helpers import compose_cfg
     from tests.docs.pages import script_parses
 
@@ -395,6 +396,7 @@ def test_the_gpu_profiles_commands_compose_and_parse(tmp_path):
         assert argv[1:3] == ["-m", "sweep"]
         cfg = compose_cfg(*argv[3:])
         assert cfg.device == "cuda" and cfg.model.d_model == 768 and cfg.data.seq_len == 512
+        assert cfg.checkpoint_every == 0  # not one ~1 GB checkpoint per 100 steps, three runs at once
         assert cfg.tracking.uri == f"sqlite:///{tmp_path / 'work' / 'app' / name / 'mlflow.db'}"
     for name, (argv, _, _) in timed.items():
         script_parses(argv[1], argv[2:])
