@@ -2,7 +2,7 @@
 
     python bench/bench_step.py [--dtype bf16] [--steps 40] [--rounds 5] [--fused]
                                [--device cuda] [--d-model 768 --layers 12 --heads 12 --vocab 50257 --tie]
-                               [--deferred] [--json FILE]
+                               [--deferred] [--threads N] [--json FILE]
 
 Both loops train identical copies of a small byte-level transformer with AdamW under CPU
 autocast; rounds alternate A/B so machine noise hits both. Prints per-step medians and the
@@ -15,6 +15,9 @@ Absolute times on shared machines are noise; the ratio is the figure.
 (124M params with ``--tie``) is ``--d-model 768 --layers 12 --heads 12 --vocab 50257 --tie``.
 ``--deferred``: the engine loop calls ``step_deferred`` (records materialised every ``log_every``
 steps, no host sync in between; rows written at each flush) instead of ``step``.
+``--threads N``: ``torch.set_num_threads(N)`` (0: torch's default, one per core). On a shared CPU,
+``--threads 1`` keeps the ratio steady: with every core's thread both loops wait on whichever core
+another process holds, and the ratio swings.
 """
 
 from __future__ import annotations
@@ -82,10 +85,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--tie", action="store_true", help="tie the output head to the embedding (as GPT-2)")
     ap.add_argument("--deferred", action="store_true", help="engine loop: step_deferred, rows written at flushes")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     torch.manual_seed(0)
@@ -156,6 +162,7 @@ def main() -> None:
     )
     if args.json is not None:
         figures = {"params": params, "dtype": args.dtype, "device": dev, "batch": args.batch, "seq": args.seq}
+        figures["threads"] = torch.get_num_threads()
         figures |= {"pipeline": state.pipeline, "deferred": args.deferred, "canonical_ms": ref_med * 1e3}
         figures |= {"engine_ms": eng_med * 1e3, "ratio_paired": paired, "ratio_of_medians": eng_med / ref_med}
         args.json.write_text(json.dumps(figures, indent=1))
