@@ -7,6 +7,8 @@ bound 60 times on [0, 1], each step a full binomial CDF over 0..n with ``torch.d
 one solves the Beta quantile on the regularized incomplete beta. Per (k, n) it prints both intervals,
 their largest relative difference, each one's wall time (best of ``--repeat``) and the ratio old/new, in
 one run so both see the same machine load. Cases with n above ``--skip-old-above`` time only the new one.
+Each arm is called once per case, untimed, before its timed calls: a case's first call pays one-off
+costs (20.7 ms against 0.33 ms steady for the new one, measured).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def clopper_pearson_bisect(k: int, n: int, confidence: float = CONFIDENCE) -> tu
 
 
 def best_time(fn, k: int, n: int, repeat: int) -> tuple[float, tuple[float, float]]:
-    times, out = [], None
+    """The best wall time of ``repeat`` calls ``fn(k, n)``, after one untimed warm-up call, and the result."""
+    times, out = [], fn(k, n)
     for _ in range(repeat):
         t = time.perf_counter()
         out = fn(k, n)
@@ -68,7 +71,7 @@ def rel(a: float, b: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3, help="timings per case (best kept); the old arm runs once")
+    ap.add_argument("--repeat", type=int, default=3, help="timings per case (best kept); the old arm is timed once")
     ap.add_argument("--skip-old-above", type=int, default=200_000, help="n above which the old arm is not run")
     args = ap.parse_args()
     print(f"{'k':>6} {'n':>8}  {'new interval':>29}  {'rel diff':>8}  {'old s':>8}  {'new s':>8}  {'old/new':>8}")
