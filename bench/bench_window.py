@@ -1,7 +1,7 @@
 """Window efficiency: τ from a 50-step calibration window vs a 500-step one, on the default task.
 
     python bench/bench_window.py [--steps 620] [--seeds 0] [--short 50] [--long 500] [--quantile 0.95]
-                                 [--csv steps.csv ...] [--figure PATH]
+                                 [--csv steps.csv ...] [--figure PATH] [--keep]
 
 Trains the default task (``+experiment=train clip=none``: no clipping, so every window measures the
 same unclipped trace) for ``--steps`` steps, or reads an existing ``steps.csv``. Both windows start
@@ -12,7 +12,9 @@ it says why: drift (the two halves of the 500-step window have separate τ inter
 ``CalibratedClip.drift`` applies to windows) or noise (the short window's interval is wide; with the
 window length a ±15% interval would need). With several ``--seeds`` (the run's ``seed=``:
 initialisation and batch order) or ``--csv`` traces and several ``--short`` lengths it ends with
-each length's ratios across traces; the figure is the first trace's, for the first length.
+each length's ratios across traces; the figure is the first trace's, for the first length. The
+training runs' folder (``clipamp-window-*`` in the temp folder) is removed at the end, failed runs
+included, unless ``--keep`` is given.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import csv
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,10 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=500)
     ap.add_argument("--figure", type=Path, default=None, help="drawn for the first trace and short length")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one trace per seed (ignored with --csv)")
+    ap.add_argument("--keep", action="store_true", help="keep the training runs' folder (steps.csv, MLflow store)")
     args = ap.parse_args(argv)
-    if args.csv is None:
-        work = Path(tempfile.mkdtemp(prefix="clipamp-window-"))
+    if args.csv is not None:
+        return compare(args)
+    work = Path(tempfile.mkdtemp(prefix="clipamp-window-"))
+    try:
         args.csv = [train_trace(args.steps, work, seed) for seed in args.seeds]
+        return compare(args)
+    finally:
+        if args.keep:
+            print(f"\ntraining runs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def compare(args) -> int:
+    """Each trace's windows (:func:`measure`), then each short length's ratios across the traces."""
     ratios: dict[int, list[float]] = {n: [] for n in args.short}
     for i, path in enumerate(args.csv):
         print(f"\ntrace {i + 1} of {len(args.csv)}: {path}")

@@ -8,8 +8,11 @@ import csv
 import importlib.util
 import math
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +52,26 @@ def test_stationary_traces_agree_or_are_called_noise_and_drift_is_called_drift(t
     assert summary and summary[0].endswith("3 of 3 within 15%")
     assert bench.main(["--csv", str(_trace(tmp_path / "d.csv", 620, 2.0, 0)), "--short", "50"]) == 0
     assert "why: drift" in capsys.readouterr().out
+
+
+def test_the_training_folder_is_removed_unless_kept_and_when_a_run_fails(tmp_path, monkeypatch):
+    """Training (faked here: a written trace) happens in a clipamp-window-* temp folder, removed at
+    the end, after a failed run too; --keep leaves it and prints where."""
+    bench = _bench()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench, "train_trace", lambda steps, work, seed: _trace(work / "steps.csv", steps, 0.0, seed))
+    assert bench.main(["--steps", "620"]) == 0
+    assert list(tmp_path.glob("clipamp-window-*")) == []
+    assert bench.main(["--steps", "620", "--keep"]) == 0
+    (kept,) = tmp_path.glob("clipamp-window-*")
+    assert (kept / "steps.csv").exists()
+    kept.rename(tmp_path / "kept")
+
+    def fails(steps, work, seed):
+        (work / "mlflow.db").write_text("")
+        raise subprocess.CalledProcessError(1, "sweep")
+
+    monkeypatch.setattr(bench, "train_trace", fails)
+    with pytest.raises(subprocess.CalledProcessError):
+        bench.main([])
+    assert list(tmp_path.glob("clipamp-window-*")) == []
