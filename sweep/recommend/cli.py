@@ -12,6 +12,7 @@ norms than a window) is one line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 from rich.console import Console
@@ -19,14 +20,17 @@ from rich.console import Console
 from clipamp_engine.diagnosis import diagnose
 from sweep.errors import UserError, fail, for_commands
 from sweep.recommend.readers import read_series
-from sweep.recommend.replay import Options, diagnosis_rows, on_grid, replay
+from sweep.recommend.replay import RUN_SETTINGS, Options, as_flag, diagnosis_rows, on_grid, replay
 from sweep.recommend.report import Recommendation, caveats, outcome_notes, print_report
-from sweep.recommend.series import post_clip_reason, with_gaps_skipped
+from sweep.recommend.series import NormSeries, post_clip_reason, with_gaps_skipped
 
 DESCRIPTION = (
     "A max_grad_norm from logged gradient norms (Trainer state, TensorBoard, CSV, MLflow run): the calibrate "
     "run's window placement, quantiles with intervals, candidates, band check, drift and diagnosis."
 )
+
+
+RUN = "runs:/ID: the run's own calibrate.* param where it logged one"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,19 +51,17 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
     ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")
-    o = Options()  # the defaults: +experiment=calibrate's (RECOMMENDED)
-    ap.add_argument("--window", type=int, default=o.window, help="steps per calibration window (calibrate.window)")
+    o = Options()  # the defaults: +experiment=calibrate's (RECOMMENDED); for runs:/ID the run's own calibrate.*
+    ap.add_argument("--window", type=int, help=f"steps per calibration window (default {o.window}; {RUN})")
     ap.add_argument(
-        "--quantile",
-        default="band" if o.quantile is None else str(o.quantile),
-        help="q of τ = Quantile_q, or 'band' (aim at the middle of --target-clip)",
+        "--quantile", help=f"q of τ = Quantile_q, or 'band' (default: aim at the middle of --target-clip; {RUN})"
     )
-    ap.add_argument("--start", default=o.start, help="'auto' (after warm-up) or N steps before the window")
-    ap.add_argument("--every", type=int, default=o.every, help="steps between window starts (0: one window)")
-    ap.add_argument("--validate", type=int, default=o.validate, help="held-out steps after a window (0: all)")
-    ap.add_argument("--target-clip", type=float, nargs=2, default=list(o.target_clip), metavar=("LOW", "HIGH"))
-    ap.add_argument("--candidates", type=float, nargs="+", default=list(o.candidates), metavar="TAU")
-    ap.add_argument("--confidence", type=float, default=o.confidence, help="level of the quantile intervals")
+    ap.add_argument("--start", help=f"'auto' (after warm-up, the default) or N steps before the window ({RUN})")
+    ap.add_argument("--every", type=int, help=f"steps between window starts (default 0: one window; {RUN})")
+    ap.add_argument("--validate", type=int, help=f"held-out steps after a window (default 0: all; {RUN})")
+    ap.add_argument("--target-clip", type=float, nargs=2, metavar=("LOW", "HIGH"), help=f"default 0.01 0.05 ({RUN})")
+    ap.add_argument("--candidates", type=float, nargs="+", metavar="TAU", help=f"default 0.5 1 2 5 ({RUN})")
+    ap.add_argument("--confidence", type=float, help=f"level of the quantile intervals (default {o.confidence}; {RUN})")
     ap.add_argument("--track", action="store_true", help="also log each recommendation as an MLflow run")
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment for --track")
@@ -67,27 +69,40 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options_from(args: argparse.Namespace) -> Options:
-    """``Options`` from the command line; a malformed ``--quantile`` or ``--start`` is a ``UserError``."""
-    try:
-        quantile = None if args.quantile == "band" else float(args.quantile)
-    except ValueError:
-        raise UserError(f"--quantile {args.quantile}: pass a number in (0, 1), e.g. 0.95, or 'band'") from None
-    start = args.start
-    if start != "auto":
+    """``Options`` from the command line, ``Options()``'s where an option is not passed; a malformed
+    ``--quantile`` or ``--start`` is a ``UserError``."""
+    given = {name: getattr(args, name) for name in RUN_SETTINGS if getattr(args, name) is not None}
+    if "quantile" in given:
         try:
-            start = int(start)
+            given["quantile"] = None if given["quantile"] == "band" else float(given["quantile"])
+        except ValueError:
+            raise UserError(f"--quantile {args.quantile}: pass a number in (0, 1), e.g. 0.95, or 'band'") from None
+    if given.get("start", "auto") != "auto":
+        try:
+            given["start"] = int(given["start"])
         except ValueError:
             raise UserError(f"--start {args.start}: pass 'auto' or a number of steps >= 0, e.g. --start 200") from None
-    return Options(
-        args.window,
-        args.every,
-        quantile,
-        tuple(args.candidates),
-        start,
-        args.validate,
-        tuple(args.target_clip),
-        args.confidence,
+    for name in ("target_clip", "candidates"):
+        if name in given:
+            given[name] = tuple(given[name])
+    return dataclasses.replace(Options(), **given)
+
+
+def run_options(options: Options, series: NormSeries, args: argparse.Namespace) -> tuple[Options, list[str]]:
+    """``options`` with the run's own calibration settings (its ``calibrate.*`` params) where an option was not
+    passed, and a note listing them: an MLflow run of the app or a trainer integration gets the advice it printed."""
+    read = series.settings
+    if not read:
+        return options, []
+    used = {k: v for k, v in read.items() if getattr(args, k) is None}
+    passed = [as_flag(k, getattr(options, k)) for k in read if k not in used and getattr(options, k) != read[k]]
+    note = (
+        f"calibration settings read from the run's calibrate.* params: "
+        f"{' '.join(as_flag(k, v) for k, v in used.items()) or 'none used'}"
+        + (f" (passed here instead: {' '.join(passed)})" if passed else "")
+        + "; an option passed here overrides them"
     )
+    return dataclasses.replace(options, **used), [note]
 
 
 def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommendation:
@@ -114,7 +129,9 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
     reason = post_clip_reason(series)
     if reason:
         raise UserError(f"{series.source}: {reason}")
+    options, settings = run_options(options, series, args)
     grid, moved = on_grid(options, series)
+    moved = settings + moved
     n, taken = series.interval, int(series.taken.sum())
     if taken < max(2, grid.window // n):
         every = f" (one every {n} steps)" if n > 1 else ""

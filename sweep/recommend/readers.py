@@ -25,6 +25,7 @@ import pandas as pd
 
 from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.errors import UserError, one_line
+from sweep.recommend.replay import run_settings
 from sweep.recommend.series import NormSeries, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
@@ -333,6 +334,7 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     tau = _float(run.data.params.get("max_grad_norm"))  # Trainer's MLflowCallback logs its arguments
     if tau and tau > 0:
         extra["max_norm"] = np.full(len(steps), tau)
+    extra["settings"] = run_settings(run.data.params)  # the app's and the integrations' calibrate.* params
     pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
     return make_series(
         f"{where} in {uri} (MLflow)", name, steps, norms, lrs, pre_clip=pre.get(name), lr_name=lr_name, **extra

@@ -15,6 +15,7 @@ every window ends on a logged step, where the policy closes it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import re
@@ -47,6 +48,49 @@ class Options:
     validate: int = RECOMMENDED["validate"]
     target_clip: Sequence[float] = RECOMMENDED["target_clip"]
     confidence: float = RECOMMENDED["confidence"]
+
+
+#: The ``Options`` a run logs as ``calibrate.<name>`` params (the app's config, the trainer integrations'
+#: ``recorder.options``): for an MLflow run they are this command's defaults (``run_options``).
+RUN_SETTINGS = ("window", "every", "quantile", "start", "validate", "target_clip", "candidates", "confidence")
+
+
+def run_settings(params: dict[str, str]) -> dict[str, Any]:
+    """A run's ``calibrate.*`` params as ``Options`` values (``'None'`` quantile: the band's; ``'auto'`` or a
+    step count for start; a list or tuple for the band and candidates); a value of another shape is left out."""
+    out: dict[str, Any] = {}
+    for name in RUN_SETTINGS:
+        text = params.get(f"calibrate.{name}")
+        if text is None:
+            continue
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text.strip()
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if name in ("target_clip", "candidates"):
+            if isinstance(value, list | tuple) and all(isinstance(v, int | float) for v in value):
+                out[name] = tuple(float(v) for v in value)
+        elif name == "quantile":
+            if value is None or number:
+                out[name] = None if value is None else float(value)
+        elif name == "confidence":
+            if number:
+                out[name] = float(value)
+        elif name == "start" and value == "auto":
+            out[name] = value
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            out[name] = value
+    return out
+
+
+def as_flag(name: str, value: Any) -> str:
+    """An option as this command's flag: ``--window 60``, ``--quantile band``, ``--target-clip 0.01 0.05``."""
+    if name == "quantile" and value is None:
+        value = "band"
+    elif isinstance(value, list | tuple):
+        value = " ".join(f"{v:g}" for v in value)
+    return f"--{name.replace('_', '-')} {value}"
 
 
 _NAMES = "window|every|start|validate|quantile|confidence|target_clip|candidates"

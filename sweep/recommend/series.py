@@ -47,7 +47,8 @@ class NormSeries:
     ``rows``: the log's own per-step rows when it has the columns ``diagnose`` reads (clipamp's CSV).
     ``pre_clip``: why the series is known to be measured before clipping (``None``: assumed).
     ``lr_name``: the tag, column or metric the LR came from. ``tokens``: the token count of each step
-    (NaN where unknown; ``None``: the log has none), for the quantiles of ‖g‖·√N_tok.
+    (NaN where unknown; ``None``: the log has none), for the quantiles of ‖g‖·√N_tok. ``settings``: the
+    calibration options the run itself logged (its ``calibrate.*`` params, by ``Options`` field name).
     """
 
     source: str
@@ -62,6 +63,7 @@ class NormSeries:
     lr_name: str | None = None
     notes: list[str] = field(default_factory=list)
     tokens: np.ndarray | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def interval(self) -> int:

@@ -1,0 +1,68 @@
+"""``python -m sweep.recommend`` on what a run's own logs say about it: an MLflow run's calibration settings
+are the defaults for that run, separate TensorBoard runs are not merged, a torn event file is said."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from sweep.recommend import cli
+from tests.app.recommend.test_recommend import numpy_tau, trace
+
+#: A calibrate run's calibrate.* params as the app logs them (the trainer integrations write tuples).
+APP_PARAMS = {
+    "calibrate.window": "60",
+    "calibrate.every": "0",
+    "calibrate.quantile": "0.9",
+    "calibrate.start": "100",
+    "calibrate.validate": "0",
+    "calibrate.target_clip": "(0.01, 0.05)",
+    "calibrate.candidates": "[0.5, 1.0, 2.0, 5.0]",
+    "calibrate.confidence": "0.95",
+    "calibrate.cap": "None",
+}
+
+
+def _recommend(argv: list[str]):
+    ns = cli.parser().parse_args(argv)
+    return cli.recommend(ns.paths[0], cli.options_from(ns), ns)
+
+
+def test_an_mlflow_runs_own_calibrate_params_are_its_defaults(store, capsys):
+    """A run that calibrated with calibrate.window=60 gets the τ of a 60-step window, not of the command's
+    200-step default, and the report lists the settings it read; an option passed still wins."""
+    from mlflow.entities import Metric, Param
+
+    steps, lr, norms = trace()
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("app"))
+    metrics = [Metric("grad_l2_pre_clip", float(x), 0, int(s)) for s, x in zip(steps, norms)]
+    metrics += [Metric("lr", float(v), 0, int(s)) for s, v in zip(steps, lr)]
+    params = [Param(k, v) for k, v in APP_PARAMS.items()]
+    client.log_batch(run.info.run_id, metrics=metrics, params=params)
+    where = [f"runs:/{run.info.run_id}", "--tracking-uri", store]
+    rec = _recommend(where)
+    assert (rec.options.window, rec.options.start, rec.options.quantile) == (60, 100, 0.9)
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, 101, 160, 0.9), rel=1e-12)
+    [note] = [n for n in rec.notes if "calibrate.* params" in n]
+    assert "--window 60 --every 0 --quantile 0.9 --start 100 --validate 0 --target-clip 0.01 0.05" in note
+    assert cli.main(where) == 0
+    assert "note: calibration settings read from the run's calibrate.* params" in capsys.readouterr().out
+    mine = _recommend([*where, "--window", "100", "--quantile", "band"])  # passed: they win, and are said
+    assert (mine.options.window, mine.options.start, mine.options.quantile) == (100, 100, None)
+    [note] = [n for n in mine.notes if "calibrate.* params" in n]
+    assert "(passed here instead: --window 100 --quantile band)" in note
+
+
+def test_a_run_without_calibrate_params_keeps_the_commands_defaults(store):
+    from mlflow.entities import Metric, Param
+
+    steps, lr, norms = trace()
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("hf"))
+    metrics = [Metric("grad_norm", float(x), 0, int(s)) for s, x in zip(steps, norms)]
+    client.log_batch(run.info.run_id, metrics=metrics, params=[Param("max_grad_norm", "5.0")])
+    rec = _recommend([f"runs:/{run.info.run_id}", "--tracking-uri", store])
+    assert rec.options.window == 200 and not [n for n in rec.notes if "calibrate.* params" in n]
+    assert np.isfinite(rec.tau)
