@@ -26,7 +26,7 @@ import pandas as pd
 from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.errors import UserError, one_line
 from sweep.recommend.replay import run_settings
-from sweep.recommend.series import NormSeries, make_series
+from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
 #: Lightning's ``grad_norm(module, norm_type=2)`` utility (logged from ``on_before_optimizer_step``).
@@ -218,7 +218,11 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
     lr_name = lr_names[0] if lr_names else None
     pre = HF_PRE_CLIP if name == "train/grad_norm" else None
     source = f"{pieces[0]['run']} (TensorBoard)" if len(pieces) == 1 else f"{path} (TensorBoard, resumed run)"
-    series = make_series(source, name, steps, norms, lrs if lr_name else None, pre_clip=pre, lr_name=lr_name)
+    marks = [lightning_marks(names, run if run.is_dir() else run.parent) for run, _, names, _ in hits]
+    lightning = next((m for m in marks if m), None)
+    series = make_series(
+        source, name, steps, norms, lrs if lr_name else None, pre_clip=pre, lr_name=lr_name, lightning=lightning
+    )
     if len(pieces) > 1:
         spans = ", ".join(f"{p['run'].name}: steps {p['steps'].min()}–{p['steps'].max()}" for p in pieces)
         series.notes.insert(
@@ -294,6 +298,7 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
         lr_values = pd.to_numeric(lr_rows[lr_name], errors="coerce")
         lrs = by_step(lr_steps[lr_steps.notna()], lr_values[lr_steps.notna()], np.asarray(steps))
     pre = "clipamp records grad_l2_pre_clip before clipping" if ours and name == "grad_l2_pre_clip" else None
+    extra["lightning"] = lightning_marks(cols, path.parent) if step_name is not None else None
     series = make_series(
         f"{path} (CSV)", name, np.asarray(steps), values.to_numpy(), lrs, pre_clip=pre, lr_name=lr_name, **extra
     )
@@ -334,6 +339,7 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     tau = _float(run.data.params.get("max_grad_norm"))  # Trainer's MLflowCallback logs its arguments
     if tau and tau > 0:
         extra["max_norm"] = np.full(len(steps), tau)
+    extra["lightning"] = lightning_marks(keys)  # Lightning's MLFlowLogger logs at global_step too
     extra["settings"] = run_settings(run.data.params)  # the app's and the integrations' calibrate.* params
     pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
     return make_series(

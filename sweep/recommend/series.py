@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,10 +82,13 @@ class NormSeries:
         return ok if self.skipped is None else ok & ~self.skipped
 
 
-def make_series(source: str, name: str, steps, norms, lrs=None, **extra: Any) -> NormSeries:
+def make_series(
+    source: str, name: str, steps, norms, lrs=None, *, lightning: str | None = None, **extra: Any
+) -> NormSeries:
     """A ``NormSeries`` from parallel sequences: sorted by step, a repeated step (a resumed run logs
-    some again) keeps its last value. ``extra``: the other ``NormSeries`` fields (arrays aligned
-    with ``steps``, or plain values)."""
+    some again) keeps its last value. ``lightning``: why the log is Lightning's (``lightning_marks``), whose
+    steps are read one higher whatever its logging interval; a log whose steps start at 0 is too.
+    ``extra``: the other ``NormSeries`` fields (arrays aligned with ``steps``, or plain values)."""
     steps = np.asarray(steps, dtype=np.int64)
     if not len(steps):
         raise UserError(f"{source}: {name} holds no value: pass a log with at least one logged norm")
@@ -105,13 +109,33 @@ def make_series(source: str, name: str, steps, norms, lrs=None, **extra: Any) ->
     )
     if len(keep) < len(steps):
         series.notes.append(f"{len(steps) - len(keep)} repeated step(s) (a resumed run?): the last value logged kept")
-    if series.steps[0] == 0:  # Lightning logs at global_step before the update: optimizer step k as k - 1
+    if lightning or series.steps[0] == 0:  # Lightning logs at global_step before the update: optimizer step k as k - 1
         series.steps = series.steps + 1
+        why = f"a Lightning log ({lightning})" if lightning else "the log numbers its steps from 0"
         series.notes.append(
-            "the log numbers its steps from 0 (Lightning logs at trainer.global_step before the update): read as "
-            "optimizer steps 1–N, as clipamp and Trainer number them"
+            f"{why}: Lightning logs at trainer.global_step, before the update, so optimizer step k is logged as "
+            f"k − 1; read as optimizer steps {series.steps[0]}–{series.steps[-1]}, as clipamp and Trainer number them"
         )
     return series
+
+
+#: Lightning's own names: its ``grad_norm`` utility's total (``grad_2.0_norm_total``) and ``LearningRateMonitor``'s.
+_LIGHTNING_NAMES = re.compile(r"grad_[\w.]+_norm_total|lr-[A-Za-z]\w*(/pg\d+)?")
+
+
+def lightning_marks(names, folder=None) -> str | None:
+    """Why a log whose columns, tags or metrics are ``names`` is Lightning's, else ``None``: Lightning adds
+    ``epoch`` to every metric it logs, and its ``grad_norm`` and ``LearningRateMonitor`` names, or the
+    ``hparams.yaml`` its loggers write beside the log in ``folder``, tell it from another loop's ``epoch``."""
+    names = list(names)
+    if "epoch" not in names:
+        return None
+    own = next((n for n in names if _LIGHTNING_NAMES.fullmatch(n)), None)
+    if own is not None:
+        return f"its epoch and {own}"
+    if folder is not None and (folder / "hparams.yaml").is_file():
+        return "its epoch and the hparams.yaml beside it"
+    return None
 
 
 def post_clip_reason(series: NormSeries) -> str | None:

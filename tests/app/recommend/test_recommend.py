@@ -436,10 +436,10 @@ def test_rows_that_log_other_metrics_leave_the_norm_blank_and_are_not_skipped_st
         w = csv.writer(f)
         w.writerow(["epoch", "grad_2.0_norm_total", "lr", "step", "val_loss"])
         for s, l, n in zip(steps, lr, norms):
-            w.writerow([0, repr(float(n)), repr(float(l)), s, ""])
+            w.writerow([0, repr(float(n)), repr(float(l)), s - 1, ""])  # Lightning's step: global_step, 0-based
             if s % 10 == 0:
-                w.writerow([0, "", "", s, "1.5"])  # validation: same step, other metrics
-        w.writerow([0, "nan", "", N + 1, ""])  # a logged non-finite norm stays a skipped step
+                w.writerow([0, "", "", s - 1, "1.5"])  # validation: same step, other metrics
+        w.writerow([0, "nan", "", N, ""])  # a logged non-finite norm stays a skipped step
     rec = parse([str(path), "--start", "60", "--window", "120"])
     w = rec.clip.summaries[0]
     assert (w.start_step, w.end_step, w.n_finite, w.n_skipped) == (61, 180, 120, 0)
@@ -449,13 +449,14 @@ def test_rows_that_log_other_metrics_leave_the_norm_blank_and_are_not_skipped_st
 
 
 def lightning_csv(path, steps, lr, norms, lr_name="lr-AdamW"):
-    """Lightning's CSVLogger layout: LearningRateMonitor's LR on a row of its own, the norm on the next."""
+    """Lightning's CSVLogger layout: LearningRateMonitor's LR on a row of its own, the norm on the next, at
+    Lightning's step numbers (``global_step`` before the update: optimizer step k as k − 1)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["epoch", "grad_2.0_norm_total", lr_name, "step"])
         for s, l, n in zip(steps, lr, norms):
-            w.writerow(["", "", repr(float(l)), s])
-            w.writerow([0, repr(float(n)), "", s])
+            w.writerow(["", "", repr(float(l)), s - 1])
+            w.writerow([0, repr(float(n)), "", s - 1])
     return path
 
 

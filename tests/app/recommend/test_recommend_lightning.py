@@ -4,6 +4,8 @@ steps and τ equal those the Lightning ``ClipampCallback`` calibrated live in th
 
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -58,3 +60,64 @@ def test_a_lightning_csv_log_gives_the_callbacks_window_and_tau(tmp_path):
     assert (window.start_step, window.end_step) == (live.start_step, live.end_step)
     assert window.recommended_max_norm == pytest.approx(live.recommended_max_norm, rel=1e-6)  # logged as fp32
     assert rec.clip.placement.start == cb.policy.placement.start
+
+
+class Counted(L.LightningModule):
+    """A one-layer regression that logs, with Lightning's ``grad_norm``, the optimizer step it is in (1-based)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.optimizer_steps = torch.nn.Linear(4, 1), 0
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.optimizer_steps += 1
+        self.log_dict({**grad_norm(self, norm_type=2), "optimizer_step": float(self.optimizer_steps)})
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def test_a_lightning_log_every_5_steps_is_read_as_optimizer_steps(tmp_path):
+    """``log_every_n_steps=5``: Lightning writes steps 4, 9, … (``global_step`` before the update) for optimizer
+    steps 5, 10, …; they are read as the latter, each norm and LR at the optimizer step that produced it."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    trainer = L.Trainer(
+        max_steps=30,
+        accelerator="cpu",
+        logger=CSVLogger(str(tmp_path), name="logs"),
+        log_every_n_steps=5,
+        callbacks=[LearningRateMonitor(logging_interval="step")],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Counted(), torch.utils.data.DataLoader(data, batch_size=4))
+    [csv] = (tmp_path / "logs").glob("version_*/metrics.csv")
+    rows = pd.read_csv(csv)
+    logged = rows.dropna(subset=["grad_2.0_norm_total"])
+    assert logged["step"].tolist() == list(range(4, 30, 5))  # Lightning's numbering, checked, not assumed
+    rec = parse([str(csv), "--window", "10", "--start", "0"])
+    assert rec.series.steps.tolist() == logged["optimizer_step"].astype(int).tolist() == list(range(5, 31, 5))
+    assert rec.series.interval == 5 and any(
+        "a Lightning log (its epoch and grad_2.0_norm_total)" in n for n in rec.notes
+    )
+    lr_of_step = 0.1 * np.minimum(0.1 + 0.09 * (rec.series.steps - 1), 1.0)  # LinearLR: the LR step k trains with
+    assert rec.series.lrs == pytest.approx(lr_of_step, rel=1e-9)
+
+
+def test_another_loops_csv_every_5_steps_keeps_its_numbers(tmp_path):
+    """An ``epoch`` and ``step`` column without Lightning's names (a hand-written loop, HF exports) is not moved."""
+    from tests.app.recommend.test_recommend import trace, write_csv
+
+    steps, lr, norms = trace()
+    keep = steps % 5 == 0
+    cols = {"epoch": np.zeros(keep.sum(), dtype=int), "grad_norm": norms[keep], "lr": lr[keep], "step": steps[keep]}
+    rec = parse([str(write_csv(tmp_path / "log.csv", cols))])
+    assert rec.series.steps.tolist() == steps[keep].tolist()
