@@ -205,9 +205,9 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
         _need(None, names, "tag", str(path), "--norm")
     pieces = [_piece(run, acc, names, name, lr) for run, acc, names, name in hits]
     name = hits[0][3]
-    if len(hits) > 1 and not _resumed(pieces, name):
-        runs = ", ".join(str(r) for r, *_ in hits)
-        raise UserError(f"{path}: {len(hits)} runs log {name}: pass one of them ({runs})")
+    if len(hits) > 1 and (why := _not_resumed(pieces, name)):
+        runs = ", ".join(f"{p['run']} ({_span(p)}: {_files(p['run'])})" for p in pieces)
+        raise UserError(f"{path}: {len(hits)} runs log {name}{why}: pass one of them ({runs})")
     pieces.sort(key=lambda p: p["wall"])
     steps, norms, lrs = pieces[0]["steps"], pieces[0]["norms"], pieces[0]["lrs"]
     for p in pieces[1:]:  # a resumed piece replaces what the earlier ones logged from its first step on
@@ -251,16 +251,42 @@ def _piece(run: Path, acc, names: list[str], name: str, lr: str | None) -> dict:
     }
 
 
-def _resumed(pieces: list[dict], name: str) -> bool:
-    """Whether the runs are pieces of one resumed run: ordered by their first event's wall time, each later one
-    starts after the first one's first step and at most one step after the previous one's last step."""
+def _every(steps: np.ndarray) -> int:
+    """The most common gap between a piece's logged steps (1 for a single step)."""
+    gaps = np.diff(steps)
+    gaps = gaps[gaps > 0]
+    return int(np.bincount(gaps).argmax()) if len(gaps) else 1
+
+
+def _span(piece: dict) -> str:
+    steps, n = piece["steps"], _every(piece["steps"])
+    return f"steps {steps.min()}–{steps.max()}" + (f", every {n}" if n > 1 else "")
+
+
+def _files(run: Path) -> str:
+    return ", ".join(sorted(f.name for f in run.glob("*tfevents*"))) if run.is_dir() else run.name
+
+
+def _not_resumed(pieces: list[dict], name: str) -> str:
+    """Why the runs are not pieces of one resumed run ('' when they are): ordered by their first event's wall
+    time, each later one must start after the previous one's first step and at most one step after its last
+    (HF resumed from a checkpoint), and not start over: a piece whose first step is its own logging grid's first
+    (step N of every N), or no later than the first piece's, is a separate run (HF run again into the same
+    output_dir, with another logging_steps), however much its steps overlap the earlier's."""
     ordered = sorted(pieces, key=lambda p: p["wall"])
     if any(p["name"] != name or not len(p["steps"]) for p in ordered):
-        return False
+        return " (under different names)"
     first = ordered[0]["steps"].min()
-    return all(
-        first < p["steps"].min() <= prev["steps"].max() + 1 for prev, p in zip(ordered, ordered[1:], strict=False)
-    )
+    for prev, p in zip(ordered, ordered[1:], strict=False):
+        start = int(p["steps"].min())
+        if start <= max(_every(p["steps"]), first) or start <= prev["steps"].min():
+            return (
+                f" and {p['run'].name} ({_span(p)}) starts over rather than where {prev['run'].name} "
+                f"({_span(prev)}) left off: separate runs, not the pieces of one resumed run"
+            )
+        if start > prev["steps"].max() + 1:
+            return f" and {p['run'].name} starts at step {start}, after a gap past {prev['run'].name}'s last step"
+    return ""
 
 
 def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step: str | None = None) -> NormSeries:

@@ -380,7 +380,8 @@ def test_repeated_steps_keep_the_last_value_and_several_runs_are_refused(tmp_pat
         writer = SummaryWriter(str(tmp_path / "tb" / run))
         writer.add_scalar("grad_norm", 1.0, 1)
         writer.close()
-    assert "2 runs log grad_norm: pass one of them" in _error(capsys, [str(tmp_path / "tb")])
+    message = _error(capsys, [str(tmp_path / "tb")])
+    assert "2 runs log grad_norm and b (steps 1–1) starts over" in message and "pass one of them" in message
 
 
 def test_a_gap_at_the_windows_end_is_a_skipped_step_and_a_cut_window_says_so(tmp_path):

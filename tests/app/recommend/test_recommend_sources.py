@@ -66,3 +66,36 @@ def test_a_run_without_calibrate_params_keeps_the_commands_defaults(store):
     rec = _recommend([f"runs:/{run.info.run_id}", "--tracking-uri", store])
     assert rec.options.window == 200 and not [n for n in rec.notes if "calibrate.* params" in n]
     assert np.isfinite(rec.tau)
+
+
+def _events(folder, steps, lr, norms):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for s, l, x in zip(steps.tolist(), lr.tolist(), norms.tolist()):
+        writer.add_scalar("train/grad_norm", x, s)
+        writer.add_scalar("train/learning_rate", l, s)
+    writer.close()
+
+
+def test_a_second_run_that_starts_over_is_refused_not_merged_as_a_resume(tmp_path, capsys):
+    """HF run again into one output_dir with another logging_steps: runA logs steps 1–400, the later runB every
+    5 steps from 5 with twice the norms. It starts over, not where runA left off: the command names both runs and
+    their event files and asks for one, instead of merging a mixed grid whose τ is runB's."""
+    import time
+
+    steps, lr, norms = trace()
+    _events(tmp_path / "runs" / "runA", steps, lr, norms)
+    time.sleep(0.05)
+    every5 = steps % 5 == 0
+    _events(tmp_path / "runs" / "runB", steps[every5], lr[every5], 2 * norms[every5])
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(tmp_path / "runs")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "2 runs log train/grad_norm and runB (steps 5–400, every 5) starts over rather than where runA" in err
+    assert "pass one of them" in err and err.count("events.out.tfevents.") == 2
+    alone = _recommend([str(tmp_path / "runs" / "runA"), "--start", "100", "--window", "100", "--quantile", "0.95"])
+    stored = norms.astype(np.float32).astype(np.float64)
+    assert alone.tau == pytest.approx(numpy_tau(steps, stored, 101, 200), rel=1e-12)
