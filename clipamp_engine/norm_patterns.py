@@ -175,10 +175,12 @@ def find_slow_growth(t: Trace, min_steps: int, min_rho: float, min_ratio: float)
         return None
     slope = float(np.polyfit(steps.astype(float), np.log(norms), 1)[0])  # log-norm per step
     per_1000 = math.exp(slope * 1000)
+    span = int(steps[-1] - steps[0]) + 1  # the run's steps, whatever the logging interval or the gaps
+    over = f"{n} steps" if span == n else f"steps {int(steps[0])}–{int(steps[-1])} ({n} logged finite values)"
     return Finding(
         "slow_growth",
         "warning",
-        f"the gradient norm rises steadily over {n} steps (Spearman ρ={rho:.2f}; last-quarter median "
+        f"the gradient norm rises steadily over {over} (Spearman ρ={rho:.2f}; last-quarter median "
         f"{last:.3g} is {ratio:.1f}× the first-quarter {first:.3g}; ×{per_1000:.3g} per 1000 steps); "
         f"likely {CAUSES['slow_growth']}",
         [int(steps[0]), int(steps[-1])],
@@ -191,6 +193,7 @@ def find_slow_growth(t: Trace, min_steps: int, min_rho: float, min_ratio: float)
             "log_slope_per_step": slope,
             "growth_per_1000_steps": per_1000,
             "steps": n,
+            "span_steps": span,
         },
     )
 
@@ -232,12 +235,16 @@ def _min_clips_above(window: int, above: float) -> int:
 
 
 def find_sustained_clipping(t: Trace, window: int, above: float) -> Finding | None:
-    """Rolling windows of ``window`` taken steps after the LR warm-up whose clipping ratio is above
-    ``above`` beyond sampling noise (Clopper–Pearson lower bound > ``above``)."""
+    """Rolling windows of ``window`` taken logged steps after the LR warm-up whose clipping ratio is above
+    ``above`` beyond sampling noise (Clopper–Pearson lower bound > ``above``). Steps are the trace's own
+    numbers: on a log of every N-th step the warm-up ends at a logged step and a window spans N·``window``
+    steps, as the message says."""
     from .placement import warmup_end
 
-    end = warmup_end(t.lr[np.isfinite(t.lr)].tolist()) or 1
-    idx = np.flatnonzero(t.taken & (t.step >= t.step[0] + end - 1))
+    lr_rows = np.flatnonzero(np.isfinite(t.lr))
+    end = warmup_end(t.lr[lr_rows].tolist())
+    first = int(t.step[lr_rows[end - 1]]) if end else int(t.step[0])  # the step the LR stopped rising at
+    idx = np.flatnonzero(t.taken & (t.step >= first))
     if len(idx) < window:
         return None
     counts = np.convolve(t.clipped(idx).astype(float), np.ones(window), "valid")
@@ -245,15 +252,19 @@ def find_sustained_clipping(t: Trace, window: int, above: float) -> Finding | No
     over = np.flatnonzero(counts >= _min_clips_above(window, above))
     if not len(over):
         return None
-    ends = t.step[idx][over + window - 1]  # the step each over-band rolling window ends at
+    steps = t.step[idx]
+    ends = steps[over + window - 1]  # the step each over-band rolling window ends at
     worst = int(np.argmax(rolling))
+    gaps = np.diff(steps)
+    n = int(np.bincount(gaps[gaps > 0]).argmax()) if (gaps > 0).any() else 1  # the logging interval
+    span = f"{window} steps" if n == 1 else f"{window * n} steps ({window} logged, one every {n})"
     return Finding(
         "sustained_clipping",
         "warning",
-        f"after the LR warm-up (step {int(t.step[0]) + end - 1}) the clipping ratio over {window} steps "
+        f"after the LR warm-up (step {first}) the clipping ratio over {span} "
         f"exceeded {above:.0%} beyond sampling noise in {len(over)} windows ending at steps "
         f"{int(ends[0])}–{int(ends[-1])} "
-        f"(peak {rolling[worst]:.0%}, steps {int(t.step[idx][worst])}–{int(t.step[idx][worst + window - 1])}); "
+        f"(peak {rolling[worst]:.0%}, steps {int(steps[worst])}–{int(steps[worst + window - 1])}); "
         f"likely {CAUSES['sustained_clipping']}",
         ends.tolist(),
         {
@@ -261,7 +272,8 @@ def find_sustained_clipping(t: Trace, window: int, above: float) -> Finding | No
             "above": above,
             "peak_ratio": float(rolling[worst]),
             "windows_over": int(len(over)),
-            "warmup_end": int(t.step[0]) + end - 1,
+            "warmup_end": first,
+            "log_interval": n,
         },
     )
 

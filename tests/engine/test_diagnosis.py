@@ -233,3 +233,36 @@ def test_a_few_clips_in_band_are_not_sustained_clipping():
         norms = [2.0 if i % 50 < k else 1.0 for i in range(200)]
         rows = _with_lr(_trace(norms, tau=1.5), warmup=1)
         assert ("sustained_clipping" in _kinds(diagnose(rows))) is found, k
+
+
+def test_sustained_clipping_on_a_sampled_log_states_the_runs_steps():
+    """A log of every 10th step (LR warm-up to step 500): the warm-up ends at logged step 510, not at row 51's
+    "step 60"; its clipped warm-up rows stay out of the rolling windows; a 50-row window is 500 steps."""
+    norms = _healthy(2000)
+    rows = _with_lr(_trace(norms, tau=1.1), warmup=500)
+    for r in rows[:500]:
+        r["grad_l2_pre_clip"] *= 5  # a clipped warm-up: no part of a sustained window
+    sampled = [r for r in rows if r["step"] % 10 == 0]
+    [f] = [f for f in diagnose(sampled) if f.kind == "sustained_clipping"]
+    after = np.array([r["grad_l2_pre_clip"] > 1.1 for r in sampled if r["step"] >= 510])
+    counts = np.convolve(after.astype(float), np.ones(50), "valid")  # the reference, over post-warm-up rows only
+    lower = stats.beta.ppf(0.025, counts, 50 - counts + 1)
+    assert f.evidence["warmup_end"] == 510 and f.evidence["log_interval"] == 10
+    assert f.evidence["windows_over"] == int((lower > 0.05).sum()) > 0
+    assert "after the LR warm-up (step 510) the clipping ratio over 500 steps (50 logged, one every 10)" in f.message
+    assert all(s % 10 == 0 and s >= 510 + 490 for s in f.steps)  # each window's last step, a logged step
+
+
+def test_slow_growth_states_the_steps_it_spans_not_the_values_counted():
+    rng = np.random.default_rng(1)
+    steps = np.arange(600)
+    norms = list(np.exp(steps / 300 + rng.normal(0, 0.2, len(steps))))
+    sampled = [r for r in _trace(norms, tau=1e6) if r["step"] % 5 == 0]  # HF logging_steps=5: 120 values
+    [f] = [f for f in diagnose(sampled) if f.kind == "slow_growth"]
+    assert "rises steadily over steps 5–600 (120 logged finite values)" in f.message
+    assert (f.evidence["steps"], f.evidence["span_steps"]) == (120, 596)
+    gappy = _trace([math.nan if i in (100, 200, 300) else x for i, x in enumerate(norms)], tau=1e6)
+    [f] = [f for f in diagnose(gappy) if f.kind == "slow_growth"]
+    assert "rises steadily over steps 1–600 (597 logged finite values)" in f.message
+    [f] = [f for f in diagnose(_trace(norms, tau=1e6)) if f.kind == "slow_growth"]
+    assert "rises steadily over 600 steps" in f.message  # every step: as before
