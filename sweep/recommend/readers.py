@@ -25,6 +25,7 @@ import pandas as pd
 
 from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.errors import UserError, one_line
+from sweep.recommend.events import event_files, framing_problem, not_resumed, span
 from sweep.recommend.replay import run_settings
 from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
@@ -167,7 +168,9 @@ def _event_runs(path: Path) -> list[Path]:
     return sorted({f.parent for f in path.rglob("*tfevents*") if f.is_file()})
 
 
-def _load_events(run: Path):
+def _load_events(run: Path) -> tuple[object, list[str]]:
+    """The run's accumulator, and a note per event file that is not whole (``framing_problem``); a run whose
+    files hold no tag and one of them torn or foreign is a ``UserError`` saying so, not an empty log."""
     from tensorboard.backend.event_processing import event_accumulator as ea
 
     acc = ea.EventAccumulator(str(run), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
@@ -175,7 +178,23 @@ def _load_events(run: Path):
         acc.Reload()
     except Exception as e:  # a torn or foreign file: the reader's own error names it
         raise UserError(f"{run}: unreadable TensorBoard events ({one_line(e)})") from None
-    return acc
+    files = [run] if run.is_file() else sorted(f for f in run.glob("*tfevents*") if f.is_file())
+    torn = [(f, *framing_problem(f)) for f in files]
+    torn = [(f, n, problem) for f, n, problem in torn if problem]
+    tags = acc.Tags()
+    if torn and not (tags["scalars"] or tags.get("tensors")):
+        f, n, problem = torn[0]
+        raise UserError(
+            f"{f}: unreadable TensorBoard events: the file {problem}"
+            + (f", after {n} whole record(s) and no scalar (torn)" if n else "")
+            + ": pass a whole event file"
+        )
+    notes = [
+        f"{f.name} {problem}, after {n} whole records: TensorBoard's reader stops there, so the events after it "
+        f"are not read (the file was cut short, or its run is still writing it)"
+        for f, n, problem in torn
+    ]
+    return acc, notes
 
 
 def _event_values(acc, tag: str) -> tuple[list[int], list[float]]:
@@ -190,9 +209,9 @@ def _event_values(acc, tag: str) -> tuple[list[int], list[float]]:
 
 def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = None) -> NormSeries:
     """The norm tag of the one run (folder of event files) under ``path`` that logs it."""
-    found = []
+    found, torn = [], {}
     for run in _event_runs(Path(path)):
-        acc = _load_events(run)
+        acc, torn[run] = _load_events(run)
         tags = acc.Tags()
         names = sorted({*tags["scalars"], *tags.get("tensors", [])})
         name = pick(names, norm, NORM_NAMES, "tag", str(run), "--norm") if norm is None or norm in names else None
@@ -205,8 +224,8 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
         _need(None, names, "tag", str(path), "--norm")
     pieces = [_piece(run, acc, names, name, lr) for run, acc, names, name in hits]
     name = hits[0][3]
-    if len(hits) > 1 and (why := _not_resumed(pieces, name)):
-        runs = ", ".join(f"{p['run']} ({_span(p)}: {_files(p['run'])})" for p in pieces)
+    if len(hits) > 1 and (why := not_resumed(pieces, name)):
+        runs = ", ".join(f"{p['run']} ({span(p)}: {event_files(p['run'])})" for p in pieces)
         raise UserError(f"{path}: {len(hits)} runs log {name}{why}: pass one of them ({runs})")
     pieces.sort(key=lambda p: p["wall"])
     steps, norms, lrs = pieces[0]["steps"], pieces[0]["norms"], pieces[0]["lrs"]
@@ -223,6 +242,7 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
     series = make_series(
         source, name, steps, norms, lrs if lr_name else None, pre_clip=pre, lr_name=lr_name, lightning=lightning
     )
+    series.notes += [note for run, *_ in hits for note in torn[run]]
     if len(pieces) > 1:
         spans = ", ".join(f"{p['run'].name}: steps {p['steps'].min()}–{p['steps'].max()}" for p in pieces)
         series.notes.insert(
@@ -249,44 +269,6 @@ def _piece(run: Path, acc, names: list[str], name: str, lr: str | None) -> dict:
         "lrs": lrs[order],
         "lr_name": lr_name,
     }
-
-
-def _every(steps: np.ndarray) -> int:
-    """The most common gap between a piece's logged steps (1 for a single step)."""
-    gaps = np.diff(steps)
-    gaps = gaps[gaps > 0]
-    return int(np.bincount(gaps).argmax()) if len(gaps) else 1
-
-
-def _span(piece: dict) -> str:
-    steps, n = piece["steps"], _every(piece["steps"])
-    return f"steps {steps.min()}–{steps.max()}" + (f", every {n}" if n > 1 else "")
-
-
-def _files(run: Path) -> str:
-    return ", ".join(sorted(f.name for f in run.glob("*tfevents*"))) if run.is_dir() else run.name
-
-
-def _not_resumed(pieces: list[dict], name: str) -> str:
-    """Why the runs are not pieces of one resumed run ('' when they are): ordered by their first event's wall
-    time, each later one must start after the previous one's first step and at most one step after its last
-    (HF resumed from a checkpoint), and not start over: a piece whose first step is its own logging grid's first
-    (step N of every N), or no later than the first piece's, is a separate run (HF run again into the same
-    output_dir, with another logging_steps), however much its steps overlap the earlier's."""
-    ordered = sorted(pieces, key=lambda p: p["wall"])
-    if any(p["name"] != name or not len(p["steps"]) for p in ordered):
-        return " (under different names)"
-    first = ordered[0]["steps"].min()
-    for prev, p in zip(ordered, ordered[1:], strict=False):
-        start = int(p["steps"].min())
-        if start <= max(_every(p["steps"]), first) or start <= prev["steps"].min():
-            return (
-                f" and {p['run'].name} ({_span(p)}) starts over rather than where {prev['run'].name} "
-                f"({_span(prev)}) left off: separate runs, not the pieces of one resumed run"
-            )
-        if start > prev["steps"].max() + 1:
-            return f" and {p['run'].name} starts at step {start}, after a gap past {prev['run'].name}'s last step"
-    return ""
 
 
 def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step: str | None = None) -> NormSeries:

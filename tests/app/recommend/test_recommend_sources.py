@@ -99,3 +99,26 @@ def test_a_second_run_that_starts_over_is_refused_not_merged_as_a_resume(tmp_pat
     alone = _recommend([str(tmp_path / "runs" / "runA"), "--start", "100", "--window", "100", "--quantile", "0.95"])
     stored = norms.astype(np.float32).astype(np.float64)
     assert alone.tau == pytest.approx(numpy_tau(steps, stored, 101, 200), rel=1e-12)
+
+
+def test_a_torn_event_file_is_said_not_read_as_a_shorter_log(tmp_path, capsys):
+    """An event file cut mid-record reads (TensorBoard's reader stops there) with a note that it ended
+    mid-record; one cut before its first scalar, or a file that is no event file, is one line saying so."""
+    steps, lr, norms = trace()
+    _events(tmp_path / "whole", steps, lr, norms)
+    [whole] = (tmp_path / "whole").glob("*tfevents*")
+    data = whole.read_bytes()
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / whole.name).write_bytes(data[:3000])
+    rec = _recommend([str(tmp_path / "torn"), "--window", "10", "--start", "0"])
+    assert 0 < len(rec.series.steps) < len(steps)
+    assert any(f"{whole.name} ends mid-record at byte 3000" in n and "whole records" in n for n in rec.notes)
+    assert not any("mid-record" in n for n in _recommend([str(whole), "--window", "10"]).notes)
+    for cut, said in ((data[:100], "ends mid-record at byte 100"), (b"step,grad_norm\n1,2\n" * 9, "no TensorBoard")):
+        bad = tmp_path / "bad.tfevents.bin"
+        bad.write_bytes(cut)
+        with pytest.raises(SystemExit) as e:
+            cli.main([str(bad)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1
+        assert f"{bad}: unreadable TensorBoard events: the file " in err and said in err, err
