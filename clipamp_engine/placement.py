@@ -5,7 +5,9 @@ stops rising and the loss leaves its initial plateau), so its quantiles overstat
 (``calibrate.start=auto``), decided online from the records a policy sees, one step at a time:
 
 1. **warm-up over**: the first step whose LR is not above the previous step's (a schedule
-   without warm-up ends it at step 2; the LR is read from the records, nothing is configured);
+   without warm-up ends it at step 2; the LR is read from the records, nothing is configured;
+   records with no LR, NaN, have no warm-up to see either: the norms alone place the window, and
+   its reason says so);
 2. **transient over**: from then on, the rolling median of the last ``span`` finite pre-clip
    norms (measured after the warm-up only) has stayed within a relative band — max/min of the
    last ``patience`` rolling medians ≤ 1 + ``band``. A median ignores isolated spikes, so a bad
@@ -86,6 +88,7 @@ class StartDetector:
         self.warmup_end: int | None = None
         self.placement: Placement | None = None
         self._previous_lr: float | None = None
+        self._lr_seen = False  # a finite LR in any record so far: else the norms alone place the window
         self._norms: deque[float] = deque(maxlen=span)
         self._medians: deque[float] = deque(maxlen=patience)
 
@@ -93,8 +96,11 @@ class StartDetector:
         """Read one record; return the placement on the step it is decided (then keep returning it)."""
         if self.placement is not None:
             return self.placement
-        if self.warmup_end is None and self._previous_lr is not None and _not_rising(self._previous_lr, lr):
-            self.warmup_end = step
+        known = math.isfinite(lr)
+        self._lr_seen |= known
+        if self.warmup_end is None and self._previous_lr is not None:
+            if not (known and math.isfinite(self._previous_lr)) or _not_rising(self._previous_lr, lr):
+                self.warmup_end = step  # no LR to rise: as a constant one, the second record ends it
         self._previous_lr = lr
         if self.warmup_end is not None and not skipped and math.isfinite(norm):
             self._norms.append(norm)
@@ -108,13 +114,21 @@ class StartDetector:
                 step,
                 m,
                 "auto",
-                f"LR warm-up over at step {self.warmup_end} (the LR stopped rising); the rolling median of "
+                f"{self._warmup_text()}; the rolling median of "
                 f"{self.span} norms varied by at most {self.band:.0%} over the {self.patience} steps to step {step} "
                 f"(median {m:.3g}): the window starts at step {step + 1}",
             )
         elif self.latest is not None and step + 1 >= self.latest:
             self.placement = self._deadline(step)
         return self.placement
+
+    def _warmup_text(self) -> str:
+        if not self._lr_seen:
+            return (
+                f"no LR in the records, so no warm-up to wait for: placed by the norms alone from step "
+                f"{self.warmup_end}"
+            )
+        return f"LR warm-up over at step {self.warmup_end} (the LR stopped rising)"
 
     def _in_band(self) -> bool:
         lo, hi = min(self._medians), max(self._medians)
@@ -125,7 +139,7 @@ class StartDetector:
             "the LR was still rising"
             if self.warmup_end is None
             else f"the rolling median of the norms still varied by more than {self.band:.0%} "
-            f"(warm-up over at step {self.warmup_end})"
+            + (f"(warm-up over at step {self.warmup_end})" if self._lr_seen else "(no LR in the records)")
         )
         m = self._medians[-1] if self._medians else None
         return Placement(
@@ -143,6 +157,7 @@ class StartDetector:
         return {
             "warmup_end": self.warmup_end,
             "last_lr": self._previous_lr,
+            "lr_seen": self._lr_seen,
             "norms": list(self._norms),
             "medians": list(self._medians),
             "latest": self.latest,
@@ -151,6 +166,7 @@ class StartDetector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.warmup_end, self._previous_lr, self.latest = state["warmup_end"], state["last_lr"], state["latest"]
+        self._lr_seen = state.get("lr_seen", True)  # a state saved before the flag: its run had an LR
         self._norms = deque(state["norms"], maxlen=self.span)
         self._medians = deque(state["medians"], maxlen=self.patience)
         self.placement = Placement(**state["placement"]) if state["placement"] else None

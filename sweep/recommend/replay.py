@@ -152,7 +152,7 @@ def record(step: int, lr: float, norm: float, taken: bool, tau: float | None, to
 def replay(series: NormSeries, options: Options) -> CalibratedClip:
     """The ``CalibratedClip`` of a run of ``series.steps[-1]`` steps that saw ``series``'s norms.
 
-    Without an LR in the logs every step gets the same LR: the placement then sees no warm-up.
+    Without an LR in the logs every record's LR is NaN: the placement sees no warm-up, and says so.
 
     Raises:
         UserError: an option ``CalibratedClip`` refuses, or a window it cannot summarise.
@@ -173,7 +173,7 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
     except ValueError as e:
         raise UserError(as_flags(str(e))) from None
     lrs = _lrs(series)
-    lrs = np.ones(len(series.steps)) if lrs is None else lrs
+    lrs = np.full(len(series.steps), math.nan) if lrs is None else lrs  # no LR: the placement says so
     tokens = np.full(len(series.steps), math.nan) if series.tokens is None else series.tokens
     try:
         logged = zip(series.steps.tolist(), lrs.tolist(), series.norms.tolist(), series.taken, tokens.tolist())

@@ -66,7 +66,7 @@ def caveats(series: NormSeries, options: Options) -> list[str]:
     elif options.start == "auto":
         out.append(
             "no learning rate in the log: --start auto cannot see a warm-up and waits only for the norms' "
-            "rolling median to settle (its 'warm-up over' step is the log's second point); pass --lr NAME or --start N"
+            "rolling median to settle (counted from the log's second point); pass --lr NAME or --start N"
         )
     return out + s.notes + [RUNNER_NAMES]
 

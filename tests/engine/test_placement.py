@@ -89,3 +89,26 @@ def test_fixed_placement_and_warmup_end():
     assert fixed_placement(0).start == 1 and "includes any LR warm-up" in fixed_placement(0).reason
     assert fixed_placement(40).start == 41
     assert warmup_end([1, 2, 3, 3, 2]) == 4 and warmup_end([1, 2, 3]) is None and warmup_end([2, 1]) == 2
+
+
+def test_records_without_an_lr_are_placed_by_the_norms_and_say_so():
+    """No LR (NaN, a log without one): the same window as a constant LR gives, but the reason says the norms alone
+    placed it, not that an LR stopped rising; a constant LR still reads as a schedule without warm-up."""
+    trace, _ = _trace(warmup=0)
+    constant = auto_window_start(trace)
+    unknown = auto_window_start([(s, math.nan, n) for s, _, n in trace])
+    assert (unknown.start, unknown.warmup_end, unknown.settled_at) == (constant.start, 2, constant.settled_at)
+    assert "LR warm-up over at step 2 (the LR stopped rising)" in constant.reason
+    assert "no LR in the records, so no warm-up to wait for: placed by the norms alone from step 2" in unknown.reason
+    assert "LR" not in unknown.reason.replace("no LR in the records", "")
+    trend = [(s, math.nan, math.exp(0.02 * s)) for s in range(1, 200)]
+    assert "(no LR in the records)" in auto_window_start(trend, latest=150).reason
+    a = StartDetector()
+    for s, _, n in trace[:30]:
+        a.update(s, math.nan, n)
+    b = StartDetector()
+    b.load_state_dict(a.state_dict())
+    for s, _, n in trace[30:]:
+        if b.update(s, math.nan, n) is not None:
+            break
+    assert b.placement == unknown

@@ -122,3 +122,16 @@ def test_a_torn_event_file_is_said_not_read_as_a_shorter_log(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.splitlines()) == 1
         assert f"{bad}: unreadable TensorBoard events: the file " in err and said in err, err
+
+
+def test_a_log_without_an_lr_says_the_norms_alone_placed_the_window(tmp_path, capsys):
+    """A W&B chart export (a step and a norm, no LR): the placement line does not claim an LR stopped rising."""
+    from tests.app.recommend.test_recommend import write_csv
+
+    steps, _, norms = trace()
+    path = write_csv(tmp_path / "chart.csv", {"Step": steps, "train/grad_norm": norms})
+    assert cli.main([str(path), "--window", "100"]) == 0
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if x.startswith("window placement")]
+    assert "no LR in the records, so no warm-up to wait for: placed by the norms alone from step 2" in line
+    assert "the LR stopped rising" not in out
