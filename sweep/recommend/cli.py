@@ -49,7 +49,12 @@ def parser() -> argparse.ArgumentParser:
         help="tag / column / metric of the learning rate (default: the first of lr, learning_rate, "
         "train/learning_rate, one */learning_rate, else Lightning's one lr-<Optimizer>, its /pg1 if several groups)",
     )
-    ap.add_argument("--step-column", default=None, help="CSV: the step column (default: step, else the row number)")
+    ap.add_argument(
+        "--step-column",
+        default=None,
+        help="CSV: the step column (default: the first of step, global_step, Step, iteration, iter, one */global_step; "
+        "else the row number)",
+    )
     ap.add_argument("--max-grad-norm", type=float, default=None, help="the τ the run clipped at, if the log lacks it")
     o = Options()  # the defaults: +experiment=calibrate's (RECOMMENDED); for runs:/ID the run's own calibrate.*
     ap.add_argument("--window", type=int, help=f"steps per calibration window (default {o.window}; {RUN})")

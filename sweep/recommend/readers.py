@@ -33,7 +33,9 @@ from sweep.recommend.series import NormSeries, lightning_marks, make_series
 #: Lightning's ``grad_norm(module, norm_type=2)`` utility (logged from ``on_before_optimizer_step``).
 NORM_NAMES = ("grad_l2_pre_clip", "grad_norm", "train/grad_norm", "grad_2.0_norm_total")
 LR_NAMES = ("lr", "learning_rate", "train/learning_rate")
-STEP_NAMES = ("step", "global_step", "Step", "iteration")
+#: Step columns, in order: clipamp, Lightning's CSVLogger, HF exports, W&B's chart export, nanoGPT-style loops;
+#: else the one column named ``…/global_step`` (W&B's run history of HF: ``train/global_step``).
+STEP_NAMES = ("step", "global_step", "Step", "iteration", "iter")
 HF_PRE_CLIP = (
     "Trainer logs grad_norm before clipping (the total norm clip_grad_norm_ returns), that step's own value "
     "(not a mean over the logging interval, unlike loss)"

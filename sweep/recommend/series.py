@@ -111,10 +111,14 @@ def make_series(
         series.notes.append(f"{len(steps) - len(keep)} repeated step(s) (a resumed run?): the last value logged kept")
     if lightning or series.steps[0] == 0:  # Lightning logs at global_step before the update: optimizer step k as k - 1
         series.steps = series.steps + 1
-        why = f"a Lightning log ({lightning})" if lightning else "the log numbers its steps from 0"
+        why = (
+            f"a Lightning log ({lightning}): Lightning logs at trainer.global_step, before the update"
+            if lightning
+            else "the log numbers its steps from 0 (as Lightning's global_step and nanoGPT's iter do)"
+        )
         series.notes.append(
-            f"{why}: Lightning logs at trainer.global_step, before the update, so optimizer step k is logged as "
-            f"k − 1; read as optimizer steps {series.steps[0]}–{series.steps[-1]}, as clipamp and Trainer number them"
+            f"{why}, so optimizer step k is logged as k − 1; read as optimizer steps "
+            f"{series.steps[0]}–{series.steps[-1]}, as clipamp and Trainer number them"
         )
     return series
 

@@ -135,3 +135,28 @@ def test_a_log_without_an_lr_says_the_norms_alone_placed_the_window(tmp_path, ca
     [line] = [x for x in out.splitlines() if x.startswith("window placement")]
     assert "no LR in the records, so no warm-up to wait for: placed by the norms alone from step 2" in line
     assert "the LR stopped rising" not in out
+
+
+def test_the_step_columns_the_docs_name_are_read(tmp_path):
+    """nanoGPT's iter (from 0, logged every 10 iterations: optimizer steps 1, 11, …) and W&B's run history of a
+    Trainer run (its own _step row counter beside train/global_step) give the run's steps, not row numbers."""
+    from tests.app.recommend.test_recommend import write_csv
+
+    steps, lr, norms = trace()
+    every10 = (steps - 1) % 10 == 0
+    nano = write_csv(
+        tmp_path / "nano.csv", {"iter": steps[every10] - 1, "lr": lr[every10], "grad_norm": norms[every10]}
+    )
+    rec = _recommend([str(nano), "--window", "100"])
+    assert rec.series.steps.tolist() == steps[every10].tolist() and rec.series.interval == 10
+    assert not any("no step column" in n for n in rec.notes)
+    assert any("numbers its steps from 0 (as Lightning's global_step and nanoGPT's iter do)" in n for n in rec.notes)
+    every5 = steps % 5 == 0
+    history = {
+        "_step": np.arange(every5.sum()),
+        "train/global_step": steps[every5],
+        "train/grad_norm": norms[every5],
+        "train/learning_rate": lr[every5],
+    }
+    rec = _recommend([str(write_csv(tmp_path / "history.csv", history)), "--window", "100"])
+    assert rec.series.steps.tolist() == steps[every5].tolist() and rec.series.lr_name == "train/learning_rate"
