@@ -108,6 +108,15 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
     ``RunInterrupted`` is a signal the run handled (its checkpoint written); a bare ``KeyboardInterrupt``
     came before the loop's handler, or through a sweep's trial."""
     run, handled = cfg.get("run"), isinstance(e, RunInterrupted)
+    head = f"interrupted ({e})" if handled else "interrupted"
+    if run == "spike" or (run == "sweep" and cfg.study.mode == "entangle"):  # children take no resume=
+        what = "the spike replay" if run == "spike" else "the LR check"
+        ended = (
+            f"{what} ended KILLED (the run it was training finished first)"
+            if handled and e.finished
+            else f"{what} and the run it was training ended KILLED"
+        )
+        return f"{head}: {ended}; re-run the same command to start it again"
     if handled and e.finished is not None:
         return f"interrupted ({e}) during the end-of-run phase: " + (
             "it completed first; the run ended FINISHED with its summary and artifacts"
@@ -115,10 +124,6 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
             "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
         )
-    head = f"interrupted ({e})" if handled else "interrupted"
-    if run == "spike" or (run == "sweep" and cfg.study.mode == "entangle"):  # children take no resume=
-        what = "the spike replay" if run == "spike" else "the LR check"
-        return f"{head}: {what} and the run it was training ended KILLED; re-run the same command to start it again"
     if run == "sweep" and getattr(e, "sweep_ended", None):  # every trial ended: only the report was cut
         return (
             f"{head}: every trial this command ran ({e.trials}) finished and its parent run ended {e.sweep_ended}; "

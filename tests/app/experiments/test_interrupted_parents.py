@@ -95,3 +95,13 @@ def test_ctrl_c_ends_the_child_it_was_training_and_the_parent_killed(store, monk
 )
 def test_the_line_after_a_handled_signal_names_what_continues(cfg, line):
     assert _interrupted_line(RunInterrupted(2, 7), OmegaConf.create(cfg)) == line
+
+
+def test_a_spike_arm_that_finished_its_last_step_still_names_the_replay_killed():
+    """SIGINT as an arm ended: the arm's end-of-run phase completed, but the replay stopped there (4 of 6 arms
+    never ran, no figure, the parent KILLED); the line said "the run ended FINISHED with its summary"."""
+    line = _interrupted_line(RunInterrupted(2, 80, finished=True), OmegaConf.create({"run": "spike"}))
+    assert line == (
+        "interrupted (SIGINT at step 80): the spike replay ended KILLED (the run it was training finished first); "
+        "re-run the same command to start it again"
+    )
