@@ -14,6 +14,11 @@ def check_spike(cfg: Config) -> None:
     """``+experiment=spike``: byte data, positive sizes, the spike after the window and before the end, and a
     ``figure_out`` it can write."""
     s = cfg.spike
+    if cfg.resume:
+        raise UserError(
+            f"resume={cfg.resume}: the spike replay is not resumable (its arms are twin runs from step 1, each "
+            "compared with its pair); re-run the command without resume= to start it again"
+        )
     if cfg.calibrate.start != 0:
         raise UserError(
             f"calibrate.start={cfg.calibrate.start}: the spike replay times its bad batch after a "
@@ -45,6 +50,8 @@ def check_spike(cfg: Config) -> None:
     why = write_refusal(Path(s.figure_out), is_file=True) if s.figure_out else None
     if why is not None:  # found now, not after the whole replay
         raise UserError(f"spike.figure_out={s.figure_out}: {why}: pass a file path in a writable folder")
+    if s.figure_out and Path(s.figure_out).suffix.lower() != ".png":
+        raise UserError(f"spike.figure_out={s.figure_out}: the figure is a PNG; pass a file name ending in .png")
 
 
 #: The ``model.*`` keys that act on a ``model=hf`` model; the others (d_model, n_layer, ...) size the built-in ones.
@@ -91,7 +98,7 @@ def _check_spike_windows(cfg: Config) -> None:
     if late:
         raise UserError(
             f"calibrate.every={cfg.calibrate.every} opens a calibration window at steps "
-            f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would turn "
-            f"clipping off after the spike: use calibrate.every=0, or a larger calibrate.every that "
-            f"opens no window in steps {s.at_step}–{cfg.steps}"
+            f"{late[0][0]}–{late[0][-1]}, at or after spike.at_step={s.at_step}, which would re-calibrate "
+            f"τ from the spike and its aftermath while the replay measures them: use calibrate.every=0, or a "
+            f"larger calibrate.every that opens no window in steps {s.at_step}–{cfg.steps}"
         )

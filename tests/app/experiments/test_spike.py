@@ -220,7 +220,13 @@ def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():
     [
         (["spike.at_step=50", "calibrate.window=100"], "must land after the calibration window ends"),
         (["spike.at_step=250", "steps=300"], "spike.at_step=250 must be in [2, steps - 100]"),
-        (["calibrate.window=20", "calibrate.every=100"], "opens a calibration window at steps 201–220"),
+        (
+            ["calibrate.window=20", "calibrate.every=100"],
+            "opens a calibration window at steps 201–220, at or after spike.at_step=150, which would re-calibrate "
+            "τ from the spike and its aftermath while the replay measures them",
+        ),
+        (["resume=true"], "resume=True: the spike replay is not resumable"),  # was ignored: a new replay started
+        (["spike.figure_out=fig.pdf"], "the figure is a PNG; pass a file name ending in .png"),  # PNG bytes in .pdf
         (["spike.factor=0"], "spike.factor=0.0 must be > 0"),
         (["data=synthetic", "model=linear"], "spike needs byte data"),
     ],
