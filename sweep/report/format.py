@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from sweep.tracking.ui import runs_page
+from sweep.tracking.ui import mlflow_command, runs_page
 
 
 def fmt(v: Any) -> str:
@@ -45,7 +45,8 @@ def ui_command(uri: str, experiment_id: str | None = None) -> str:
     if uri.startswith(("http://", "https://")):
         return f"open {uri.rstrip('/')}/{page}"
     return (
-        f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000  → http://127.0.0.1:5000/{page}"
+        f"{mlflow_command()} ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000  → "
+        f"http://127.0.0.1:5000/{page}"
     )
 
 

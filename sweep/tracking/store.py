@@ -244,7 +244,9 @@ def verify_store(uri: str, db: Path) -> None:
     head = _get_latest_schema_revision()
     if rev == head and not any(t.startswith("_alembic_tmp") for t in tables):
         return
-    upgrade = f"mlflow db upgrade sqlite:///{db.resolve()}"
+    from sweep.tracking.ui import mlflow_command
+
+    upgrade = f"{mlflow_command()} db upgrade sqlite:///{db.resolve()}"
     if not runs:
         raise UserError(
             f"tracking store {db} was left half-created (schema {rev}, expected {head}; no runs in "

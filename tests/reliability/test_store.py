@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from sweep.errors import UserError
 from sweep.tracking.tracker import Store
+from sweep.tracking.ui import mlflow_command
 from tests.app.helpers import REPO, TINY
 from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 
@@ -140,7 +141,7 @@ def _with_one_run(uri: str) -> None:
     "revision,keep_runs,expected",
     [
         ("ffffffffffff", True, "written by a newer MLflow"),
-        ("0a8213491aaa", True, "`mlflow db upgrade sqlite:///"),  # an older revision, with runs: upgrade it
+        ("0a8213491aaa", True, f"`{mlflow_command()} db upgrade sqlite:///"),  # older, with runs: upgrade it
         ("0a8213491aaa", False, "left half-created"),  # nothing in it: move it aside
     ],
 )

@@ -18,6 +18,7 @@ from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
 from sweep.report.spike import where_to_look
 from sweep.results.spike import fp16_outcome, recovery_steps
+from sweep.tracking.ui import mlflow_command
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
@@ -300,7 +301,8 @@ def test_the_last_line_opens_the_runs_as_every_run_does_on_a_server_too():
     (``mlflow ui --backend-store-uri http://…`` would start a UI that cannot read it)."""
     local = where_to_look(Path("s.png"), "t.md", "sqlite:////x/mlruns/mlflow.db", "3", "abc")
     assert local.splitlines()[-1] == (
-        "runs: mlflow ui --backend-store-uri sqlite:////x/mlruns/mlflow.db --host 127.0.0.1 --port 5000  → "
+        f"runs: {mlflow_command()} ui --backend-store-uri sqlite:////x/mlruns/mlflow.db --host 127.0.0.1 "
+        "--port 5000  → "
         "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=clipamp  "
         "(parent run abc)"
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from mlflow import MlflowClient
 
@@ -23,7 +26,22 @@ def test_the_ui_command_can_be_pasted_with_a_space_in_the_store_path():
 
     uri = "sqlite:////tmp/my runs/ü/mlruns/mlflow.db"
     argv = shlex.split(ui_command(uri).split("  → ")[0])
-    assert argv[:3] == ["mlflow", "ui", "--backend-store-uri"] and argv[3] == uri
+    assert Path(argv[0]).name == "mlflow" and argv[1:3] == ["ui", "--backend-store-uri"] and argv[3] == uri
+
+
+@pytest.mark.parametrize("activated", [True, False])
+def test_the_ui_command_names_an_mlflow_the_shell_finds(monkeypatch, activated):
+    """After the README's set-up the venv is not activated: a bare ``mlflow`` was "command not found"."""
+    import subprocess
+    import sys
+
+    own = Path(sys.executable).parent
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != own]
+    monkeypatch.setenv("PATH", os.pathsep.join([str(own), *path] if activated else path))
+    command = ui_command("sqlite:///mlruns/mlflow.db").split(" ui ")[0]
+    assert command == ("mlflow" if activated else str(own / "mlflow"))
+    found = subprocess.run(["bash", "-c", f"command -v {command}"], capture_output=True, text=True)
+    assert found.returncode == 0, f"{command} is not found by the shell"
 
 
 @pytest.mark.slow
