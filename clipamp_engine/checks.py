@@ -93,15 +93,13 @@ def check_setup(
             "optimizer.step() with none; use a first-order optimizer (SGD, AdamW, ...) or step this one in a loop "
             "of your own without AmpTrainState"
         )
-    own = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(id(p) in own for p in held):
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not held & {id(p) for p in model.parameters()}:
         raise ValueError(
             f"the optimizer holds {len(held)} parameter tensor(s), none of them the model's: every step would "
             "update nothing; build it from this model, e.g. torch.optim.AdamW(model.parameters())"
         )
-    held_ids = {id(p) for p in held}
-    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held_ids]
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if left:
         warnings.warn(
             f"{len(left)} of the model's parameter tensors require grad but the optimizer does not hold them "

@@ -175,12 +175,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module under DDP and ``torch.compile`` wrappers, in any nesting (its state dict is one process's,
     without ``module.`` or ``_orig_mod.``, so that it loads into the plain model), else ``model``."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif compiled_original(model) is not None:  # torch.compile's wrapper
-            model = compiled_original(model)
-        else:
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else compiled_original(model)
+        if inner is None:  # neither DDP nor torch.compile's wrapper
             return model
+        model = inner
 
 
 def _fsdp_module_type() -> type | None:

@@ -93,8 +93,7 @@ def as_flag(name: str, value: Any) -> str:
     return f"--{name.replace('_', '-')} {value}"
 
 
-_NAMES = "window|every|start|validate|quantile|confidence|target_clip|candidates"
-_OPTION = re.compile(rf"\b({_NAMES})=(\[[^\]]*\]|[^\s,;)]+)")
+_OPTION = re.compile(rf"\b({'|'.join(RUN_SETTINGS)})=(\[[^\]]*\]|[^\s,;)]+)")
 
 
 def as_flags(message: str) -> str:
@@ -102,8 +101,7 @@ def as_flags(message: str) -> str:
     ``--every 30``, ``target_clip=[0.5, 0.1]`` → ``--target-clip 0.5 0.1``): the options the user typed."""
 
     def flag(m: re.Match) -> str:
-        value = m[2][1:-1].replace(",", "") if m[2].startswith("[") else m[2]
-        return f"--{m[1].replace('_', '-')} {value}"
+        return as_flag(m[1], m[2][1:-1].replace(",", "") if m[2].startswith("[") else m[2])
 
     return _OPTION.sub(flag, message)
 
