@@ -21,6 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from sweep.commands import python_command
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
 from sweep.config.schema import RUNS, register
@@ -127,7 +128,7 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
     if run == "sweep" and getattr(e, "sweep_ended", None):  # every trial ended: only the report was cut
         return (
             f"{head}: every trial this command ran ({e.trials}) finished and its parent run ended {e.sweep_ended}; "
-            "`python -m sweep.report` gives the study's pick (re-running the command would add new trials)"
+            f"`{python_command('sweep.report')}` gives the study's pick (re-running the command would add new trials)"
         )
     if run == "sweep":
         return f"{head}: " + (

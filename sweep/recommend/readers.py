@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from clipamp_engine.records import CANONICAL_COLUMNS
+from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
 from sweep.recommend.replay import run_settings
@@ -57,7 +58,7 @@ def read_series(
     if run and (path.startswith("runs:/") or not p.exists()):
         return read_mlflow(run.group(1), norm=norm, lr=lr, tracking_uri=tracking_uri)
     if path.startswith("runs:/"):
-        raise UserError(f"{path}: a run id is 32 hex digits (python -m sweep.report --wide lists them)")
+        raise UserError(f"{path}: a run id is 32 hex digits ({python_command('sweep.report')} --wide lists them)")
     if not p.exists():
         raise UserError(f"{path}: no such file or folder (pass a trainer_state.json, an event file, a CSV or runs:/ID)")
     if p.is_dir():

@@ -9,7 +9,8 @@ from typing import Any
 
 from rich.console import Console
 
-from sweep.tracking.ui import mlflow_command, runs_page
+from sweep.commands import mlflow_command
+from sweep.tracking.ui import runs_page
 
 
 def fmt(v: Any) -> str:

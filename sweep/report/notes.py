@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from sweep.commands import python_command
 from sweep.report.format import fmt, frame_markdown, pct
 from sweep.report.runs import frame, table
 from sweep.run.summary import tau_tags
@@ -83,11 +84,11 @@ def experiment_note(runs) -> str:
         f"## Threshold report: the {min(len(runs), TABLE_ROWS)} newest of {len(runs)} runs",
         "",
         "τ used: the clipping threshold each phase trained at; τ rec.: the recommended `clip.max_norm`; "
-        "clipped/skipped: share of steps. `python -m sweep.report` prints the whole table.",
+        f"clipped/skipped: share of steps. `{python_command('sweep.report')}` prints the whole table.",
         "",
         frame_markdown(table(runs.head(TABLE_ROWS))),
     ]
-    return _fit("\n".join(lines), EXPERIMENT_NOTE_MAX, "… (`python -m sweep.report` prints every run)")
+    return _fit("\n".join(lines), EXPERIMENT_NOTE_MAX, f"… (`{python_command('sweep.report')}` prints every run)")
 
 
 def write_notes(tracker: RunTracker, result: RunResult, report: str) -> None:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import pandas as pd
 
+from sweep.commands import python_command
 from sweep.errors import UserError
 from sweep.report.format import fmt, pct
 
@@ -69,7 +70,7 @@ def search(uri: str, experiment: str, last: int | None = None) -> pd.DataFrame:
     if exp is None:
         raise UserError(
             f"experiment {experiment!r} not found in the tracking store; run "
-            f"`python -m sweep +experiment=calibrate` first or pass --experiment NAME"
+            f"`{python_command('sweep')} +experiment=calibrate` first or pass --experiment NAME"
         )
     return frame(uri, exp.experiment_id, last)
 

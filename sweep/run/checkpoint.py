@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from clipamp_engine import AmpTrainState, total_norm
+from sweep.commands import python_command
 from sweep.distributed.launch import Launch
 from sweep.errors import UserError, one_line
 from sweep.run.diskspace import disk_full
@@ -304,7 +305,8 @@ def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: 
         except Exception:
             raise UserError(
                 f"resume={resume!r} is not a run id in this tracking store (a run id is 32 hex digits: "
-                f"python -m sweep.report --wide lists them); use resume=true for the latest run named {run_name!r}"
+                f"{python_command('sweep.report')} --wide lists them); use resume=true for the latest run named "
+                f"{run_name!r}"
             ) from None
         return resume
     named = _latest_with_checkpoint(client, experiment_id, uri, f"attributes.run_name = '{run_name}'")

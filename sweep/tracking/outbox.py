@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sweep.commands import python_command
+
 PENDING = "pending.json"
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 MAX_TAGS = 100  # and of tags
@@ -152,8 +154,8 @@ class Outbox:
         self.replaces = None  # the new file holds what the old one did
         self.say(
             f"warning: {why}: {len(self.metrics)} metric values, the artifacts and the run's end ({status}) are "
-            f"kept in {folder}; once it is back, send them with `python -m sweep.resend {folder}` (the run shows "
-            "RUNNING there until then)"
+            f"kept in {folder}; once it is back, send them with `{python_command('sweep.resend')} {folder}` "
+            "(the run shows RUNNING there until then)"
         )
 
 

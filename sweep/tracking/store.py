@@ -244,7 +244,7 @@ def verify_store(uri: str, db: Path) -> None:
     head = _get_latest_schema_revision()
     if rev == head and not any(t.startswith("_alembic_tmp") for t in tables):
         return
-    from sweep.tracking.ui import mlflow_command
+    from sweep.commands import mlflow_command
 
     upgrade = f"{mlflow_command()} db upgrade sqlite:///{db.resolve()}"
     if not runs:

@@ -6,17 +6,12 @@ table shows no metric until the user picks columns, so each experiment carries a
 (experiment tag ``mlflow.sharedViewState.<key>``, the UI's own "Share" format: the table state as
 JSON) that shows the recommended τ, the norm quantiles, the τ used and the ratios, and whose chart
 view opens on one section of the charts that matter (the other metrics' charts in a collapsed
-section); the printed link names it with ``viewStateShareKey``. ``mlflow_command`` is the ``mlflow``
-the printed commands name.
+section); the printed link names it with ``viewStateShareKey``.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
-import shutil
-import sys
-from pathlib import Path
 
 KIND_TAG = "mlflow.experimentKind"
 KIND = "custom_model_development"  # the UI's "Machine learning" experiment type
@@ -117,14 +112,3 @@ def runs_page(experiment_id: str | None) -> str:
     if experiment_id is None:
         return "#/experiments"
     return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
-
-
-def mlflow_command() -> str:
-    """The ``mlflow`` a pasted command runs: ``mlflow`` when the shell finds this environment's, else the
-    path of this environment's (``.venv/bin/mlflow`` of a virtual environment that is not activated, as
-    after the README's set-up, where a bare ``mlflow`` is "command not found")."""
-    own = Path(sys.executable).parent / "mlflow"  # not resolved: a venv's python is a link out of it
-    found = shutil.which("mlflow")
-    if not own.exists() or (found is not None and Path(found).resolve() == own.resolve()):
-        return "mlflow"
-    return shlex.quote(str(own))

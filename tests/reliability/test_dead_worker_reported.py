@@ -13,12 +13,15 @@ from pathlib import Path
 import optuna
 import pytest
 
+from sweep.commands import python_command
 from sweep.experiments.study.sweep import mark_died, unfinished_line
 from sweep.report import cli
 from sweep.results.study import trials_table
 from sweep.tracking.tracker import Store
 
 STUDY = "dead-worker"
+
+REPORT = python_command("sweep.report")  # the command the messages name
 
 
 @pytest.fixture
@@ -81,7 +84,7 @@ def test_the_surviving_workers_last_line_names_the_dead_workers_trial(workers):
     assert unfinished_line(table["state"]) == (
         "the pick covers the trials finished so far: 2 running in other workers and 1 whose worker died, which "
         "the next run of this command recovers (marked FAIL, its parameters run again); once they end, "
-        "`python -m sweep.report` gives the study's pick"
+        f"`{REPORT}` gives the study's pick"
     )
 
 

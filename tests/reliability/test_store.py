@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from sweep.commands import mlflow_command
 from sweep.errors import UserError
 from sweep.tracking.tracker import Store
-from sweep.tracking.ui import mlflow_command
 from tests.app.helpers import REPO, TINY
 from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 

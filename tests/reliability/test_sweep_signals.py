@@ -12,6 +12,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
+from sweep.commands import python_command
 from tests.app.helpers import TINY, store_in
 from tests.reliability.helpers import finish, start_cli
 
@@ -32,7 +33,7 @@ RESUME = (
 )
 ALL_ENDED = (
     f"interrupted: every trial this command ran ({TRIALS}) finished and its parent run ended {{}}; "
-    "`python -m sweep.report` gives the study's pick (re-running the command would add new trials)"
+    f"`{python_command('sweep.report')}` gives the study's pick (re-running the command would add new trials)"
 )
 
 

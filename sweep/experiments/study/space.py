@@ -10,6 +10,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from optuna.trial import TrialState
 
+from sweep.commands import python_command
 from sweep.config.convert import child_config
 from sweep.config.schema import Config, calibrated
 from sweep.errors import UserError
@@ -72,7 +73,7 @@ def _run_quantiles(client, run_id: str) -> dict[str, float]:
     except MlflowException:
         raise UserError(
             f"study.anchor={run_id!r}: no such run in the tracking store; pass the id of a "
-            f"calibrate run (python -m sweep.report --wide lists them) or study.anchor=window"
+            f"calibrate run ({python_command('sweep.report')} --wide lists them) or study.anchor=window"
         ) from None
     metrics = run.data.metrics
     if "grad_norm_p50" in metrics and "window_clip_ratio_at_tau" not in metrics:  # no window: all its steps
@@ -81,7 +82,7 @@ def _run_quantiles(client, run_id: str) -> dict[str, float]:
             f"study.anchor={run_id!r}: {run.info.run_name} is a {kind + ' ' if kind else ''}run without a "
             f"calibration window, so its "
             f"grad_norm quantiles are over all its steps, warm-up included; pass a calibrate run's id "
-            f"(python -m sweep.report --wide lists them) or study.anchor=window"
+            f"({python_command('sweep.report')} --wide lists them) or study.anchor=window"
         )
     missing = [k for k in QUANTILE_KEYS if f"grad_norm_{k}" not in metrics]
     if missing:

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 from rich.console import Console
 
+from sweep.commands import python_command
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.experiments.study.progress import TrialProgress
@@ -104,7 +105,7 @@ def unfinished_line(states: pd.Series) -> str | None:
         parts.append(f"{waiting} queued, which the next run of this command takes first")
     return (
         f"the pick covers the trials finished so far: {' and '.join(parts)}; once they end, "
-        "`python -m sweep.report` gives the study's pick"
+        f"`{python_command('sweep.report')}` gives the study's pick"
     )
 
 

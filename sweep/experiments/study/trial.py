@@ -18,6 +18,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from sweep.commands import python_command
 from sweep.config.convert import child_config
 from sweep.config.schema import Config
 from sweep.errors import UserError, clip_words
@@ -163,7 +164,7 @@ class TrackingServerLost(UserError):
         kept = [str(f) for f in dict.fromkeys(self.folders) if (f / PENDING).is_file()]
         if not kept:
             return f"{head}; once the server answers, re-run the same command to go on with the study"
-        sends = " and ".join(f"`python -m sweep.resend {f}`" for f in kept)
+        sends = " and ".join(f"`{python_command('sweep.resend')} {f}`" for f in kept)
         return (
             f"{head}; what the server did not take is kept locally ({PENDING} with each run's artifacts) in "
             f"{', '.join(kept)}: once it answers, send it with {sends}, then re-run the same command to go on "

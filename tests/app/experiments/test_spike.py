@@ -12,13 +12,13 @@ import torch
 from mlflow import MlflowClient
 
 from sweep import app
+from sweep.commands import mlflow_command
 from sweep.config import validate
 from sweep.config.convert import with_overrides
 from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
 from sweep.report.spike import where_to_look
 from sweep.results.spike import fp16_outcome, recovery_steps
-from sweep.tracking.ui import mlflow_command
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0

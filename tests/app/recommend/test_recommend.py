@@ -18,6 +18,7 @@ from clipamp_engine.diagnosis import diagnose
 from clipamp_engine.norms import CLIP_EPS
 from clipamp_engine.placement import auto_window_start
 from clipamp_engine.records import CANONICAL_COLUMNS
+from sweep.commands import python_command
 from sweep.recommend import cli
 
 N = 400
@@ -300,7 +301,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     steps, lr, norms = trace()
     assert "no such file or folder" in _error(capsys, [str(tmp_path / "missing.json")])
     short = _error(capsys, ["runs:/2ddd5d52"])  # an id cut short: not "no such file"
-    assert short == "error: runs:/2ddd5d52: a run id is 32 hex digits (python -m sweep.report --wide lists them)\n"
+    report = python_command("sweep.report")
+    assert short == f"error: runs:/2ddd5d52: a run id is 32 hex digits ({report} --wide lists them)\n"
     writer = SummaryWriter(str(tmp_path / "tb"))
     writer.add_scalar("train/loss", 1.0, 1)
     writer.close()

@@ -66,3 +66,27 @@ def test_password_never_reaches_run_or_terminal(tmp_path, store):
 def test_unreachable_tracking_server_message_is_redacted(tmp_path):
     res = run_cli("+experiment=train", *TINY, "steps=3", f"tracking.uri=http://bob:{SECRET}@127.0.0.1:9/", cwd=tmp_path)
     assert res.returncode == 2 and "unreachable" in res.stderr and SECRET not in res.stderr
+
+
+@pytest.mark.parametrize("activated", [True, False])
+def test_a_printed_python_command_runs_in_the_shell_as_it_is(tmp_path, activated):
+    """A message's ``python -m sweep.report`` ran the shell's ``python``: without the venv activated (the
+    README's set-up) that is the system's, "No module named sweep", or none at all."""
+    import re
+    import subprocess
+    import sys
+
+    own = Path(sys.executable).absolute().parent
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != own]
+    env = {**os.environ, "PATH": os.pathsep.join([str(own), *path] if activated else path)}
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "sweep.recommend", "runs:/abc"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    hint = re.search(r"\((\S+ -m sweep\.report) --wide lists them\)", res.stderr)
+    assert res.returncode == 2 and hint, res.stderr
+    assert hint.group(1) == ("python -m sweep.report" if activated else f"{own / 'python'} -m sweep.report")
+    pasted = subprocess.run(
+        ["bash", "-c", f"{hint.group(1)} --help"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert pasted.returncode == 0 and "usage: python -m sweep.report" in pasted.stdout, pasted.stderr

@@ -13,6 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from sweep import app
+from sweep.commands import python_command
 from sweep.config import validate
 from sweep.errors import UserError
 from sweep.experiments.study import space, storage
@@ -24,6 +25,8 @@ from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 STEPS = 8
+
+REPORT = python_command("sweep.report")  # the command the messages name
 
 
 def sweep_cfg(uri: str, *overrides: str):
@@ -342,17 +345,17 @@ def test_unknown_study_key_is_rejected():
         (
             ["COMPLETE", "RUNNING", "RUNNING"],
             "the pick covers the trials finished so far: 2 running in other workers; once they end, "
-            "`python -m sweep.report` gives the study's pick",
+            f"`{REPORT}` gives the study's pick",
         ),
         (  # re-enqueued from a dead worker: nobody runs it yet (before: "running or queued in other workers")
             ["COMPLETE", "FAIL", "WAITING"],
             "the pick covers the trials finished so far: 1 queued, which the next run of this command takes "
-            "first; once they end, `python -m sweep.report` gives the study's pick",
+            f"first; once they end, `{REPORT}` gives the study's pick",
         ),
         (
             ["RUNNING", "WAITING", "WAITING"],
             "the pick covers the trials finished so far: 1 running in other workers and 2 queued, which the next "
-            "run of this command takes first; once they end, `python -m sweep.report` gives the study's pick",
+            f"run of this command takes first; once they end, `{REPORT}` gives the study's pick",
         ),
     ],
 )
