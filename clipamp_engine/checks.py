@@ -59,13 +59,22 @@ def check_sharding(world_kind: str, clip: Any, forensics: bool, whole_param_mode
 
 
 def check_setup(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, max_norm: Any, clip: Any, clip_window: Any
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Any,
+    max_norm: Any,
+    clip: Any,
+    clip_window: Any,
+    unknown: dict[str, Any],
 ) -> None:
-    """At construction: ``model`` is a module, ``optimizer`` an optimizer and ``loss_fn`` callable (or
-    ``None``), ``max_norm`` a number > 0 (when the default policy uses it), ``clip`` a policy object,
-    ``clip_window`` a step count, and the optimizer steps without a closure (LBFGS needs one) and updates
-    at least one of ``model``'s parameters. Warns when some of the model's trainable parameters are not
-    the optimizer's: their gradients are computed, never applied, never zeroed, and not normed."""
+    """At construction: no keyword argument ``AmpTrainState`` does not take (``TypeError``); ``model`` is a
+    module, ``optimizer`` an optimizer and ``loss_fn`` callable (or ``None``), ``max_norm`` a number > 0
+    (when the default policy uses it), ``clip`` a policy object, ``clip_window`` a step count, and the
+    optimizer steps without a closure (LBFGS needs one) and updates at least one of ``model``'s
+    parameters. Warns when some of the model's trainable parameters are not the optimizer's: their
+    gradients are computed, never applied, never zeroed, and not normed."""
+    if unknown:
+        raise TypeError(unknown_arguments_message(unknown))
     _check_types(model, optimizer, loss_fn)
     if clip is None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm)):
         raise ValueError(

@@ -168,6 +168,18 @@ def apply_factor_and_step(
         raise ValueError(f"fused recipe {recipe!r} is not one of {', '.join(RECIPES)}")
 
 
+def flush_window(log_every: Any, pending: int, pipeline: str, scheduler: Any) -> tuple[int, DeviceLambdaLR | None]:
+    """A state's ``log_every`` checked (an integer ≥ 1, set with no record ``pending``), and the fused
+    ``pipeline``'s ``DeviceLambdaLR`` for a ``LambdaLR`` scheduler, its window sized to the flushes (else None)."""
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
+    if pending:
+        raise RuntimeError(f"{pending} records are pending: call flush() before setting log_every")
+    if pipeline == "fused" and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return log_every, DeviceLambdaLR(scheduler, log_every)
+    return log_every, None
+
+
 class DeviceLambdaLR:
     """Advance a ``LambdaLR`` on taken steps only, without asking the host which steps were taken.
 

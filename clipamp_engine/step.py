@@ -32,14 +32,13 @@ from .checks import (
     check_setup,
     check_sharding,
     model_device_type,
-    unknown_arguments_message,
 )
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import whole_param_modes
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
-from .fused import DeviceLambdaLR, RecordBuffer, factor_recipe, fused_path_refusal
+from .fused import RecordBuffer, factor_recipe, flush_window, fused_path_refusal
 from .fused_step import fused_step
 from .gradients import GradientSource, ScaledBackward
 from .micro_batches import batch_size as _batch_size
@@ -121,11 +120,9 @@ class AmpTrainState:
         log_every: int | None = None,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            raise TypeError(unknown_arguments_message(unknown))
+        check_setup(model, optimizer, loss_fn, max_norm, clip, clip_window, unknown)
         self.autocast_dtype = parse_dtype(dtype)
         self.dtype = dtype
-        check_setup(model, optimizer, loss_fn, max_norm, clip, clip_window)
         self.device_type = model_device_type(model)
         check_arguments(self.device_type, device_type, dtype, accumulation_steps, scaler)
         check_scheduler(scheduler, optimizer)
@@ -164,14 +161,18 @@ class AmpTrainState:
             raise ValueError(f"fused=True: the fused path cannot run: {refusal}")
         self.pipeline = "fused" if fused is not False and refusal is None else "default"
         self.fused_recipe = factor_recipe(self.params) if self.pipeline == "fused" else None
-        self.log_every = log_every if log_every is not None else (1 if self.device_type == "cpu" else 50)
-        if not isinstance(self.log_every, int) or self.log_every < 1:
-            raise ValueError(f"log_every={log_every!r} must be an integer >= 1")
         self._pending = RecordBuffer()  # fused path: device rows not yet materialised
         self._ready: list[StepLog] = []  # default path: records materialised at once
-        self._device_lr = None
-        if self.pipeline == "fused" and isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
-            self._device_lr = DeviceLambdaLR(self.scheduler, self.log_every)
+        self.log_every = log_every if log_every is not None else (1 if self.device_type == "cpu" else 50)
+
+    @property
+    def log_every(self) -> int:
+        """Steps between the fused path's flushes (the class's ``log_every``); may be set between flushes."""
+        return self._log_every
+
+    @log_every.setter
+    def log_every(self, value: int) -> None:
+        self._log_every, self._device_lr = flush_window(value, len(self._pending), self.pipeline, self.scheduler)
 
     @property
     def gradients(self) -> GradientSource:
@@ -395,5 +396,4 @@ class AmpTrainState:
         self.clip_monitor.load_state_dict(state["clip_monitor"])
         self.step_count = state["step_count"]
         self._pending, self._ready = RecordBuffer(), []
-        if self._device_lr is not None:  # tensor LRs and the window follow the loaded schedule
-            self._device_lr = DeviceLambdaLR(self.scheduler, self.log_every)
+        self.log_every = self._log_every  # the device LR window follows the loaded schedule

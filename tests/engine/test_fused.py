@@ -460,6 +460,25 @@ def test_checkpoint_needs_a_flush_and_resumes_the_device_schedule():
         _same_record(a, b, rel=0)
 
 
+def test_log_every_set_after_construction_runs_the_same_schedule():
+    """``state.log_every = 6`` on a state built with the CPU default (1) crashed at the third step: the
+    device LR window still covered one step ("INDICES element is out of DATA bounds")."""
+    model, opt, sched, state = _setup("fp32", None, log_every=None)
+    ref_model, _, _, ref = _setup("fp32", None, log_every=6)
+    state.log_every = 6
+    records = [r for i in range(14) for r in state.step_deferred(*_script(i, model))] + state.flush()
+    expected = [r for i in range(14) for r in ref.step_deferred(*_script(i, ref_model))] + ref.flush()
+    for a, b in zip(records, expected, strict=True):
+        _same_record(a, b, rel=0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert [r.lr for r in records] == [r.lr for r in expected] and sched.last_epoch == ref.scheduler.last_epoch
+    state.step_deferred(*_batch(20))
+    with pytest.raises(RuntimeError, match="1 records are pending: call flush"):
+        state.log_every = 2
+    with pytest.raises(ValueError, match="log_every=0 must be an integer >= 1"):
+        state.log_every = 0
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_skipped_step_at_a_stage_boundary_records_that_stages_tau(fused):
     """The skipped step's clip never ran; its record still names the τ of its own stage, on both paths."""
