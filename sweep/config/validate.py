@@ -20,8 +20,9 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
-from sweep.config.schema import CALIBRATED, RUNS, CalibrateConfig, ClipConfig, Config
+from sweep.config.schema import CALIBRATED, RUNS, CalibrateConfig, ClipConfig, Config, forensics_on
 from sweep.config.validate_spike import check_spike
+from sweep.distributed.launch import forensics_refusal
 from sweep.errors import UserError
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -334,6 +335,8 @@ def check_nproc_per_trial(cfg: Config) -> None:
         )
     if cfg.dist.strategy == "none":
         raise UserError(f"study.nproc_per_trial={n} needs dist.strategy=auto, ddp or fsdp2 for its trials")
+    if refusal := forensics_refusal(cfg.dist.strategy, forensics_on(cfg.forensics)):
+        raise UserError(f"study.nproc_per_trial={n} with dist.strategy={cfg.dist.strategy}: {refusal}")
 
 
 def _device_available(device: str) -> bool:

@@ -228,14 +228,22 @@ def resolve_strategy(
             f"clip={clip_mode} needs whole (unsharded) parameters, which FSDP2 does not keep: use dist.strategy=ddp, "
             f"or a clip mode other than {', '.join(whole_param_modes())}"
         )
-    if strategy == "fsdp2" and forensics:
-        keys = [setting.partition("=")[0] for setting in forensics]
-        off = " ".join(f"{key}={0 if key == 'forensics.top_k' else 'false'}" for key in keys)
-        raise UserError(
-            f"forensics ({' '.join(forensics)}) needs whole (unsharded) parameters, which FSDP2 does not keep: "
-            f"turn it off ({off}) or use dist.strategy=ddp"
-        )
+    if refusal := forensics_refusal(strategy, forensics):
+        raise UserError(refusal)
     return strategy, world
+
+
+def forensics_refusal(strategy: str, forensics: Sequence[str]) -> str | None:
+    """Why ``dist.strategy=strategy`` cannot run the forensics that the overrides ``forensics`` turn on
+    (``forensics_on``), or ``None``: FSDP2 shards the parameters forensics reads whole."""
+    if strategy != "fsdp2" or not forensics:
+        return None
+    keys = [setting.partition("=")[0] for setting in forensics]
+    off = " ".join(f"{key}={0 if key == 'forensics.top_k' else 'false'}" for key in keys)
+    return (
+        f"forensics ({' '.join(forensics)}) needs whole (unsharded) parameters, which FSDP2 does not keep: "
+        f"turn it off ({off}) or use dist.strategy=ddp"
+    )
 
 
 def start(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sweep.config.convert import from_yaml
+from sweep.config.schema import forensics_on
 from sweep.distributed import launch as ranks
 from sweep.distributed.rank_failure import RankFailed
 from sweep.errors import UserError, fail
@@ -27,7 +28,15 @@ def run(job: dict[str, Any]) -> RunResult:
     """Join torchrun's ranks and train the trial's config as its child run (rank 0 records)."""
     cfg = from_yaml(job["config"])
     cfg.tracking.uri = job["uri"]
-    launch = ranks.start(cfg.dist.strategy, "train", cfg.data.batch_size, cfg.device, cfg.dist.timeout_s, cfg.clip.mode)
+    launch = ranks.start(
+        cfg.dist.strategy,
+        "train",
+        cfg.data.batch_size,
+        cfg.device,
+        cfg.dist.timeout_s,
+        cfg.clip.mode,
+        forensics_on(cfg.forensics),
+    )
 
     def go() -> RunResult:
         store = dataclasses.replace(open_store(cfg, None, launch, Path.cwd()), tags=job["store_tags"])

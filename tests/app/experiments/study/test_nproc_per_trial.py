@@ -34,6 +34,12 @@ from tests.app.experiments.study.test_sweep import children, optuna_study, sweep
         (["study.nproc_per_trial=3"], "data.batch_size=4 does not split over study.nproc_per_trial=3 ranks"),
         (["study.nproc_per_trial=2", "study=entangle"], "study.nproc_per_trial=2: study=entangle runs its grid"),
         (["study.nproc_per_trial=2", "dist.strategy=none"], "study.nproc_per_trial=2 needs dist.strategy=auto"),
+        (  # before: the study and its parent run were made, then the first trial's job failed in the engine's words
+            ["study.nproc_per_trial=2", "dist.strategy=fsdp2", "forensics.update_norm=true", "forensics.top_k=2"],
+            "study.nproc_per_trial=2 with dist.strategy=fsdp2: forensics (forensics.update_norm=true "
+            "forensics.top_k=2) needs whole (unsharded) parameters, which FSDP2 does not keep: turn it off "
+            "(forensics.update_norm=false forensics.top_k=0) or use dist.strategy=ddp",
+        ),
     ],
 )
 def test_what_torchrun_trials_cannot_do_is_one_line(overrides, message):
