@@ -10,13 +10,13 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from .scaling import LossScaler
+from .warn import warn
 
 
 def check_arguments(model_device: str, device_type: Any, dtype: str, accumulation_steps: Any, scaler: Any) -> None:
@@ -110,12 +110,12 @@ def check_setup(
         )
     left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if left:
-        warnings.warn(
+        warn(
             f"{len(left)} of the model's parameter tensors require grad but the optimizer does not hold them "
             f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): the step computes their gradients, never "
             "applies or zeroes them, and leaves them out of the clipped norm (clip_grad_norm_(model.parameters()) "
             "would count them); freeze them with p.requires_grad_(False), or give them to the optimizer",
-            stacklevel=3,
+            UserWarning,
         )
 
 

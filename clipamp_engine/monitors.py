@@ -6,9 +6,10 @@ silently. The skip rate is an alarm, not a log line.
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from typing import Any
+
+from .warn import warn
 
 
 class SkipRateExceeded(RuntimeError):
@@ -93,11 +94,10 @@ class SkipRateMonitor:
         self.short.add(skipped)
         over = self.long.count >= min(self.long.window, 100) and self.long.rate > self.warn_above
         if over and not self.alarm:
-            warnings.warn(
+            warn(
                 f"skip rate {self.long.rate:.1%} over the last {self.long.count} steps exceeds "
                 f"{self.warn_above:.1%} (step {step}): the loop is skipping too many updates",
                 SkipRateWarning,
-                stacklevel=3,
             )
         self.alarm = over
         if self.fail_above is not None and self.short.count == self.short.window and self.short.rate > self.fail_above:

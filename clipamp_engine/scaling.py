@@ -10,12 +10,12 @@ References:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from ._torch_compat import found_infs, record_found_inf, reset_inf_checks, scale_tensors
+from .warn import warn
 
 __all__ = ["HysteresisScaler", "LossScaleFloorWarning", "LossScaler"]
 
@@ -204,12 +204,11 @@ class HysteresisScaler(LossScaler):
         self._stale = False
         if self._host["floor_arrivals"] > self._warned:
             self._warned = self._host["floor_arrivals"]
-            warnings.warn(
+            warn(
                 f"loss scale reached its floor min_scale={self.min_scale:g} ({self._host['overflows']} "
                 "overflows so far): gradients overflow even at the smallest scale; check the loss, the LR "
                 "and fp16 ranges (or use bf16)",
                 LossScaleFloorWarning,
-                stacklevel=4,
             )
         return scale
 

@@ -48,3 +48,32 @@ def test_state_roundtrip():
     m2 = SkipRateMonitor(window=10, fail_window=5)
     m2.load_state_dict(m.state_dict())
     assert m2.state_dict() == m.state_dict() and m2.rate == m.rate
+
+
+@pytest.mark.parametrize("call", ["step", "step_deferred", "flush"])
+def test_the_skip_rate_warning_points_at_the_users_call(call):
+    """It named ``clipamp_engine/step.py:197`` (inside ``step``), whatever line of the user's loop stepped."""
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+
+    from clipamp_engine import AmpTrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    monitor = SkipRateMonitor(window=100, warn_above=0.05)
+    log_every = 1000 if call == "flush" else 7  # flush: no record materialised until the user's flush()
+    state = AmpTrainState(model, opt, F.mse_loss, dtype="fp32", skip_monitor=monitor, log_every=log_every)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(120):
+            x, y = torch.randn(8, 4), torch.randn(8, 2) * (float("nan") if i % 10 == 0 else 1.0)
+            line = inspect.currentframe().f_lineno + 1
+            state.step(x, y) if call == "step" else state.step_deferred(x, y)
+        if call == "flush":
+            line = inspect.currentframe().f_lineno + 1
+            state.flush()
+    (warning,) = [w for w in caught if w.category is SkipRateWarning]
+    assert (warning.filename, warning.lineno) == (__file__, line)
