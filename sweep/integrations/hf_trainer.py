@@ -69,6 +69,9 @@ NORM_ONLY_MAX_NORM = float(torch.finfo(torch.bfloat16).max)
 #: (Ctrl-C in a notebook) cut short never reaches ``on_train_end``, and the next one must not take
 #: ``NORM_ONLY_MAX_NORM`` for the user's τ.
 _USER_MAX_GRAD_NORM = "_clipamp_user_max_grad_norm"
+#: Where a ``train()``'s ``TrainerState`` (a new one per call, not saved: not a field) names the callback that
+#: began it: a second one in the same ``train()`` would norm the gradients the first clipped.
+_BEGUN_BY = "_clipamp_callback"
 
 
 class ClipampCallback(TrainerCallback, ExportableState):
@@ -159,6 +162,15 @@ class ClipampCallback(TrainerCallback, ExportableState):
 
     # -- train begin / end ---------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        first = getattr(state, _BEGUN_BY, None)
+        if first is not None:  # added twice: refused before any step, the first one undone
+            first._undo(args)
+            raise ValueError(
+                f"the Trainer holds {'this ClipampCallback twice' if first is self else 'two ClipampCallbacks'}: "
+                "each would clip every step, the second measuring the gradients the first clipped; keep one "
+                "(Trainer(callbacks=[…]) and trainer.add_callback each add one)"
+            )
+        setattr(state, _BEGUN_BY, self)
         if args.deepspeed or args.fsdp:
             raise ValueError(
                 "ClipampCallback does not support DeepSpeed or FSDP (they clip inside their engines); "
@@ -204,6 +216,15 @@ class ClipampCallback(TrainerCallback, ExportableState):
             self._hook.remove()
             self._hook = None
         self.recorder.end(state.global_step)
+
+    def _undo(self, args) -> None:
+        """Undo ``on_train_begin`` of a ``train()`` refused before its first step: ``args`` as the user left
+        them, no hook, the CSV closed and the MLflow run ended as FAILED."""
+        args.max_grad_norm = self._user_tau
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.recorder.abort("FAILED")
 
     # -- one optimizer step --------------------------------------------------------------------
     def _reset(self) -> None:

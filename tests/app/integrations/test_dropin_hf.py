@@ -83,3 +83,29 @@ def test_apply_false_changes_nothing_on_a_step_with_an_inf_gradient(tmp_path):
     df = pd.read_csv(tmp_path / "s.csv")
     assert df["skipped"].tolist() == [False] * 3  # Trainer applied it, as without the callback
     assert math.isnan(df["grad_l2_pre_clip"][2]) and df["grad_l2_pre_clip"][:2].notna().all()
+
+
+def test_a_second_callback_is_refused_and_the_run_after_is_unchanged(tmp_path):
+    """Two ClipampCallbacks (or one added twice) in one Trainer: the second measured the gradients the first
+    had clipped (its pre-clip norms all at τ) and clipped them again, so the parameters moved off Trainer's.
+    Refused before any step, ``args`` as they were; with one removed, the run equals the run without it."""
+    tau = 0.3
+    cb = ClipampCallback(tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)
+    second = ClipampCallback(tracking=None, csv_path=tmp_path / "second.csv", verbose=False)
+    ours = trainer(tmp_path / "a", [cb, second], steps=3, max_grad_norm=tau)
+    with pytest.raises(ValueError, match=r"^the Trainer holds two ClipampCallbacks: .* keep one"):
+        ours.train()
+    assert ours.args.max_grad_norm == tau and ours.state.global_step == 0
+    ours.remove_callback(second)
+    ours.train()
+    ref = trainer(tmp_path / "b", [], steps=3, max_grad_norm=tau)
+    ref.train()
+    for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
+        assert torch.equal(p, q), name
+    norms = [h["grad_norm"] for h in ref.state.log_history if "grad_norm" in h]
+    assert pd.read_csv(tmp_path / "steps.csv")["grad_l2_pre_clip"].tolist() == norms
+
+    same = trainer(tmp_path / "c", [cb, cb], steps=3, max_grad_norm=tau)
+    with pytest.raises(ValueError, match=r"^the Trainer holds this ClipampCallback twice: "):
+        same.train()
+    assert same.args.max_grad_norm == tau
