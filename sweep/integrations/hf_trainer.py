@@ -74,6 +74,26 @@ _USER_MAX_GRAD_NORM = "_clipamp_user_max_grad_norm"
 _BEGUN_BY = "_clipamp_callback"
 
 
+class _NormOnly(float):
+    """``NORM_ONLY_MAX_NORM`` as ``args.max_grad_norm`` while the callback runs, pickled as the user's τ: each
+    checkpoint's ``training_args.bin`` (``torch.save(args)``) then holds the ``max_grad_norm`` the run was
+    given, not a τ that clips nothing to whoever trains on from those arguments without the callback."""
+
+    def __new__(cls, user_tau: float) -> _NormOnly:
+        value = super().__new__(cls, NORM_ONLY_MAX_NORM)
+        value.user_tau = user_tau
+        return value
+
+    def __reduce__(self):
+        return float, (self.user_tau,)
+
+    def __copy__(self) -> _NormOnly:
+        return self
+
+    def __deepcopy__(self, memo) -> _NormOnly:
+        return self
+
+
 class ClipampCallback(TrainerCallback, ExportableState):
     """Record every optimizer step of ``Trainer``; calibrate τ as the runner does; clip at it if asked.
 
@@ -182,7 +202,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._args, self._user_tau, self._model = args, user_tau, model
         if self.apply or self._user_tau > 0:  # else Trainer clips nothing and its norm pass stays as it is
             setattr(args, _USER_MAX_GRAD_NORM, user_tau)  # for a later callback on the same args
-            args.max_grad_norm = NORM_ONLY_MAX_NORM  # Trainer measures ‖g‖; the clip runs in on_pre_optimizer_step
+            args.max_grad_norm = _NormOnly(user_tau)  # Trainer measures ‖g‖; the clip runs in on_pre_optimizer_step
         if self._hook is not None:  # left by a train() cut short: one hook per forward
             self._hook.remove()
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

@@ -109,3 +109,31 @@ def test_a_second_callback_is_refused_and_the_run_after_is_unchanged(tmp_path):
     with pytest.raises(ValueError, match=r"^the Trainer holds this ClipampCallback twice: "):
         same.train()
     assert same.args.max_grad_norm == tau
+
+
+class SaveAt(TrainerCallback):
+    """A checkpoint at step ``at`` (with ``save_strategy="no"`` otherwise)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kw):
+        control.should_save = control.should_save or state.global_step == self.at
+
+
+def test_a_checkpoints_training_args_are_the_users(tmp_path):
+    """Trainer saves ``args`` with every checkpoint (``training_args.bin``) while the callback holds
+    ``max_grad_norm`` at its norm-only τ: the file must hold the user's τ, as the run without the callback
+    saves it (before: 3.39e38, a τ that never clips for whoever trains on from those arguments)."""
+    saved = []
+    for name, extra in (
+        ("ours", [ClipampCallback(tracking=None, csv_path=tmp_path / "s.csv", verbose=False)]),
+        ("ref", []),
+    ):
+        t = trainer(tmp_path / name, [SaveAt(2), *extra], steps=3, max_grad_norm=0.3)
+        t.train()
+        args = torch.load(tmp_path / name / "out" / "checkpoint-2" / "training_args.bin", weights_only=False)
+        saved.append({k: v for k, v in args.to_dict().items() if k not in ("output_dir", "logging_dir")})
+    ours, ref = saved
+    assert ref["max_grad_norm"] == 0.3
+    assert ours == ref
