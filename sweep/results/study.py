@@ -45,7 +45,8 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-#: User attr ``outcome`` of a trial a signal stopped: FAIL in Optuna (no other state fits), KILLED in the tables.
+#: User attr ``outcome`` of a trial a signal stopped, or whose worker died: FAIL in Optuna (no other state fits),
+#: KILLED in the tables.
 KILLED_OUTCOME = "killed"
 
 

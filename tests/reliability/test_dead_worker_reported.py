@@ -100,3 +100,25 @@ def test_the_report_calls_the_dead_workers_trial_died_not_running(workers, store
     ) in out
     table = out[out.index(f"Study {STUDY}") :]
     assert table.count("│ running") == 2 and table.count("│ died") == 1, table
+
+
+def test_a_recovered_trial_is_killed_with_its_steps_and_run_in_both_tables(workers):
+    """After the recovery, the sweep's own table (Optuna) says what ``sweep.report`` (MLflow) says of the dead
+    worker's trial: KILLED, the steps its run logged, its run id. Before, it said 'failed, 0 steps, no run'."""
+    from sweep.experiments.study.storage import open_storage
+    from sweep.experiments.study.workers import recover_dead_workers
+
+    store, study, dead, *_ = workers
+    study = optuna.load_study(study_name=STUDY, storage=open_storage(study._storage._backend.url))  # as a sweep does
+    [run] = store.client.search_runs([store.experiment_id], filter_string=f"tags.trial = '{dead}'")
+    for step in range(1, 8):  # the steps it ran before its worker died
+        store.client.log_metric(run.info.run_id, "loss", 3.0, step=step)
+    lines: list[str] = []
+    assert recover_dead_workers(study, store, lines.append) == [dead]
+    own = trials_table(study, (0.01, 0.2))
+    ((_, report, *_),) = cli.sweeps_tables(store.client, "clipamp")
+    cols = ["trial", "state", "steps_run", "run_id"]
+    mine = own[own["trial"] == dead][cols].values.tolist()
+    assert mine == report[report["trial"] == dead][cols].values.tolist() == [[dead, "KILLED", 7, run.info.run_id]]
+    retry = [t for t in study.get_trials() if t.state.name == "WAITING"]  # its parameters, none of its figures
+    assert len(retry) == 1 and not {"outcome", "run_id", "steps_run"} & set(retry[0].user_attrs)

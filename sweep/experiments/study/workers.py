@@ -32,6 +32,7 @@ from filelock import FileLock, Timeout
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
+from sweep.results.study import KILLED_OUTCOME
 from sweep.run.checkpoint import lock_run
 from sweep.run.liveness import lock_says
 from sweep.tracking.tracker import RunTracker, Store, redact, sqlite_path
@@ -87,19 +88,18 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
     says = {r.info.run_id: lock_says(r.data.tags) for r in parents}
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     parent_of = {t.number: t.user_attrs.get("parent_run_id") for t in running}
-    failed = _fail([t for t in running if says.get(parent_of[t.number]) is False], study)
+    run_of = lambda t: _trial_run(client, store.experiment_id, parent_of[t.number], t.number)  # noqa: E731
+    failed = _fail([t for t in running if says.get(parent_of[t.number]) is False], study, run_of)
     stale_ids = _stale_trial_ids(study)
     silent = [t for t in running if t._trial_id in stale_ids and says.get(parent_of[t.number]) is not True]
-    stale = _fail([t for t in silent if t.number not in failed], study)
+    stale = _fail([t for t in silent if t.number not in failed], study, run_of)
     dead = {run_id for run_id, alive in says.items() if alive is False} | {parent_of[n] for n in stale if parent_of[n]}
     killed = [_kill(client, store.experiment_id, name, run_id) for run_id in sorted(dead)]
     trials = sorted(failed + stale)
     if trials or any(killed):
         runs = [r for group in killed for r in group]
-        say(
-            f"recovered {len(dead)} dead sweep worker(s): trials {trials} marked FAIL and re-enqueued; "
-            f"runs ended KILLED: {', '.join(runs) or 'none'}"
-        )
+        what = f"trials {trials} marked FAIL and re-enqueued" if trials else "no trial of theirs was running"
+        say(f"recovered {len(dead)} dead sweep worker(s): {what}; runs ended KILLED: {', '.join(runs) or 'none'}")
     others = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     if others:
         say(
@@ -118,19 +118,40 @@ def _stale_trial_ids(study) -> set[int]:
     return set(storage._get_stale_trial_ids(study._study_id))
 
 
-def _fail(trials: list, study) -> list[int]:
-    """FAIL these RUNNING trials (unless another worker did first) and re-enqueue each once."""
+#: User attrs the recovery gives a dead worker's trial (what its run holds), not passed on to its retry.
+DEAD_ATTRS = ("outcome", "run_id", "steps_run")
+
+
+def _trial_run(client, experiment_id: str, parent_run_id: str | None, number: int) -> dict[str, object]:
+    """What a dead worker's trial run holds, as ``sweep.report`` reads it: its run id and last step."""
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.trial = '{number}'"
+    )
+    if not parent_run_id or not runs:
+        return {"outcome": KILLED_OUTCOME}
+    run_id = runs[0].info.run_id
+    steps = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
+    return {"outcome": KILLED_OUTCOME, "run_id": run_id, "steps_run": float(steps)}
+
+
+def _fail(trials: list, study, run_of: Callable[[object], dict[str, object]]) -> list[int]:
+    """FAIL these RUNNING trials (unless another worker did first), recording what their runs hold (``run_of``:
+    KILLED with the steps they ran, as ``sweep.report`` shows them), and re-enqueue each once."""
     storage, done = study._storage, []
     retry = storage.get_heartbeat_stale_trial_callback()
     for t in trials:
         try:
+            for key, value in run_of(t).items():
+                storage.set_trial_user_attr(t._trial_id, key, value)
             if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:  # another worker recovered it first
             continue
         done.append(t.number)
-        if retry is not None:
-            retry(study, copy.deepcopy(storage.get_trial(t._trial_id)))
+        if retry is not None:  # the retry runs the parameters again: none of the dead run's figures
+            frozen = copy.deepcopy(storage.get_trial(t._trial_id))
+            frozen.user_attrs = {k: v for k, v in frozen.user_attrs.items() if k not in DEAD_ATTRS}
+            retry(study, frozen)
     return done
 
 
