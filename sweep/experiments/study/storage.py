@@ -255,3 +255,37 @@ def refuse_another_task(study, cfg: Config) -> None:
             f"are not comparable: pass the study's settings to add trials to it, or another study.name (without "
             f"one, the study is named after its task)"
         )
+
+
+def storage_unreachable(exc: BaseException | None) -> BaseException | None:
+    """The study's database did not answer (refused, dropped, locked): SQLAlchemy's ``OperationalError`` /
+    ``InterfaceError`` found in the chain (Optuna wraps it in a ``StorageInternalError``), else None."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (OperationalError, InterfaceError)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class StorageLost(UserError):
+    """The study's database stopped answering: the sweep stops (exit 1) with one line, not a traceback."""
+
+    status = 1
+
+    def __init__(self, storage: str, exc: BaseException) -> None:
+        found = storage_unreachable(exc)
+        said = getattr(found, "orig", None) or found or exc  # the driver's own words, first line
+        self.storage = storage
+        self.reason = redact_text(" ".join((str(said).strip().splitlines() or [type(said).__name__])[0].split()))[:200]
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return (
+            f"the Optuna storage {self.storage} stopped answering ({self.reason}), so the sweep stops: its "
+            "parent run (and a trial it was training) ended FAILED; once the database answers, re-run the same "
+            "command: it marks a trial this worker left RUNNING in the study FAIL and runs its parameters again"
+        )

@@ -15,13 +15,16 @@ from rich.console import Console
 from sweep.commands import python_command
 from sweep.config.convert import flat_params
 from sweep.config.schema import Config
+from sweep.errors import UserError
 from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, open_parent_run, resolve_anchor
 from sweep.experiments.study.storage import (
+    StorageLost,
     default_storage,
     load_study,
     make_sampler,
     open_storage,
+    storage_unreachable,
     study_name,
     task_key,
 )
@@ -60,7 +63,12 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
         return run_entangle(cfg, store, console)
     with StopRequest() as stop:
         with optuna_quiet():
-            result = _sweep(cfg, store, console, stop)
+            try:
+                result = _sweep(cfg, store, console, stop)
+            except Exception as e:  # the study's database went away mid-sweep: one line, exit 1
+                if storage_unreachable(e) is None or isinstance(e, UserError):
+                    raise
+                raise StorageLost(redact_text(redact(cfg.study.storage or default_storage(store.uri))), e) from None
         with trials_finished(cfg.study.n_trials, "FINISHED"):  # the parent ended: a signal cuts only the summary
             print_sweep_summary(result, uri=redact(store.uri), experiment_id=store.experiment_id, console=console)
             line = unfinished_line(result.trials["state"])

@@ -24,6 +24,7 @@ from sweep.config.schema import Config
 from sweep.errors import UserError, clip_words
 from sweep.experiments.study.progress import TrialProgress
 from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict
+from sweep.experiments.study.storage import StorageLost, storage_unreachable
 from sweep.experiments.study.trial_launch import run_job
 from sweep.results.study import KILLED_OUTCOME
 from sweep.run.loop import RunRecords, StopRun
@@ -179,9 +180,21 @@ def run_trial(ctx: TrialContext, trial) -> None:
     try:
         _run_trial(ctx, trial, heard.append)
     except Exception as e:
+        if storage_unreachable(e) is not None:  # the study's database went away: run_sweep says so in one line
+            _storage_lost(ctx, trial, e)
         if not unreachable(e):
             raise
         raise _server_lost(ctx, trial, e, heard) from None
+
+
+def _storage_lost(ctx: TrialContext, trial, e: Exception) -> None:
+    """The trial's run ends FAILED (it may have ended FINISHED before the study's write failed): the study
+    cannot take its result, and the same command re-runs its parameters once the database answers."""
+    with contextlib.suppress(Exception):  # a tracking server away too: sweep.report shows what it holds
+        run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
+        if run_id:
+            error = f"the Optuna storage stopped answering: {StorageLost('', e).reason}"
+            end_child(ctx.store, run_id, "FAILED", {"outcome": "failed", "error": error}, {})
 
 
 def _server_lost(ctx: TrialContext, trial, e: Exception, heard: list[str]) -> TrackingServerLost:

@@ -88,6 +88,8 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
     says = {r.info.run_id: lock_says(r.data.tags) for r in parents}
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     parent_of = {t.number: t.user_attrs.get("parent_run_id") for t in running}
+    for run_id in {p for p in parent_of.values() if p and p not in says}:
+        says[run_id] = _ended(client, run_id, name)
     run_of = lambda t: _trial_run(client, store.experiment_id, parent_of[t.number], t.number)  # noqa: E731
     failed = _fail([t for t in running if says.get(parent_of[t.number]) is False], study, run_of)
     stale_ids = _stale_trial_ids(study)
@@ -107,6 +109,16 @@ def recover_dead_workers(study, store: Store, say) -> list[int]:
             f"study.grace_period s without a heartbeat)"
         )
     return trials
+
+
+def _ended(client, parent_run_id: str, study_name: str) -> bool | None:
+    """False (dead) when the worker's parent run of this study has ended: its worker ends it only after its
+    trials (a worker the study's database left stopped with one RUNNING), so that trial is nobody's; else None."""
+    try:
+        run = client.get_run(parent_run_id)
+    except Exception:  # not in this store: this host cannot tell
+        return None
+    return False if run.info.status != "RUNNING" and run.data.tags.get("study") == study_name else None
 
 
 def _stale_trial_ids(study) -> set[int]:
@@ -129,9 +141,10 @@ def _trial_run(client, experiment_id: str, parent_run_id: str | None, number: in
     )
     if not parent_run_id or not runs:
         return {"outcome": KILLED_OUTCOME}
-    run_id = runs[0].info.run_id
-    steps = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
-    return {"outcome": KILLED_OUTCOME, "run_id": run_id, "steps_run": float(steps)}
+    run = runs[0].info
+    steps = max((m.step for m in client.get_metric_history(run.run_id, "loss")), default=0)
+    killed = {"outcome": KILLED_OUTCOME} if run.status in ("RUNNING", "KILLED") else {}  # FAILED: a failed trial
+    return {**killed, "run_id": run.run_id, "steps_run": float(steps)}
 
 
 def _fail(trials: list, study, run_of: Callable[[object], dict[str, object]]) -> list[int]:
