@@ -338,6 +338,8 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
         raise UserError(f"runs:/{run_id}: no such run in {uri}: pass --tracking-uri URI") from None
     keys = sorted(run.data.metrics)
     where = f"runs:/{run_id}"
+    if norm is None and run.data.tags.get("sweep_role") == "parent":
+        raise UserError(_sweep_parent(client, run, where))
     name = _need(pick(keys, norm, NORM_NAMES, "metric", where, "--norm"), keys, "metric", where, "--norm")
     history = client.get_metric_history(run_id, name)
     steps, norms = [m.step for m in history], [m.value for m in history]
@@ -355,6 +357,21 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
     return make_series(
         f"{where} in {uri} (MLflow)", name, steps, norms, lrs, pre_clip=pre.get(name), lr_name=lr_name, **extra
+    )
+
+
+def _sweep_parent(client, run, where: str) -> str:
+    """A sweep's parent run logs no step: its trials (child runs) hold the norms; name the pick's."""
+    pick = run.data.metrics.get("pick_trial")
+    found = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.study = '{run.data.tags.get('study', '')}' and tags.sweep_role = 'trial' and "
+        f"tags.trial = '{int(pick or 0)}'",  # run by any worker of the study
+    )
+    this = f" runs:/{found[0].info.run_id} (trial {int(pick)}, the pick) or" if pick is not None and found else ""
+    return (
+        f"{where}: {run.info.run_name} is a sweep's parent run: its trials' runs hold the gradient norms: pass"
+        f"{this} another trial's run id (python -m sweep.report --wide lists them)"
     )
 
 

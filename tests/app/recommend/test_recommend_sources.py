@@ -160,3 +160,22 @@ def test_the_step_columns_the_docs_name_are_read(tmp_path):
     }
     rec = _recommend([str(write_csv(tmp_path / "history.csv", history)), "--window", "100"])
     assert rec.series.steps.tolist() == steps[every5].tolist() and rec.series.lr_name == "train/learning_rate"
+
+
+def test_a_sweeps_parent_run_names_its_picks_trial_run(store):
+    """A sweep's parent run logs summaries only: the line names the run that holds the pick's norms (before:
+    'no gradient-norm metric …: pass --norm NAME', a flag no name of that run could satisfy)."""
+    from mlflow.entities import Metric
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("sweep")
+    parent = client.create_run(exp, run_name="sweep-s", tags={"sweep_role": "parent", "study": "s"}).info.run_id
+    client.log_batch(parent, metrics=[Metric("pick_trial", 1.0, 0, 0), Metric("pick_max_norm", 2.0, 0, 0)])
+    ids = [
+        client.create_run(exp, tags={"study": "s", "sweep_role": "trial", "trial": str(n)}).info.run_id  # any worker's
+        for n in (0, 1)
+    ]
+    with pytest.raises(cli.UserError) as refused:
+        _recommend([f"runs:/{parent}", "--tracking-uri", store])
+    assert f"pass runs:/{ids[1]} (trial 1, the pick) or another trial's run id" in str(refused.value)
+    assert "--norm" not in str(refused.value)
