@@ -371,7 +371,7 @@ def _sweep_parent(client, run, where: str) -> str:
     this = f" runs:/{found[0].info.run_id} (trial {int(pick)}, the pick) or" if pick is not None and found else ""
     return (
         f"{where}: {run.info.run_name} is a sweep's parent run: its trials' runs hold the gradient norms: pass"
-        f"{this} another trial's run id (python -m sweep.report --wide lists them)"
+        f"{this} another trial's run id ({python_command('sweep.report')} --wide lists them)"
     )
 
 
