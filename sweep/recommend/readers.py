@@ -162,6 +162,13 @@ def read_trainer_state(path: Path, *, norm: str | None = None, lr: str | None = 
     )
     if state.get("logging_steps"):
         series.notes.append(f"Trainer logging_steps={state['logging_steps']} (from the state)")
+    planned = state.get("max_steps")
+    if isinstance(planned, int) and not isinstance(planned, bool) and planned > int(series.steps[-1]):
+        series.total_steps = planned  # a checkpoint taken mid-run: the live callback saw the run's end
+        series.notes.append(
+            f"the run's max_steps={planned} (from the state; the log ends at step {int(series.steps[-1])}): the "
+            "window is placed for a run of that length, as the live run placed it"
+        )
     return series
 
 

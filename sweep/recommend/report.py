@@ -23,7 +23,8 @@ from sweep.report import calibration
 RUNNER_NAMES = (
     "the report below is a calibrate run's: its calibrate.window, calibrate.start, calibrate.every, "
     "calibrate.validate and calibrate.quantile are --window, --start, --every, --validate and --quantile here, "
-    "and its steps the log's length (where it says raise steps: a longer log, or a shorter --window)"
+    "and its steps the log's length, or a Trainer state's max_steps where longer (where it says raise steps: a "
+    "longer log, or a shorter --window)"
 )
 
 

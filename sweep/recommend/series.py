@@ -50,6 +50,8 @@ class NormSeries:
     ``lr_name``: the tag, column or metric the LR came from. ``tokens``: the token count of each step
     (NaN where unknown; ``None``: the log has none), for the quantiles of ‖g‖·√N_tok. ``settings``: the
     calibration options the run itself logged (its ``calibrate.*`` params, by ``Options`` field name).
+    ``total_steps``: the run's planned length where the log says (a Trainer state's ``max_steps``), which a
+    checkpoint taken mid-run logs past its last step (``None``: the log's last step).
     """
 
     source: str
@@ -65,6 +67,7 @@ class NormSeries:
     notes: list[str] = field(default_factory=list)
     tokens: np.ndarray | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    total_steps: int | None = None
 
     @property
     def interval(self) -> int:

@@ -565,4 +565,4 @@ def test_the_runners_advice_is_translated_for_a_log(tmp_path, capsys):
     assert cli.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "raise steps to let calibrate.start=auto wait" in out
-    assert "its steps the log's length (where it says raise steps: a longer log, or a shorter --window)" in out
+    assert "its steps the log's length, or a Trainer state's max_steps where longer (where it says raise" in out

@@ -8,7 +8,7 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.recommend import cli
-from tests.app.recommend.test_recommend import numpy_tau, trace
+from tests.app.recommend.test_recommend import numpy_tau, parse, trace
 
 #: A calibrate run's calibrate.* params as the app logs them (the trainer integrations write tuples).
 APP_PARAMS = {
@@ -179,3 +179,23 @@ def test_a_sweeps_parent_run_names_its_picks_trial_run(store):
         _recommend([f"runs:/{parent}", "--tracking-uri", store])
     assert f"pass runs:/{ids[1]} (trial 1, the pick) or another trial's run id" in str(refused.value)
     assert "--norm" not in str(refused.value)
+
+
+def test_a_checkpoint_taken_mid_run_places_the_window_for_the_runs_max_steps(tmp_path, capsys):
+    """``checkpoint-250`` of a 400-step Trainer run: the live callback placed its window with the run's end
+    (``max_steps``) in view; the log's own 250 steps forced the window before the warm-up had settled."""
+    import json
+
+    steps, lr, norms = trace()
+    history = [{"step": int(s), "learning_rate": float(x), "grad_norm": float(g)} for s, x, g in zip(steps, lr, norms)]
+    states = {}
+    for name, upto in (("whole", 400), ("checkpoint-250", 250)):
+        states[name] = tmp_path / name / "trainer_state.json"
+        states[name].parent.mkdir()
+        states[name].write_text(json.dumps({"max_steps": 400, "logging_steps": 1, "log_history": history[:upto]}))
+    whole, cut = (parse([str(states[k]), "--window", "100"]) for k in ("whole", "checkpoint-250"))
+    assert cut.clip.placement == whole.clip.placement and cut.tau == whole.tau
+    start = whole.clip.placement.start
+    assert start > 51 and whole.tau == pytest.approx(numpy_tau(steps, norms, start, start + 99), rel=1e-12)
+    assert cli.main([str(states["checkpoint-250"]), "--window", "100", "--quantile", "0.95"]) == 0
+    assert "the run's max_steps=400 (from the state; the log ends at step 250)" in capsys.readouterr().out
