@@ -45,7 +45,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
 - Checkpoints: the callback's ``state_dict`` (the recorder's state at the step saved) goes into
   every checkpoint; ``fit(ckpt_path=…)`` restores it before ``on_train_start``, where the record
   opens, and the calibration, the ``steps.csv`` and the MLflow run continue from it
-  (``sweep.integrations.resume``).
+  (``sweep.integrations.resume``). ``trainer.fit()`` again on the same trainer and callback continues from
+  where the last fit ended, as from a checkpoint there.
 - A fit an exception ends (Ctrl-C, an error; ``on_exception``) gets its ``gradient_clip_val`` back,
   its CSV closed and its MLflow run ended as KILLED (``KeyboardInterrupt``) or FAILED.
 """
@@ -105,6 +106,7 @@ class ClipampCallback(pl.Callback):
         self._clip_taken = False  # apply=True set trainer.gradient_clip_val = None for this fit
         self._resume: dict[str, Any] | None = None  # the state load_state_dict got, for on_train_start
         self._recording = False  # on_train_start opened the record and on_fit_end has not closed it
+        self._ended: tuple[int, dict[str, Any]] | None = None  # (step, state) where the last fit ended: fit() again
         self._measured = None
 
     @property
@@ -164,8 +166,14 @@ class ClipampCallback(pl.Callback):
         # max_steps (-1: none) when an IterableDataset's epoch has no length
         total = trainer.estimated_stepping_batches
         resume, self._resume = self._resume, None
-        if resume is None and trainer.global_step > 0:  # resumed from a checkpoint saved without the callback
-            warn_fresh(trainer.global_step, "holds no ClipampCallback state (it was saved without the callback)")
+        ended, self._ended = self._ended, None
+        if resume is None and trainer.global_step > 0:
+            if trainer.ckpt_path:
+                warn_fresh(trainer.global_step, "holds no ClipampCallback state (it was saved without the callback)")
+            elif ended is not None and ended[0] == trainer.global_step:  # fit() again: on from where the last ended
+                resume = ended[1]
+            else:
+                warn_fresh(trainer.global_step, "took steps this callback did not record", subject="the trainer")
         self.recorder.begin(
             resume=resume,
             total_steps=int(total) if math.isfinite(total) and total > 0 else None,
@@ -186,6 +194,7 @@ class ClipampCallback(pl.Callback):
         self._give_clip_back(trainer)
         if self._recording:  # else the fit had no step to take (resumed at max_steps)
             self._recording = False
+            self._ended = (trainer.global_step, self.recorder.checkpoint_state())  # before end() adopts a cut window
             self.recorder.end(trainer.global_step)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

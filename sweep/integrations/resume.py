@@ -46,10 +46,10 @@ class ResumeWarning(UserWarning):
     """A resume whose records cannot continue those of the checkpoint's run (they start afresh)."""
 
 
-def warn_fresh(step: int, why: str) -> None:
-    """One ``ResumeWarning`` line: the run resumes at ``step`` from a checkpoint without the recorder's state."""
+def warn_fresh(step: int, why: str, subject: str = "the checkpoint") -> None:
+    """One ``ResumeWarning`` line: the run resumes at ``step`` without the recorder's state (``subject`` ``why``)."""
     warnings.warn(
-        f"clipamp: resuming at step {step}: the checkpoint {why}: the calibration and the records start "
+        f"clipamp: resuming at step {step}: {subject} {why}: the calibration and the records start "
         f"afresh at step {step + 1}",
         ResumeWarning,
         stacklevel=3,

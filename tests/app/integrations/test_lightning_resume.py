@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from sweep.integrations.lightning import ClipampCallback  # noqa: E402
 from sweep.integrations.resume import ResumeWarning  # noqa: E402
+from sweep.run.summary import read_rows  # noqa: E402
 
 from .test_dropin_lightning import LitGPT, _loader  # noqa: E402
 
@@ -143,3 +144,35 @@ def test_a_checkpoint_saved_without_the_callback_is_said(tmp_path):
     with pytest.warns(ResumeWarning, match=message):
         fit(tmp_path, [cb], ckpt_path=ckpt)
     assert [r["step"] for r in cb.recorder.records.rows] == list(range(SAVE + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_fit_again_on_the_same_trainer_continues_the_record(tmp_path, store, tracked):
+    """``trainer.fit_loop.max_epochs = 2; trainer.fit(...)`` after a 1-epoch fit (Lightning goes on at step 7):
+    one steps.csv (one MLflow run) with steps 1–12, the first fit's rows as it wrote them, and the window the
+    first fit closed checked on the steps after it, as one 12-step record would be."""
+    csv = tmp_path / "steps.csv"
+    cb = ClipampCallback(tracking=store if tracked else None, csv_path=csv, verbose=False, **OPTIONS)
+    torch.manual_seed(0)
+    module = LitGPT()
+    kw = dict(accelerator="cpu", devices=1, precision="bf16-mixed", gradient_clip_val=TAU, logger=False)
+    kw.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(max_epochs=1, callbacks=[cb], default_root_dir=str(tmp_path), **kw)
+    trainer.fit(module, _loader(SAVE, 1))
+    first = [dict(r) for r in cb.recorder.records.rows]
+    assert trainer.global_step == SAVE and cb.summary.end_step == 4  # window 1–4: start=auto for 6 steps
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, _loader(SAVE, 1))
+    rows = read_rows(cb.recorder.writer.path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[:SAVE] == first  # not overwritten by the second fit
+    [summary], [check] = cb.policy.summaries, cb.policy.checks()
+    held_out = [r["grad_l2_pre_clip"] for r in rows[summary.end_step :]]
+    assert check.steps == len(held_out) == STEPS - 4  # checked on steps 5–12, across the two fits
+    assert check.clipped == sum(summary.recommended_max_norm / (n + 1e-6) < 1 for n in held_out)
+    if tracked:
+        client = MlflowClient(store)
+        run = client.get_run(cb.recorder.tracker.run_id)
+        assert run.info.status == "FINISHED" and len(client.search_runs([run.info.experiment_id])) == 1
+        history = client.get_metric_history(run.info.run_id, "grad_l2_pre_clip")
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
