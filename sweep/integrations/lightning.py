@@ -19,10 +19,10 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   accumulated and not yet clipped, over the parameters Lightning clips and in its order
   (``trainer.precision_plugin.main_params(optimizer)``: the optimizer's param groups).
   ``apply=False``: Lightning then clips as it always does; ``grad_l2_pre_clip`` is the norm its
-  ``clip_grad_norm_`` computes. ``apply=True``: the callback clips at the policy's τ (your
-  ``gradient_clip_val`` until the window closes, the calibrated τ after) and sets
-  ``trainer.gradient_clip_val = None`` for the fit (restored at its end) so that Lightning does
-  not clip again.
+  ``clip_grad_norm_`` computes. ``apply=True``: Lightning clips at the policy's τ (your
+  ``gradient_clip_val`` until the window closes, the calibrated τ after), which the callback sets
+  as ``trainer.gradient_clip_val`` at each step (yours restored at the fit's end): the clip still
+  runs after every ``on_before_optimizer_step`` hook, the module's own (a ``grad_norm`` log) included.
 - Manual optimization: ``on_before_optimizer_step`` runs inside ``opt.step()``, after your
   ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` and do not call
   ``self.clip_gradients`` yourself: the callback clips at it as that call would (throughout with
@@ -103,7 +103,7 @@ class ClipampCallback(pl.Callback):
         )
         self.apply, self.max_norm = apply, max_norm
         self._user_clip: Any = None
-        self._clip_taken = False  # apply=True set trainer.gradient_clip_val = None for this fit
+        self._clip_taken = False  # apply=True sets trainer.gradient_clip_val to the policy's τ in this fit
         self._resume: dict[str, Any] | None = None  # the state load_state_dict got, for on_train_start
         self._recording = False  # on_train_start opened the record and on_fit_end has not closed it
         self._ended: tuple[int, dict[str, Any]] | None = None  # (step, state) where the last fit ended: fit() again
@@ -156,7 +156,7 @@ class ClipampCallback(pl.Callback):
                 )
         self._user_clip = trainer.gradient_clip_val
         if self.apply:
-            trainer.gradient_clip_val = None  # the callback clips in on_before_optimizer_step
+            trainer.gradient_clip_val = None  # the policy's τ, set in on_before_optimizer_step
             self._clip_taken = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -212,7 +212,9 @@ class ClipampCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Unscaled, accumulated, not yet clipped gradients: norm them in Lightning's clip order."""
         params = list(trainer.precision_plugin.main_params(optimizer))
-        host_clips = not self.apply and pl_module.automatic_optimization
+        host_clips = pl_module.automatic_optimization  # Lightning clips after every on_before_optimizer_step hook
+        if host_clips and self.apply:  # at the policy's τ: the module's own hook still sees the pre-clip gradients
+            trainer.gradient_clip_val = self.recorder.clip_in_force()
         self._lr = float(optimizer.param_groups[0]["lr"])
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scale = float(scaler.get_scale()) if scaler is not None else 1.0  # sync (fp16): this step's scale

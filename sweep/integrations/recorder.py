@@ -275,7 +275,8 @@ class StepRecorder:
     ) -> Measured:
         """Norm (and clip, unless ``host_clips``) the unscaled, accumulated gradients of ``params`` for ``step``.
 
-        ``host_clips``: the host clips after this call at its own τ (measure only, ``apply=False``).
+        ``host_clips``: the host clips after this call at its own τ (measure only: ``apply=False``, or a host
+        given ``clip_in_force()`` as its τ for the step).
         ``after_host_pass``: the host has already run its clip at a τ too large to clip a finite norm
         (``Trainer`` with ``NORM_ONLY_MAX_NORM``): that left a finite-norm gradient as it was and gave
         a non-finite one the coefficient every τ gives it (0 for an inf norm: finite elements 0, infs
@@ -284,7 +285,7 @@ class StepRecorder:
         """
         grads = grads_of(params)
         tau = self.clip_in_force()
-        if self.apply:
+        if self.apply and not host_clips:
             pre = total_norm(grads)
             finite = torch.isfinite(pre)
             post = torch.where(finite, self.policy.clip_(params, grads, torch.where(finite, pre, 0.0), step), pre)

@@ -13,6 +13,8 @@ from mlflow import MlflowClient
 
 L = pytest.importorskip("lightning")
 
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
+
 from sweep.integrations.lightning import ClipampCallback  # noqa: E402
 from tests.engine.nanogpt_shaped import NanoGPTShaped, batches, configure_optimizers  # noqa: E402
 
@@ -118,6 +120,37 @@ def test_apply_true_clips_at_the_users_tau_then_at_the_calibrated_one(tmp_path):
     assert tau == pytest.approx(df["grad_l2_pre_clip"][:window].quantile(0.95), rel=1e-9)
     assert df["max_norm"].tolist() == [tau0] * window + [tau] * (steps - window)
     assert df["phase"].tolist() == ["calibrate"] * window + ["validate"] * (steps - window)
+
+
+class Watched(LitGPT):
+    """Logs its total gradient norm in its own ``on_before_optimizer_step``, as Lightning's docs show."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+
+def test_apply_true_leaves_the_modules_own_grad_norm_log_pre_clip(tmp_path):
+    """The module's hook sees the gradients before the clip, as without the callback: in the window the
+    norms it logs are those of the fit with Lightning's own clip; every step, the steps.csv pre-clip norm."""
+    steps, window, tau0 = 8, 4, 0.25
+    cb = ClipampCallback(
+        apply=True, window=window, start=0, quantile=0.95, tracking=None, csv_path=tmp_path / "s.csv", verbose=False
+    )
+    seen = {}
+    for name, callbacks in (("ours", [cb]), ("ref", [])):
+        torch.manual_seed(0)
+        module = Watched()
+        trainer = quiet_trainer(tmp_path / name, callbacks, steps, precision="bf16-mixed", gradient_clip_val=tau0)
+        trainer.fit(module, _loader(steps, 1))
+        seen[name] = module.seen
+    df = pd.read_csv(tmp_path / "s.csv")
+    assert seen["ours"][:window] == seen["ref"][:window]  # the same fit until τ changes
+    assert seen["ours"] == pytest.approx(df["grad_l2_pre_clip"].tolist(), rel=1e-6)  # grad_norm: fp32 per tensor
+    assert (df["grad_l2_pre_clip"] > df["max_norm"]).sum() >= steps / 2  # most steps clip: a post-clip log differs
 
 
 class ManualGPT(LitGPT):
