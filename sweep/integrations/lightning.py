@@ -27,7 +27,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` and do not call
   ``self.clip_gradients`` yourself: the callback clips at it as that call would (throughout with
   ``apply=False``, until the window closes with ``apply=True``). A step's loss is the mean of the
-  ``loss`` of the batches since the previous ``opt.step()`` (manual accumulation: every N batches).
+  ``loss`` of the batches since the previous ``opt.step()`` (manual accumulation: every N batches);
+  each of several ``opt.step()`` in a batch is recorded, the earlier ones with a NaN loss.
   One optimizer only: a fit with more (a GAN's two) is refused when it starts, since one
   calibration window would mix the norms of different networks.
 - Loss: the mean of the ``loss`` of ``training_step``'s output over the micro-batches the step
@@ -211,6 +212,8 @@ class ClipampCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Unscaled, accumulated, not yet clipped gradients: norm them in Lightning's clip order."""
+        if self._measured is not None:  # manual: an earlier opt.step() of this batch; its loss is known at the end
+            self._record(trainer, pl_module, batch_end=False)
         params = list(trainer.precision_plugin.main_params(optimizer))
         host_clips = pl_module.automatic_optimization  # Lightning clips after every on_before_optimizer_step hook
         if host_clips and self.apply:  # at the policy's τ: the module's own hook still sees the pre-clip gradients
@@ -225,15 +228,20 @@ class ClipampCallback(pl.Callback):
         if isinstance(loss, torch.Tensor):
             self._loss = loss.detach().float() + (0 if self._loss is None else self._loss)
             self._losses += 1
-        if self._measured is None:
-            return  # a micro-batch before the optimizer step
+        if self._measured is not None:  # else a micro-batch before the optimizer step
+            self._record(trainer, pl_module, batch_end=True)
+
+    def _record(self, trainer, pl_module, *, batch_end: bool) -> None:
+        """The step measured last, done: its record (``batch_end``: with the loss of the batches since the last)."""
         m, self._measured = self._measured, None
-        if self._loss is not None:
-            # the mean of the batches since the last step: Lightning divides each loss by accumulate_grad_batches
-            # (automatic optimization; 1 under manual), also on a step the epoch's end cuts short
-            m.loss = float(self._loss * (trainer.accumulate_grad_batches / self._losses))  # sync: once per step
-        no_loss = pl_module.automatic_optimization and not self._losses  # training_step returned None throughout
-        self._loss, self._losses = None, 0
+        no_loss = False
+        if batch_end:
+            if self._loss is not None:
+                # the mean of the batches since the last step: Lightning divides each loss by accumulate_grad_batches
+                # (automatic optimization; 1 under manual), also on a step the epoch's end cuts short
+                m.loss = float(self._loss * (trainer.accumulate_grad_batches / self._losses))  # sync: once per step
+            no_loss = pl_module.automatic_optimization and not self._losses  # training_step returned None throughout
+            self._loss, self._losses = None, 0
         if no_loss:  # no backward, no gradient: Lightning counts the step, the optimizer changes nothing
             m.pre = m.post = m.policy_post = math.nan
         scaler = getattr(trainer.precision_plugin, "scaler", None)

@@ -244,3 +244,34 @@ def test_a_step_with_a_loss_in_some_micro_batches_is_taken(tmp_path):
     df = pd.read_csv(tmp_path / "steps.csv")
     assert not df["skipped"].any() and df["grad_l2_pre_clip"].gt(0).all()
     assert df["loss"][1] == pytest.approx(module.losses[2][1], rel=1e-6)
+
+
+class TwoStepsPerBatch(Tiny):
+    """Manual optimization with two ``opt.step()`` per batch (one per half), noting each step's pre-clip norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        for half in (slice(0, 4), slice(4, 8)):
+            loss = F.mse_loss(self.net(batch[0][half]), batch[1][half])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+            opt.step()
+        return loss
+
+
+def test_every_opt_step_of_a_batch_is_recorded(tmp_path):
+    """Each of the 12 steps (2 per batch) is a row with its own norm, and the window of steps 1–5 closes;
+    a step's loss is known at its batch's end: the last step of a batch has it, an earlier one NaN."""
+    module, cb = TwoStepsPerBatch(), callback(tmp_path, window=5, start=0)
+    trainer = fit(tmp_path, module, 6, [cb], max_epochs=1)
+    df = pd.read_csv(tmp_path / "steps.csv")
+    assert trainer.global_step == 12 and df["step"].tolist() == list(range(1, 13))
+    assert df["grad_l2_pre_clip"].tolist() == pytest.approx(module.norms, rel=1e-6)
+    assert df["loss"][::2].isna().all() and df["loss"][1::2].notna().all()
+    assert (cb.summary.start_step, cb.summary.end_step) == (1, 5)
