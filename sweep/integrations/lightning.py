@@ -167,6 +167,8 @@ class ClipampCallback(pl.Callback):
         # max_steps (-1: none) when an IterableDataset's epoch has no length
         total = trainer.estimated_stepping_batches
         resume, self._resume = self._resume, None
+        if resume is not None and resume.get("step") == 0:  # saved before any step (the Tuner's lr_find restores one)
+            resume = None
         ended, self._ended = self._ended, None
         if resume is None and trainer.global_step > 0:
             if trainer.ckpt_path:

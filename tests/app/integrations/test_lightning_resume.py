@@ -176,3 +176,27 @@ def test_fit_again_on_the_same_trainer_continues_the_record(tmp_path, store, tra
         assert run.info.status == "FINISHED" and len(client.search_runs([run.info.experiment_id])) == 1
         history = client.get_metric_history(run.info.run_id, "grad_l2_pre_clip")
         assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+
+
+def test_a_fit_after_the_tuners_lr_find_calibrates_as_one_without_it(tmp_path, recwarn):
+    """``Tuner(trainer).lr_find`` saves a checkpoint before its trial steps and restores it (the callback's state
+    at step 0 included): the fit after it records and calibrates as the same fit without lr_find, unwarned."""
+    from lightning.pytorch.tuner import Tuner
+
+    def run(name, tune):
+        cb = ClipampCallback(tracking=None, csv_path=tmp_path / f"{name}.csv", verbose=False, **OPTIONS)
+        torch.manual_seed(0)
+        module = LitGPT()
+        module.lr = 1e-3
+        kw = dict(accelerator="cpu", devices=1, precision="bf16-mixed", gradient_clip_val=TAU, logger=False)
+        kw.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(max_steps=STEPS, callbacks=[cb], default_root_dir=str(tmp_path / name), **kw)
+        if tune:
+            Tuner(trainer).lr_find(module, _loader(STEPS, 1), num_training=5, update_attr=False)
+        trainer.fit(module, _loader(STEPS, 1))
+        return cb
+
+    ref, cb = run("ref", False), run("tuned", True)
+    assert not [w for w in recwarn if issubclass(w.category, ResumeWarning)]
+    assert window(cb) == window(ref)
+    assert (tmp_path / "tuned.csv").read_text() == (tmp_path / "ref.csv").read_text()
