@@ -26,7 +26,7 @@ from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
 from sweep.config.schema import RUNS, register
 from sweep.config.validate import refuse_clip_overrides
-from sweep.errors import UserError, fail, one_line
+from sweep.errors import UserError, fail, one_line, one_line_warnings
 from sweep.offline import stay_offline
 from sweep.paths import write_refusal
 from sweep.run.loop import RunInterrupted
@@ -156,6 +156,7 @@ def main(cfg: DictConfig) -> None:
     from sweep.distributed.rank_failure import RankFailed
 
     startup_sigint(False)  # from here the app handles Ctrl-C
+    one_line_warnings()
     try:
         hydra_cfg = HydraConfig.get()
         run(to_config(cfg), list(hydra_cfg.overrides.task), base_dir=Path(hydra_cfg.runtime.cwd))

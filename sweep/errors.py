@@ -59,3 +59,19 @@ def fail(message: str, status: int = 2) -> NoReturn:  # noqa: F821
     else:
         time.sleep(RANK_GRACE_S)  # torchrun ends this sleep when rank 0 exits
     sys.exit(status)
+
+
+def one_line_warnings() -> None:
+    """Show the engine's and the app's own warnings (their categories' modules) as ``warning: MESSAGE``, the
+    app's other lines' form, instead of Python's ``FILE:LINE: Category: MESSAGE`` and the source line
+    (a loop line of ``sweep.run`` that says nothing to the user); other libraries' keep Python's form."""
+    import warnings
+
+    python_form = warnings.formatwarning
+
+    def form(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.split(".")[0] in ("clipamp_engine", "sweep"):
+            return f"warning: {' '.join(str(message).split())}\n"
+        return python_form(message, category, filename, lineno, line)
+
+    warnings.formatwarning = form

@@ -85,10 +85,14 @@ def _write(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointRefused(RuntimeWarning):
+    """A checkpoint not written because the state holds inf/NaN (the previous one is kept)."""
+
+
 def _refuse(path: Path, state: AmpTrainState, bad: str) -> None:
     warnings.warn(
         f"checkpoint at step {state.step_count} refused: {bad} hold inf/NaN; keeping the previous checkpoint {path}",
-        RuntimeWarning,
+        CheckpointRefused,
         stacklevel=3,
     )
 

@@ -21,9 +21,17 @@ def test_a_run_that_skipped_every_step_fails_with_status_3(tmp_path, store):
     assert run.data.metrics["skip_ratio"] == 1.0  # the summary is kept
 
 
-def test_one_skipped_step_is_a_normal_run(tmp_path, store):
-    res = run_cli("+experiment=train", *TINY, "steps=3", "faults.nan_loss=[2]", cwd=tmp_path)
+def test_skipped_steps_are_a_normal_run_and_the_alarm_is_one_line(tmp_path, store):
+    """Six NaN losses in 100 steps: exit 0, and the engine's skip-rate alarm is one ``warning:`` line, not
+    Python's ``…/sweep/run/loop.py:247: SkipRateWarning: …`` with the loop's source line under it."""
+    nan_at = "faults.nan_loss=[1,2,3,4,5,6]"
+    res = run_cli(
+        "+experiment=train", *TINY, "steps=100", "optim.warmup_steps=1", nan_at, "progress=false", cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.splitlines() == [
+        "warning: skip rate 6.0% over the last 100 steps exceeds 5.0% (step 100): the loop is skipping too many updates"
+    ]
 
 
 def test_a_new_store_beside_orphaned_checkpoints_says_so(tmp_path, store):

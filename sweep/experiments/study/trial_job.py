@@ -17,7 +17,7 @@ from sweep.config.convert import from_yaml
 from sweep.config.schema import forensics_on
 from sweep.distributed import launch as ranks
 from sweep.distributed.rank_failure import RankFailed
-from sweep.errors import UserError, fail
+from sweep.errors import UserError, fail, one_line_warnings
 from sweep.report.run import write_run_report
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
 from sweep.secrets import redact_text, unseal
@@ -47,6 +47,7 @@ def run(job: dict[str, Any]) -> RunResult:
 
 
 def main(argv: list[str]) -> None:
+    one_line_warnings()
     job = json.loads(unseal(Path(argv[0]).read_text()))
     rank, status = ranks.rank_from_env(), 0
     try:
