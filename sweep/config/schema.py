@@ -143,7 +143,9 @@ class ClipConfig:
     mode: str = choice("norm", tuple(CLIP_MODES), "pass clip=MODE, e.g. clip=norm (docs/clipping.md)")
     max_norm: float | None = None  # norm, dpsgd: τ; zscore: optional ceiling
     clip_value: float | None = None  # value
-    stages: list[list[float]] | None = None  # staged: [[start_step, τ], ...]
+    # staged: [[start_step, τ], ...]; typed Any inside: OmegaConf 2.3 turns the ints of a list[float] into
+    # floats but refuses them in a list[list[float]], so clip.stages=[[0,2.0]] would fail to compose
+    stages: list[list[Any]] | None = None
     max_norms: list[float] | None = None  # per_group: τ_j by optimizer param group
     patterns: dict[str, float] | None = None  # per_group: {name regex: τ_j}
     rest_max_norm: float | None = None  # per_group: τ for params matching no pattern
@@ -163,6 +165,13 @@ class ClipConfig:
     noise_multiplier: float | None = None  # dpsgd: σ
     per_layer: bool | None = None  # dpsgd: clip each parameter tensor to max_norm
     seed: int | None = None  # dpsgd: noise RNG seed
+
+    def __post_init__(self) -> None:
+        """``clip.stages``' numbers as floats, as the YAML writes them (``[[0,2]]`` logs as ``[[0.0, 2.0]]``);
+        anything else stays for the engine's policy to refuse by name."""
+        if self.stages is not None:
+            number = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+            self.stages = [[float(v) if number(v) else v for v in stage] for stage in self.stages]
 
 
 #: The engine's defaults of ``clip=calibrated`` (``CalibratedClip``, whose window, quantile and

@@ -8,6 +8,7 @@ from sweep.config import validate
 from sweep.config.schema import RUNS
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
+from sweep.run.build import build_clip_policy
 from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
 
 
@@ -364,3 +365,16 @@ def test_an_unknown_clip_mode_names_the_override_to_pass_not_a_folder():
     with pytest.raises(UserError) as e:
         validate(compose_cfg("+experiment=train", "clip.mode=nrom"))
     assert str(e.value).endswith(": pass clip=MODE, e.g. clip=norm (docs/clipping.md)")
+
+
+@pytest.mark.parametrize("stages", ["[[0,2.0],[1000,1.0]]", "[[0,2],[1000,1]]", "[[0.0,2.0],[1000.0,1.0]]"])
+def test_staged_takes_integer_start_steps_as_docs_write_them(stages):
+    """docs/clipping.md's ``clip.stages=[[0,2.0],[1000,1.0]]`` (and the refusal's own fix,
+    ``clip.stages=[[0,1.0]]``): OmegaConf refused the int 0 inside list[list[float]], so the
+    documented override failed to compose. The policy clips at 2 up to step 999 and at 1 from 1000."""
+    cfg = compose_cfg("+experiment=train", "clip=staged", f"clip.stages={stages}")
+    validate(cfg)
+    assert cfg.clip.stages == [[0.0, 2.0], [1000.0, 1.0]]  # one spelling, logged alike
+    policy = build_clip_policy(cfg)
+    assert [policy.max_norm_at(s) for s in (1, 999, 1000, 5000)] == [2.0, 2.0, 1.0, 1.0]
+    assert compose_cfg("+experiment=train", "clip=staged", "clip.stages=[[0,1.0]]").clip.stages == [[0.0, 1.0]]
