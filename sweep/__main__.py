@@ -61,25 +61,54 @@ def _user_line(e: BaseException) -> str:
     return redact_text(" ".join(text.split()).split(" Config search path:")[0])
 
 
+MULTIRUN = ("-m", "--multirun")
+
+
 def precheck(argv: list[str]) -> None:
-    """Compose once with the user's overrides so composition errors become one line, exit 2; and refuse
-    an output folder Hydra could not create (it would end in a traceback)."""
+    """Compose with the user's overrides so composition errors become one line, exit 2 (under ``-m``:
+    each value of each sweep); and refuse an output folder Hydra could not create (it would end in a
+    traceback)."""
     for arg in argv:
         key, _, value = arg.lstrip("+").partition("=")
         if key in ("hydra.run.dir", "hydra.sweep.dir") and value:
             _refuse_unwritable(key, Path(value))
-    if any(a.startswith("-") for a in argv):  # --help, --cfg, -m …: leave them to Hydra
+    flags = [a for a in argv if a.startswith("-")]
+    if any(f not in MULTIRUN for f in flags):  # --help, --cfg …: leave them to Hydra
         return
-    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]
+    overrides = [a for a in argv if a not in MULTIRUN and not a.lstrip("+~").startswith("hydra")]
     from hydra import compose, initialize_config_dir
 
     try:
         refuse_renamed(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = to_config(compose(config_name="config", overrides=overrides))
-        refuse_clip_overrides(cfg.run, overrides)
+            for job in _jobs(overrides) if flags else [overrides]:
+                refuse_renamed(job)
+                cfg = to_config(compose(config_name="config", overrides=job))
+                refuse_clip_overrides(cfg.run, job)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or e))
+
+
+def _jobs(overrides: list[str]) -> list[list[str]]:
+    """A multirun's overrides to compose: every sweep at its first value, then each other value of each sweep
+    in turn (a misspelt key or a bad value of any job, as one line before the first job runs; a
+    ``range(…)`` sweep, numbers of one type, by its first and last). ``[]`` when Hydra alone can expand
+    them (``glob(…)`` needs its config loader; a syntax error is its own to report)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import RangeSweep
+
+    def values(o) -> list[str]:
+        if not o.is_sweep_override():
+            return [o.input_line]
+        found = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+        return found[:1] + found[-1:] if isinstance(o.value(), RangeSweep) else found
+
+    try:
+        each = [values(o) for o in OverridesParser.create().parse_overrides(overrides)]
+    except Exception:
+        return []
+    first = [vs[0] for vs in each]
+    return [first] + [first[:i] + [v] + first[i + 1 :] for i, vs in enumerate(each) for v in vs[1:]]
 
 
 def _refuse_unwritable(key: str, folder: Path) -> None:

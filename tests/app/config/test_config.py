@@ -378,3 +378,37 @@ def test_staged_takes_integer_start_steps_as_docs_write_them(stages):
     policy = build_clip_policy(cfg)
     assert [policy.max_norm_at(s) for s in (1, 999, 1000, 5000)] == [2.0, 2.0, 1.0, 1.0]
     assert compose_cfg("+experiment=train", "clip=staged", "clip.stages=[[0,1.0]]").clip.stages == [[0.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    ("run", "sweep", "single"),
+    [
+        ("train", "clip.maxnorm=0.5,1.0", "clip.maxnorm=0.5"),
+        ("train", "clip=norm,Norm", "clip=Norm"),
+        ("train", "clip.max_norm=1,abc", "clip.max_norm=abc"),
+        ("sweep", "study.target_clip_low=0.1,0.2", "study.target_clip_low=0.1"),
+        ("calibrate", "clip.max_norm=1.0,2.0", "clip.max_norm=1.0"),
+    ],
+)
+def test_a_multirun_mistake_is_the_single_runs_one_line(capsys, run, sweep, single):
+    """``clipamp -m`` (docs/experiments.md) skipped the check: Hydra printed its multi-line error (exit 1) and
+    suggested ``+clip.maxnorm=…``, or a calibrate job ran with the clip override ignored. Each value of a
+    sweep now gets the line a single run with that value gets."""
+    from sweep.__main__ import precheck
+
+    lines = []
+    for argv in (["-m", f"+experiment={run}", sweep], [f"+experiment={run}", single]):
+        with pytest.raises(SystemExit) as e:
+            precheck(argv)
+        assert e.value.code == 2
+        lines.append(capsys.readouterr().err.strip())
+    assert lines[0] == lines[1] and lines[0].startswith("error: ") and "\n" not in lines[0]
+
+
+def test_a_multirun_without_a_mistake_passes_the_check(capsys):
+    from sweep.__main__ import precheck
+
+    precheck(["--multirun", "+experiment=train", "clip.max_norm=0.5,1.0", "seed=range(0,3)", "clip=glob(n*)"])
+    with pytest.raises(SystemExit):
+        precheck(["-m", "experiment=train", "seed=1,2"])
+    assert capsys.readouterr().err.startswith("error: experiment=train needs a +: pass +experiment=train")
