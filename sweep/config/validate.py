@@ -64,6 +64,8 @@ def check_common(cfg: Config) -> None:
     check_clip(cfg)
     check_calibrate(cfg)
     check_numbers(cfg)
+    if cfg.eval_every < 0:
+        raise UserError(f"eval_every={cfg.eval_every} must be >= 0 (0: evaluate at the end only)")
     if cfg.checkpoint_every < 0:
         raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
     if cfg.device != "cpu" and not _device_available(cfg.device):

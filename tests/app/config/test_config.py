@@ -412,3 +412,13 @@ def test_a_multirun_without_a_mistake_passes_the_check(capsys):
     with pytest.raises(SystemExit):
         precheck(["-m", "experiment=train", "seed=1,2"])
     assert capsys.readouterr().err.startswith("error: experiment=train needs a +: pass +experiment=train")
+
+
+def test_a_negative_eval_every_is_refused():
+    """eval_every=-1 passed and, as step % -1 == 0, evaluated after every step (measured: eval_loss at
+    steps 1-5 of a 5-step run, where 0 gives step 5 only and 2 gives 2, 4, 5)."""
+    for ok in ("0", "2"):
+        validate(compose_cfg("+experiment=train", f"eval_every={ok}"))
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", "eval_every=-1"))
+    assert str(e.value) == "eval_every=-1 must be >= 0 (0: evaluate at the end only)"
