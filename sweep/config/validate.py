@@ -80,7 +80,7 @@ def check_common(cfg: Config) -> None:
         raise UserError(f"dist.timeout_s={cfg.dist.timeout_s} must be > 0 (seconds)")
 
 
-#: (key, test, what is allowed, an example): the numeric ranges of optim, amp and model.
+#: (key, test, what is allowed, an example): the numeric ranges of optim, amp, model and forensics.
 _RANGES = (
     ("optim.min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (the LR decays to min_lr_ratio·lr)", "0.1"),
     ("optim.weight_decay", lambda v: v >= 0.0, ">= 0", "0.1"),
@@ -91,6 +91,7 @@ _RANGES = (
     ("amp.backoff_factor", lambda v: 0.0 < v < 1.0, "in (0, 1)", "0.5"),
     ("amp.growth_interval", lambda v: v >= 1, ">= 1", "2000"),
     ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)", "0.1"),
+    ("forensics.top_k", lambda v: v >= 0, ">= 0 (0: no top_grad_params column)", "3"),
 )
 
 

@@ -422,3 +422,15 @@ def test_a_negative_eval_every_is_refused():
     with pytest.raises(UserError) as e:
         validate(compose_cfg("+experiment=train", "eval_every=-1"))
     assert str(e.value) == "eval_every=-1 must be >= 0 (0: evaluate at the end only)"
+
+
+def test_a_negative_forensics_top_k_is_one_line_before_a_run_opens(tmp_path):
+    """forensics.top_k=-1 passed validation, opened a run, then StepForensics raised: a traceback, exit 1,
+    and a FAILED MLflow run with an empty steps.csv."""
+    res = run_cli("+experiment=train", "steps=2", "progress=false", "forensics.top_k=-1", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert (
+        res.stderr.strip()
+        == "error: forensics.top_k=-1 must be >= 0 (0: no top_grad_params column): pass e.g. forensics.top_k=3"
+    )
+    assert not (tmp_path / "mlruns").exists()  # refused before the store opened
