@@ -301,7 +301,13 @@ def check_study(cfg: Config) -> None:
         raise UserError(
             f"study.prune_below_after={s.prune_below_after} must be in [0, 1) or null (no below-band pruning)"
         )
-    for key, low in (("report_every", 1), ("threads", 0), ("startup_trials", 0)):
+    for key, low in (
+        ("report_every", 1),
+        ("threads", 0),
+        ("startup_trials", 0),
+        ("heartbeat_interval", 1),
+        ("grace_period", 1),
+    ):
         if getattr(s, key) < low:
             raise UserError(
                 f"study.{key}={getattr(s, key)} must be >= {low}"

@@ -434,3 +434,14 @@ def test_a_negative_forensics_top_k_is_one_line_before_a_run_opens(tmp_path):
         == "error: forensics.top_k=-1 must be >= 0 (0: no top_grad_params column): pass e.g. forensics.top_k=3"
     )
     assert not (tmp_path / "mlruns").exists()  # refused before the store opened
+
+
+@pytest.mark.parametrize("override", ["study.heartbeat_interval=0", "study.grace_period=-1"])
+def test_a_heartbeat_setting_out_of_range_is_named_by_its_key(override):
+    """Both went to Optuna's RDBStorage, whose ValueError came back as "study.storage=sqlite:///… cannot be
+    opened …: pass study.storage=…": the wrong key blamed, the wrong fix given."""
+    key, value = override.split("=")
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=sweep", override))
+    assert str(e.value) == f"{key}={value} must be >= 1"
+    validate(compose_cfg("+experiment=sweep", f"{key}=1"))
