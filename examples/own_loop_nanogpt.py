@@ -97,8 +97,8 @@ def main() -> None:
         return
     print(clip.placement.reason)
     for s, check in zip(clip.summaries, clip.checks()):
-        ci = s.tau_ci
-        print(f"window {s.start_step}-{s.end_step}: τ = {s.recommended_max_norm:.4g} [{ci.low:.4g}, {ci.high:.4g}]")
+        low, high = (f"{x:.4g}" if math.isfinite(x) else "no bound" for x in (s.tau_ci.low, s.tau_ci.high))
+        print(f"window {s.start_step}-{s.end_step}: τ = {s.recommended_max_norm:.4g} [{low}, {high}]")
         if check is not None:
             print(f"  {check.verdict}; next: {check.action}")
 

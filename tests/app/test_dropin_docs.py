@@ -45,3 +45,4 @@ def test_the_example_runs(tmp_path, name):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "steps.csv").is_file()
+    assert not re.search(r"\bnan\b", done.stdout), done.stdout  # an unbounded interval side reads "no bound"
