@@ -25,7 +25,7 @@ from sweep.commands import python_command
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
 from sweep.config.schema import RUNS, register
-from sweep.config.validate import refuse_clip_overrides
+from sweep.config.validate import refuse_clip_overrides, refuse_pruning_overrides
 from sweep.errors import UserError, fail, one_line, one_line_warnings
 from sweep.offline import stay_offline
 from sweep.paths import write_refusal
@@ -85,6 +85,7 @@ def precheck(argv: list[str]) -> None:
                 refuse_renamed(job)
                 cfg = to_config(compose(config_name="config", overrides=job))
                 refuse_clip_overrides(cfg.run, job)
+                refuse_pruning_overrides(cfg.run, cfg.study.mode, job)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or e))
 

@@ -191,6 +191,24 @@ def refuse_clip_overrides(run: str | None, overrides: list[str]) -> None:
 
 _CALIBRATE_KEYS = {f.name for f in dataclasses.fields(CalibrateConfig)}
 
+#: The ``study.*`` keys only ``study=constrained`` reads: its pruning.
+PRUNING_KEYS = ("study.pruner", "study.prune_warmup", "study.prune_below_after", "study.report_every")
+
+
+def refuse_pruning_overrides(run: str | None, mode: str, overrides: list[str]) -> None:
+    """The command line's pruning keys in a sweep whose study prunes nothing (``study=pareto``: a
+    multi-objective study cannot report; ``study=entangle``: a fixed grid), which would be ignored."""
+    if run != "sweep" or mode == "constrained":
+        return
+    for arg in overrides:
+        given = arg.lstrip("+~")
+        if given.partition("=")[0] in PRUNING_KEYS and given != "study.pruner=none":  # none: what it does
+            why = "a multi-objective study cannot prune" if mode == "pareto" else "it runs every cell of its grid"
+            raise UserError(
+                f"{given}: study={mode} prunes no trial ({why}), so it would be ignored: drop it, or pass "
+                "study=constrained, whose trials are pruned"
+            )
+
 
 def _ignored_in_calibrate(given: str) -> UserError:
     return UserError(

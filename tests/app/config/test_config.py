@@ -255,6 +255,34 @@ def test_the_old_band_spelling_is_refused_naming_the_new_key(key, capsys):
 
 
 @pytest.mark.parametrize(
+    ("study", "override", "why"),
+    [
+        ([], "study.pruner=median", "a multi-objective study cannot prune"),
+        ([], "study.prune_warmup=0.5", "a multi-objective study cannot prune"),
+        (["study=entangle"], "study.report_every=3", "it runs every cell of its grid"),
+        (["study=entangle"], "study.prune_below_after=null", "it runs every cell of its grid"),
+    ],
+)
+def test_a_pruning_key_a_study_would_ignore_is_refused(study, override, why, capsys):
+    """``study.pruner=median`` under the default ``study=pareto`` ran the sweep unpruned without a word."""
+    from sweep.__main__ import precheck
+    from sweep.config.schema import StudyConfig
+    from sweep.config.validate import PRUNING_KEYS
+
+    mode = study[0].split("=")[1] if study else "pareto"
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=sweep", *study, override])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {override}: study={mode} prunes no trial ({why}), so it would be ignored: drop it, or pass "
+        "study=constrained, whose trials are pruned"
+    )
+    for fine in (["study=constrained", override], [*study, "study.pruner=none"]):
+        precheck(["+experiment=sweep", *fine])  # pruned trials, or the pruning it has: accepted
+    assert set(PRUNING_KEYS) <= {f"study.{f}" for f in StudyConfig.__dataclass_fields__}  # a rename keeps it alive
+
+
+@pytest.mark.parametrize(
     ("override", "key"),
     [("clip.window=50", "window"), ("clip.start=auto", "start"), ("+clip.target_clip=[0.01,0.1]", "target_clip")],
 )
