@@ -191,6 +191,14 @@ def refuse_clip_overrides(run: str | None, overrides: list[str]) -> None:
 
 _CALIBRATE_KEYS = {f.name for f in dataclasses.fields(CalibrateConfig)}
 
+
+def _ignored_in_calibrate(given: str) -> UserError:
+    return UserError(
+        f"{given}: +experiment=calibrate trains at its calibrated τ (clip=calibrated, whose options are "
+        f"calibrate.*), so the clip group would be ignored: drop it, or run +experiment=train {given}"
+    )
+
+
 #: The ``study.*`` keys only ``study=constrained`` reads: its pruning.
 PRUNING_KEYS = ("study.pruner", "study.prune_warmup", "study.prune_below_after", "study.report_every")
 
@@ -208,13 +216,6 @@ def refuse_pruning_overrides(run: str | None, mode: str, overrides: list[str]) -
                 f"{given}: study={mode} prunes no trial ({why}), so it would be ignored: drop it, or pass "
                 "study=constrained, whose trials are pruned"
             )
-
-
-def _ignored_in_calibrate(given: str) -> UserError:
-    return UserError(
-        f"{given}: +experiment=calibrate trains at its calibrated τ (clip=calibrated, whose options are "
-        f"calibrate.*), so the clip group would be ignored: drop it, or run +experiment=train {given}"
-    )
 
 
 #: What a null ``calibrate.*`` value means, added to the engine's message about that key.
