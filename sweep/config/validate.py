@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
-from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
 from sweep.config.schema import CALIBRATED, RUNS, CalibrateConfig, ClipConfig, Config, forensics_on
@@ -231,7 +231,9 @@ def check_calibrate(cfg: Config) -> None:
     c = cfg.calibrate
     c.start = calibrate_start(c.start)
     options = dataclasses.asdict(c)
-    engine_check(lambda: CalibratedClip(**options, total_steps=cfg.steps), "calibrate", c, options)
+    ours = {k: list(v) if isinstance(v, tuple) else v for k, v in RECOMMENDED.items()}  # +experiment=calibrate's
+    defaults = ours if cfg.run == "calibrate" else None  # the fix a message suggests: the run's own default
+    engine_check(lambda: CalibratedClip(**options, total_steps=cfg.steps), "calibrate", c, options, defaults)
     skip = c.start if isinstance(c.start, int) else 0  # auto starts at step 1 in a run too short to wait
     if cfg.run == "calibrate" and skip + c.window > cfg.steps:
         start = f"calibrate.start={skip} + " if skip else ""

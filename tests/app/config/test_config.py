@@ -69,13 +69,17 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
     [
         (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
         (["calibrate.start=later"], "calibrate.start='later' must be 'auto' or a number of steps >= 0"),
-        (["calibrate.start=-3"], "calibrate.start=-3 must be 'auto' or a number of steps >= 0"),
+        (  # the fix is +experiment=calibrate's own default (auto, window 200, null quantile), not the schema's
+            ["calibrate.start=-3"],
+            "calibrate.start=-3 must be 'auto' or a number of steps >= 0 (0: the window starts at step 1): "
+            "pass e.g. calibrate.start=auto",
+        ),
         (
             ["calibrate.start=400", "calibrate.window=200"],
             "calibrate.start=400 + calibrate.window=200 is larger than steps=500",
         ),
         (["calibrate.validate=-1"], "calibrate.validate=-1 must be a number of steps >= 0"),
-        (["calibrate.window=1"], "calibrate.window=1 must be an integer >= 2 steps: pass e.g. calibrate.window=100"),
+        (["calibrate.window=1"], "calibrate.window=1 must be an integer >= 2 steps: pass e.g. calibrate.window=200"),
         (
             ["calibrate.every=50"],
             "calibrate.every=50 must be 0 (one window) or an integer >= calibrate.window=200: "
@@ -88,8 +92,8 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
         ),
         (
             ["calibrate.quantile=2"],
-            "calibrate.quantile=2.0 must be in (0, 1), e.g. 0.95: pass e.g. calibrate.quantile=0.95, "
-            "or null (aim τ at calibrate.target_clip)",
+            "calibrate.quantile=2.0 must be in (0, 1), e.g. 0.95: pass e.g. calibrate.quantile=null "
+            "(aim τ at calibrate.target_clip)",
         ),
         (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
         (
