@@ -137,6 +137,11 @@ def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, consol
             f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}"
         )
     clipped = "" if result.windows else f"clipped {pct(m['clip_ratio'])}, "  # else: the validation line says it
+    per_example = [
+        r["dp_clip_fraction"] for r in result.records.taken() if math.isfinite(r.get("dp_clip_fraction", math.nan))
+    ]
+    if per_example:  # clip=dpsgd bounds each example's gradient; the batch's is never clipped (clip_ratio 0)
+        clipped = f"examples clipped {pct(sum(per_example) / len(per_example))} (mean dp_clip_fraction), "
     taken = len(result.records.final_losses())
     over = (
         "the last 10 taken steps" if taken == 10 else f"all {taken} taken steps" if taken > 1 else f"{taken} taken step"

@@ -67,12 +67,15 @@ def test_forensic_columns(uri):
     assert (df["zero_grad_count"] == 0).all()
 
 
-def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri):
+def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri, capsys):
     cfg = compose_cfg(
         "+experiment=train", "clip=dpsgd", *TINY, "steps=3", "clip.noise_multiplier=0.0", f"tracking.uri={uri}"
     )
     df = pd.read_csv(app.run(cfg).csv_path)
     assert df["dp_clip_fraction"].between(0, 1).all()
+    # the summary line says how many examples were clipped (it said "clipped 0.0%": the batch is never clipped)
+    share = f"{df['dp_clip_fraction'].mean():.1%}"
+    assert f"examples clipped {share} (mean dp_clip_fraction)" in " ".join(capsys.readouterr().out.split())
     bad = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "amp.dtype=fp16", f"tracking.uri={uri}")
     with pytest.raises(ValueError, match="needs accumulation_steps=1 and dtype bf16 or fp32"):
         app.run(bad)
