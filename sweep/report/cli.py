@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweep.report", description=DESCRIPTION)
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="clipamp", help="the MLflow experiment (tracking.experiment)")
-    ap.add_argument("--last", type=int, default=None, metavar="N", help="only the N newest runs")
+    ap.add_argument(
+        "--last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only the N newest runs in the runs table (a study's table keeps every trial: its pick covers them all)",
+    )
     ap.add_argument(
         "--wide", action="store_true", help="every column (ids, experiment, model, data, p50/p90/p99, status, started)"
     )
