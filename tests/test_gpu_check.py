@@ -39,6 +39,7 @@ def test_without_a_cuda_device_it_prints_one_line_and_exits_0(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing installed, nothing written
 
 
+@pytest.mark.slow  # runs the wrapper and the driver in a subprocess
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_shows_the_options_without_a_cuda_device(tmp_path, flag):
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # a python3 >= 3.11 first
@@ -51,6 +52,7 @@ def test_help_shows_the_options_without_a_cuda_device(tmp_path, flag):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # waits out a 1 s phase limit
 def test_a_failing_or_overrunning_phase_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
     g = _script()
     monkeypatch.setitem(g.LIMITS, "tests", 1)
@@ -172,6 +174,7 @@ def test_bandwidth_is_read_against_the_measured_copy_and_the_datasheet_peak():
     }
 
 
+@pytest.mark.slow  # a pytest subprocess
 def test_junit_figures_read_outcomes_messages_and_properties(tmp_path):
     g = _script()
     (tmp_path / "test_x.py").write_text(
@@ -347,6 +350,7 @@ def test_install_uses_the_systems_torch_and_takes_the_rest_from_the_wheelhouse_o
     assert "No matching distribution found for clipamp-probe-missing" in result["error"]
 
 
+@pytest.mark.slow  # makes a venv and runs the wrapper in it
 def test_the_wrapper_runs_the_python_that_has_torch(tmp_path):
     """With a GPU listed, a python3 that has torch and a python3.12 that has not, the driver runs
     under the one with torch (a CUDA image's own), whatever the order of the names."""
@@ -460,6 +464,7 @@ def test_home_root_and_temp_folders_are_refused_and_an_earlier_checks_files_are_
     assert g.work_refusal(work, out) == f"--work {work}: {why}; {FIX}"
 
 
+@pytest.mark.slow  # runs the wheelhouse script in subprocesses
 def test_the_wheelhouse_script_names_a_missing_have_file_and_a_failing_pip(tmp_path):
     """A --have file that is not there is refused before any download; pip failing (here: no index,
     nothing to find) ends with one line naming pip's step, after pip's own message."""

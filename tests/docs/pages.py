@@ -186,3 +186,14 @@ def broken_links(page: Path) -> list[str]:
 def runnable_snippets(page: Path) -> list[tuple[int, str]]:
     text = page.read_text()
     return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in RUNNABLE.finditer(text)]
+
+
+#: A snippet that imports a training framework (its import and its fit take seconds), or trains for
+#: hundreds of steps (``steps = 320``): the test that runs it is marked slow; the fast subset keeps the rest.
+FRAMEWORK_IMPORT = re.compile(r"^(?:from|import) (?:transformers|lightning|accelerate)\b", re.M)
+STEPS = re.compile(r"^steps = (\d+)$", re.M)
+
+
+def snippet_is_slow(code: str) -> bool:
+    steps = STEPS.search(code)
+    return bool(FRAMEWORK_IMPORT.search(code)) or (steps is not None and int(steps.group(1)) > 200)

@@ -12,7 +12,17 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from tests.app.helpers import compose_cfg
-from tests.docs.pages import ROOT, broken_links, invocations, overrides, pages, parses, runnable_snippets, script_parses
+from tests.docs.pages import (
+    ROOT,
+    broken_links,
+    invocations,
+    overrides,
+    pages,
+    parses,
+    runnable_snippets,
+    script_parses,
+    snippet_is_slow,
+)
 
 ALL = [inv for page in pages() for inv in invocations(page)]
 
@@ -43,7 +53,16 @@ def test_the_pages_show_commands():
     assert {"sweep", "sweep.report"} <= programs and len(ALL) >= 10, [i.where() for i in ALL]
 
 
-@pytest.mark.parametrize("inv", ALL, ids=lambda inv: inv.where()[:90])
+#: Each ``sweep`` command is a Hydra compose (~0.1 s, some 70 of them): the first on each page stays in the fast
+#: subset, the rest are slow. The other programs only parse their arguments: all of them stay.
+FIRST_SWEEP = {inv.page: inv for inv in reversed(ALL) if inv.program == "sweep"}
+COMMANDS = [
+    pytest.param(inv, marks=pytest.mark.slow if inv.program == "sweep" and FIRST_SWEEP[inv.page] is not inv else ())
+    for inv in ALL
+]
+
+
+@pytest.mark.parametrize("inv", COMMANDS, ids=lambda inv: inv.where()[:90])
 def test_every_command_composes(inv):
     check(inv)
 
@@ -88,10 +107,14 @@ def test_a_broken_link_is_found(tmp_path):
     assert broken_links(page) == ["README.md: docs/missing.md", "README.md: docs/fig.png"]
 
 
-SNIPPETS = [(page, line, code) for page in pages() for line, code in runnable_snippets(page)]
+SNIPPETS = [
+    pytest.param(page, line, code, id=f"{page.name}:{line}", marks=pytest.mark.slow if snippet_is_slow(code) else ())
+    for page in pages()
+    for line, code in runnable_snippets(page)
+]
 
 
-@pytest.mark.parametrize("page,line,code", SNIPPETS, ids=[f"{p.name}:{n}" for p, n, _ in SNIPPETS])
+@pytest.mark.parametrize("page,line,code", SNIPPETS)
 def test_runnable_snippets_run(page, line, code, tmp_path, monkeypatch):
     """Each snippet runs as written, twice in one folder (a user re-running their script)."""
     monkeypatch.chdir(tmp_path)

@@ -50,6 +50,7 @@ def test_clopper_pearson_matches_scipy(k, n):
     assert lo == pytest.approx(ref.low, abs=1e-9) and hi == pytest.approx(ref.high, abs=1e-9)
 
 
+@pytest.mark.slow  # scipy's beta.ppf over every n up to a few hundred
 def test_clopper_pearson_equals_the_bisection_it_replaced_on_small_n():
     old = _old_clopper_pearson()
     for n in (1, 2, 3, 7, 10, 40, 100):  # from ~300 on, the old CDF's own error passes 1e-12
@@ -67,7 +68,10 @@ def test_clopper_pearson_equals_scipys_beta_quantiles_on_large_n(n):
         assert (lo, hi) == pytest.approx((ref_lo, ref_hi), rel=1e-12, abs=0), k
 
 
-@pytest.mark.parametrize("k,n", [(1, 100_000), (2, 100_000), (1200, 100_000), (0, 10**7), (3, 10**7)])
+@pytest.mark.parametrize(
+    "k,n",
+    [(1, 100_000), (2, 100_000), pytest.param(1200, 100_000, marks=pytest.mark.slow), (0, 10**7), (3, 10**7)],
+)
 def test_clopper_pearson_bounds_solve_the_binomial_tails_to_float_precision(k, n):
     """At 50 digits, one Newton step from each bound moves it by < 1e-14 of itself: P(B ≥ k; lo) = α/2 and
     P(B ≤ k; hi) = α/2 (the bisection's torch CDF was off by 2e-9 at (1, 10⁵), scipy's by 1e-10 at (3, 10⁷))."""

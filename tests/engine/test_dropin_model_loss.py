@@ -21,6 +21,7 @@ def _pair():
     return model, configure_optimizers(model)
 
 
+@pytest.mark.slow  # 20 accumulated steps of a nanoGPT-shaped model, twice
 def test_a_model_returning_logits_and_loss_is_the_canonical_recipe_bit_for_bit():
     """nanoGPT's loop: ``_, loss = model(x, y)`` under autocast, ``loss / k``, clip, step."""
     data, tau, k = batches(20, batch=8, block=8, vocab=32), 0.25, 2
@@ -218,6 +219,7 @@ def test_a_mapping_batch_with_a_list_of_samples_first_splits_with_its_tensors():
     assert seen == [(["t0", "t1", "t2"], 3), (["t3", "t4"], 2), (["t5", "t6"], 2)]
 
 
+@pytest.mark.slow  # builds and trains a transformers model
 def test_a_hugging_face_model_takes_tensor_targets_as_labels():
     """``state.step(input_ids, labels)`` on a transformers model: ``model(ids, labels)`` put the labels in its
     second positional parameter (``past_key_values`` for GPT-2: an AttributeError deep inside transformers);

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "2", "--batch", "2", "--seq", "8"]
 TINY += ["--steps", "1", "--rounds", "1"]
 
 
+@pytest.mark.slow  # runs the benchmark in a subprocess
 def test_threads_sets_torchs_thread_count(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     argv = [sys.executable, "bench/bench_step.py", *TINY, "--threads", "1", "--json", str(tmp_path / "step.json")]

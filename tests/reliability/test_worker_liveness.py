@@ -79,6 +79,7 @@ def sweep_stores(tmp_path, store):
     return opened, optuna.create_study(storage=storage, study_name="live")
 
 
+@pytest.mark.slow  # waits out the liveness grace period
 def test_a_silent_worker_that_holds_its_lock_on_this_host_is_alive(tmp_path, sweep_stores, lock_holder):
     store, study = sweep_stores
     here = socket.gethostname()

@@ -399,7 +399,14 @@ def test_an_unknown_clip_mode_names_the_override_to_pass_not_a_folder():
     assert str(e.value).endswith(": pass clip=MODE, e.g. clip=norm (docs/clipping.md)")
 
 
-@pytest.mark.parametrize("stages", ["[[0,2.0],[1000,1.0]]", "[[0,2],[1000,1]]", "[[0.0,2.0],[1000.0,1.0]]"])
+@pytest.mark.parametrize(
+    "stages",
+    [
+        "[[0,2.0],[1000,1.0]]",
+        pytest.param("[[0,2],[1000,1]]", marks=pytest.mark.slow),  # the other spellings are slow
+        pytest.param("[[0.0,2.0],[1000.0,1.0]]", marks=pytest.mark.slow),
+    ],
+)
 def test_staged_takes_integer_start_steps_as_docs_write_them(stages):
     """docs/clipping.md's ``clip.stages=[[0,2.0],[1000,1.0]]`` (and the refusal's own fix,
     ``clip.stages=[[0,1.0]]``): OmegaConf refused the int 0 inside list[list[float]], so the
@@ -412,13 +419,14 @@ def test_staged_takes_integer_start_steps_as_docs_write_them(stages):
     assert compose_cfg("+experiment=train", "clip=staged", "clip.stages=[[0,1.0]]").clip.stages == [[0.0, 1.0]]
 
 
+#: A Hydra multirun each: the first and the last stay in the fast subset, the rest are slow.
 @pytest.mark.parametrize(
     ("run", "sweep", "single"),
     [
         ("train", "clip.maxnorm=0.5,1.0", "clip.maxnorm=0.5"),
-        ("train", "clip=norm,Norm", "clip=Norm"),
-        ("train", "clip.max_norm=1,abc", "clip.max_norm=abc"),
-        ("sweep", "study.target_clip_low=0.1,0.2", "study.target_clip_low=0.1"),
+        pytest.param("train", "clip=norm,Norm", "clip=Norm", marks=pytest.mark.slow),
+        pytest.param("train", "clip.max_norm=1,abc", "clip.max_norm=abc", marks=pytest.mark.slow),
+        pytest.param("sweep", "study.target_clip_low=0.1,0.2", "study.target_clip_low=0.1", marks=pytest.mark.slow),
         ("calibrate", "clip.max_norm=1.0,2.0", "clip.max_norm=1.0"),
     ],
 )
@@ -456,6 +464,7 @@ def test_a_negative_eval_every_is_refused():
     assert str(e.value) == "eval_every=-1 must be >= 0 (0: evaluate at the end only)"
 
 
+@pytest.mark.slow  # a CLI run
 def test_a_negative_forensics_top_k_is_one_line_before_a_run_opens(tmp_path):
     """forensics.top_k=-1 passed validation, opened a run, then StepForensics raised: a traceback, exit 1,
     and a FAILED MLflow run with an empty steps.csv."""

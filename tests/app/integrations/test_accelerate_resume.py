@@ -72,6 +72,7 @@ def window(clipamp: ClipampAccelerate):
     return s.start_step, s.end_step, s.recommended_max_norm, repr(clipamp.policy.checks())
 
 
+@pytest.mark.slow  # three accelerate loops: uninterrupted, stopped, resumed
 @pytest.mark.parametrize("apply", [False, True])
 def test_a_resumed_loop_calibrates_and_records_as_the_loop_that_never_stopped(tmp_path, apply):
     """Window, τ, checks, every steps.csv row (1–6 kept, the killed loop's 7–8 replaced) and the parameters
@@ -93,6 +94,7 @@ def test_a_resumed_loop_calibrates_and_records_as_the_loop_that_never_stopped(tm
     assert same_parameters(ref_model, model)
 
 
+@pytest.mark.slow  # an accelerate loop stopped and resumed
 def test_a_resumed_loop_continues_its_mlflow_run(tmp_path, store):
     """One run, FINISHED, each step's metrics once."""
 

@@ -57,6 +57,7 @@ def run(tmp_path, steps, tau, clipamp: bool):
     return model, norms
 
 
+@pytest.mark.slow  # two accumulated bf16 loops through accelerate
 def test_apply_false_changes_nothing_in_a_bf16_accumulated_loop(tmp_path):
     steps, tau = 20, 0.25
     ours, ours_norms = run(tmp_path, steps, tau, clipamp=True)

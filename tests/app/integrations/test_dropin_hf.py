@@ -16,6 +16,8 @@ from sweep.integrations.hf_trainer import ClipampCallback
 
 from .test_hf_trainer import trainer
 
+pytestmark = pytest.mark.slow  # each test trains a transformers.Trainer
+
 
 def _compare(tmp_path, steps, tau):
     cb = ClipampCallback(tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)

@@ -15,6 +15,8 @@ from mlflow import MlflowClient
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # each test runs a Trainer or a loop in a fresh interpreter until it dies
+
 ROOT = Path(__file__).resolve().parents[3]
 
 HF = """

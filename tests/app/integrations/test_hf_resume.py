@@ -25,6 +25,8 @@ from sweep.run.summary import summary_metrics
 
 from .test_hf_trainer import dataset, tiny_llama
 
+pytestmark = pytest.mark.slow  # each test trains a transformers.Trainer, stops it and resumes it
+
 STEPS, SAVE, KILL, TAU = 12, 6, 8, 0.3  # checkpoint at step 6; the run is killed after step 8
 
 

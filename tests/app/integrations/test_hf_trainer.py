@@ -23,6 +23,8 @@ from transformers import (
 
 from sweep.integrations.hf_trainer import ClipampCallback
 
+pytestmark = pytest.mark.slow  # each test trains a transformers.Trainer
+
 V, T, REAL = 96, 16, 12  # vocab, sequence length, real (non -100) labels per row
 
 

@@ -18,6 +18,8 @@ from sweep.run.summary import read_rows  # noqa: E402
 
 from .test_dropin_lightning import LitGPT, _loader  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each test runs a Lightning fit, stops it and resumes it
+
 STEPS, SAVE, KILL, TAU = 12, 6, 8, 0.25  # an epoch is 6 steps: the checkpoint is at its end
 OPTIONS = dict(window=4, quantile=0.95)
 

@@ -158,6 +158,7 @@ def test_repeated_windows_equal_numpy_per_window(tmp_path):
     assert len(rec.clip.drift()) == len(rec.clip.checks()) == 3
 
 
+@pytest.mark.slow  # a 240-step training run
 def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     """A real AmpTrainState run with clip=calibrated (start=auto, LR warm-up, a token-count loss) writes steps.csv;
     the command on that CSV places the window, summarises it (‖g‖·√N_tok quantiles included) and checks the band
@@ -193,6 +194,7 @@ def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     assert rec.findings and rec.findings == diagnose(logs)  # the diagnosis a run's report prints
 
 
+@pytest.mark.slow  # a 500-step training run
 def test_defaults_are_the_runners(tmp_path, capsys):
     """With no option the command calibrates as ``+experiment=calibrate`` and the trainer integrations do
     (``RECOMMENDED``: a 200-step window placed after warm-up, τ aimed at the band's middle): on a real run's
@@ -343,6 +345,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "grad_norm holds negative values (down to -" in _error(capsys, [str(negative)])
 
 
+@pytest.mark.slow  # writes and reads 10 500 TensorBoard events
 def test_every_event_is_read_past_tensorboards_10000_value_reservoir(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 

@@ -83,6 +83,7 @@ def _report(tmp_path, rows, *overrides):
     return metrics
 
 
+@pytest.mark.slow  # a run's figures drawn with matplotlib; test_a_fixed_tau_run_draws… stays fast
 def test_the_quantile_lines_are_the_quantiles_not_their_intervals(tmp_path, figures):
     _report(tmp_path, _rows())
     for name in ("grad_norm.png", "grad_norm_hist.png"):
@@ -104,6 +105,7 @@ def test_a_fixed_tau_run_draws_the_tau_it_clipped_at(tmp_path, figures):
     assert hist["labels"] == ["τ used", "recommended τ"]
 
 
+@pytest.mark.slow  # a run's figures drawn with matplotlib; test_a_fixed_tau_run_draws… stays fast
 def test_an_unclipped_run_draws_no_tau_used(tmp_path, figures):
     _report(tmp_path, _rows(max_norm=None), "clip=none")
     assert figures["grad_norm.png"]["red"] == []

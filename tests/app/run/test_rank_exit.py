@@ -64,7 +64,8 @@ def _run(ending: str, how: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", program, how], cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("ending", ENDINGS)
+#: Two fresh interpreters per ending: one (an exception) stays in the fast subset, the rest are slow.
+@pytest.mark.parametrize("ending", [e if e == "raise" else pytest.param(e, marks=pytest.mark.slow) for e in ENDINGS])
 def test_leaving_is_python_s_own_ending_without_the_teardown(ending):
     reference, left = _run(ending, "plain"), _run(ending, "leave")
     assert "teardown ran" in reference.stdout  # the check below can fail: plain Python does tear down
@@ -75,6 +76,7 @@ def test_leaving_is_python_s_own_ending_without_the_teardown(ending):
     assert left.stderr.splitlines()[-1:] == reference.stderr.splitlines()[-1:]
 
 
+@pytest.mark.slow  # six fresh interpreters
 def test_the_statuses_are_the_ones_python_gives():
     statuses = {ending: _run(ending, "leave").returncode for ending in ENDINGS}
     assert statuses == {"return": 0, "exit 2": 2, "exit None": 0, "exit message": 1, "raise": 1, "Ctrl-C": -2}

@@ -68,6 +68,7 @@ def test_unreachable_tracking_server_message_is_redacted(tmp_path):
     assert res.returncode == 2 and "unreachable" in res.stderr and SECRET not in res.stderr
 
 
+@pytest.mark.slow  # two fresh interpreters importing the app
 @pytest.mark.parametrize("activated", [True, False])
 def test_a_printed_python_command_runs_in_the_shell_as_it_is(tmp_path, activated):
     """A message's ``python -m sweep.report`` ran the shell's ``python``: without the venv activated (the

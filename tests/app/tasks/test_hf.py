@@ -123,6 +123,7 @@ def test_trained_tokenizer_is_cached_and_lossless(corpus, tmp_path):
     assert len(tok) <= 300 and tok.eos_token == D.EOS
 
 
+@pytest.mark.slow  # a training run through the runner
 def test_runner_uses_the_token_mean_over_the_accumulated_batch(corpus, store):
     """steps.csv's first norm is the token-mean gradient norm (transformers' own loss as reference),
     not the sequence-mean one, over both micro-batches together; N_tok is the real token count."""

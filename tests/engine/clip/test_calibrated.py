@@ -145,7 +145,10 @@ def test_records_are_bit_identical_to_the_manual_swap(window, every, cap):
 # -- resume from the checkpoint alone ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kill_after", [1, 2, 3, 5, 6, 9])  # window 1 = steps 1-3, window 2 = 5-7, 9-11
+#: window 1 = steps 1-3, window 2 = 5-7, 9-11; a kill inside each of the first two windows stays in the fast subset
+@pytest.mark.parametrize(
+    "kill_after", [pytest.param(k, marks=() if k in (2, 6) else pytest.mark.slow) for k in (1, 2, 3, 5, 6, 9)]
+)
 def test_resume_from_state_dict_alone_gives_the_uninterrupted_records(kill_after):
     batches = _batches()
     full = _engine(CalibratedClip(3, 4, quantile=0.5, total_steps=TOTAL))
@@ -274,7 +277,10 @@ def test_drift_is_flagged_only_when_the_tau_intervals_separate():
     assert caught == 10
 
 
-@pytest.mark.parametrize("kill_after", [15, 45, 58, 66])  # settle, calibrate, validate, train
+#: settle, calibrate, validate, train; a kill while calibrating stays in the fast subset
+@pytest.mark.parametrize(
+    "kill_after", [pytest.param(k, marks=() if k == 45 else pytest.mark.slow) for k in (15, 45, 58, 66)]
+)
 def test_auto_start_and_validation_resume_from_the_state_dict_alone(kill_after):
     total = 70
     gen = torch.Generator().manual_seed(5)

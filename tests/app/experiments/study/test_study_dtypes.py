@@ -11,6 +11,7 @@ from sweep.experiments.study.storage import load_study
 from tests.app.helpers import compose_cfg
 
 
+@pytest.mark.slow  # creates and reopens Optuna studies in sqlite
 def test_other_dtypes_for_an_existing_study_are_refused_naming_the_stored_ones(tmp_path):
     storage = f"sqlite:///{tmp_path}/optuna.db"
     first = compose_cfg("+experiment=sweep", "study.dtypes=[fp16,bf16]")
