@@ -312,6 +312,10 @@ class FaultsConfig:
     nan_input: list[int] = field(default_factory=list)
 
 
+#: The faults: the step-list fields of ``FaultsConfig`` (the others are their factors).
+FAULTS = tuple(k for k, v in vars(FaultsConfig()).items() if isinstance(v, list))
+
+
 @dataclass
 class DistConfig:
     """Several processes under ``torchrun`` (``sweep.distributed.launch``); ``auto``: ddp there, else none."""

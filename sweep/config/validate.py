@@ -20,7 +20,7 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
-from sweep.config.schema import CALIBRATED, RUNS, CalibrateConfig, ClipConfig, Config, forensics_on
+from sweep.config.schema import CALIBRATED, FAULTS, RUNS, CalibrateConfig, ClipConfig, Config, forensics_on
 from sweep.config.validate_spike import check_spike
 from sweep.distributed.launch import forensics_refusal
 from sweep.errors import UserError
@@ -66,6 +66,10 @@ def check_common(cfg: Config) -> None:
     check_numbers(cfg)
     if cfg.eval_every < 0:
         raise UserError(f"eval_every={cfg.eval_every} must be >= 0 (0: evaluate at the end only)")
+    for name in FAULTS:  # a fault step outside the run never fires: the check it was meant for passes unseen
+        steps = list(getattr(cfg.faults, name))
+        if off := [s for s in steps if not 1 <= s <= cfg.steps]:
+            raise UserError(f"faults.{name}={steps}: step {off[0]} never comes: pass steps from 1 to steps={cfg.steps}")
     if cfg.checkpoint_every < 0:
         raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
     if cfg.device != "cpu" and not _device_available(cfg.device):

@@ -14,10 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sweep.config.schema import FaultsConfig
-
-#: The faults: the step-list fields of ``FaultsConfig`` (the others are their factors).
-FAULTS = tuple(k for k, v in vars(FaultsConfig()).items() if isinstance(v, list))
+from sweep.config.schema import FAULTS, FaultsConfig
 
 
 def _first_trainable(model: nn.Module) -> nn.Parameter:

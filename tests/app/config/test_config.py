@@ -9,6 +9,7 @@ from sweep.config.schema import RUNS
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from sweep.run.build import build_clip_policy
+from sweep.run.faults import FAULTS
 from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
 
 
@@ -462,6 +463,18 @@ def test_a_negative_eval_every_is_refused():
     with pytest.raises(UserError) as e:
         validate(compose_cfg("+experiment=train", "eval_every=-1"))
     assert str(e.value) == "eval_every=-1 must be >= 0 (0: evaluate at the end only)"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_step_the_run_never_reaches_is_refused(fault):
+    """faults.nan_grad=[-3] (or 0, or past ``steps``) passed and the run injected nothing: a fault
+    test that passes because its fault never fired."""
+    validate(compose_cfg("+experiment=train", "steps=50", f"faults.{fault}=[1,50]"))
+    for steps in ([-3], [0], [5, 51]):
+        with pytest.raises(UserError) as e:
+            validate(compose_cfg("+experiment=train", "steps=50", f"faults.{fault}={steps}".replace(" ", "")))
+        bad = next(s for s in steps if not 1 <= s <= 50)
+        assert str(e.value) == f"faults.{fault}={steps}: step {bad} never comes: pass steps from 1 to steps=50"
 
 
 @pytest.mark.slow  # a CLI run
