@@ -36,7 +36,7 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     groups = [g for g in groups if g["params"]]
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
-    if cfg.name == "adam":  # coupled L2: weight decay is added to the gradient (and clipped with it)
+    if cfg.name == "adam":  # coupled L2: Adam adds weight_decay·θ to the gradient in its step, after the clip
         return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
 

@@ -91,6 +91,24 @@ def test_group_files_set_only_what_differs_from_the_schema(group):
             assert value != _schema_default(node, key), f"{path.relative_to(CONF)}: {key}={value!r} is the default"
 
 
+#: The groups whose file picks a choice of the schema: ``GROUP=OPTION`` for each option.
+SELECTORS = {"model": "name", "data": "name", "optim": "name", "amp": "dtype", "clip": "mode", "study": "mode"}
+
+
+@pytest.mark.parametrize("group", sorted(SELECTORS))
+def test_every_choice_of_a_group_is_a_group_option(group):
+    """``optim=adam`` was "Could not find 'optim/adam'" though ``optim.name=adam`` is a choice: each
+    choice is a file of its group, and that file selects it."""
+    key = SELECTORS[group]
+    choices = {f.name: f for f in dataclasses.fields(getattr(Config(), group))}[key].metadata["choices"]
+    files = {p.stem for p in (CONF / group).glob("*.yaml")}
+    assert set(choices) <= files, f"conf/{group}/ has no file for {sorted(set(choices) - files)}"
+    experiment = "+experiment=sweep" if group == "study" else "+experiment=train"
+    for option in choices:
+        cfg = compose_cfg(experiment, f"{group}={option}")
+        assert getattr(getattr(cfg, group), key) == option, (group, option)
+
+
 def _leaves(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
