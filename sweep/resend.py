@@ -19,12 +19,21 @@ from sweep.offline import stay_offline
 from sweep.tracking.outbox import PENDING, read_pending
 from sweep.tracking.tracker import open_client, redact
 
+DESCRIPTION = (
+    "Send what a run kept while its tracking server was away: its metric values, tags, artifacts and its "
+    "end (FINISHED/KILLED/FAILED). Once everything is sent the folder is removed."
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     stay_offline()
-    ap = argparse.ArgumentParser(prog="python -m sweep.resend", description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", type=Path, help="the run's local folder named by the warning")
-    ap.add_argument("--tracking-uri", default=None, help="the MLflow server (default: the run's)")
+    ap = argparse.ArgumentParser(prog="python -m sweep.resend", description=DESCRIPTION)
+    ap.add_argument("folder", type=Path, help="the run's local folder named by the warning (holds pending.json)")
+    ap.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="the MLflow server (default: $MLFLOW_TRACKING_URI, else the run's; its password is not kept: pass it)",
+    )
     args = ap.parse_args(argv)
     pending = args.folder / PENDING
     if not pending.is_file():
