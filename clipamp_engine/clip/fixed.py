@@ -234,13 +234,15 @@ class PerGroupClip(ClipPolicy):
                     "optimizer's param groups given at construction"
                 ) from None
             self._index = torch.tensor(units, dtype=torch.long, device=device)
-            self._tau = torch.tensor(self.max_norms, dtype=torch.float32, device=device)
             self._index_key = key
         return self._index  # type: ignore[return-value]
 
     def clip_(self, params, grads, pre, step):
         norms = per_tensor_norms(grads)
         idx = self._indices(params, norms.device)
+        if self._tau is None or self._tau.device != norms.device or self._tau.dtype != norms.dtype:
+            # τ_j in the norms' dtype: an fp32 τ would round an fp64 run's coefficients (0.3 → 0.30000001)
+            self._tau = torch.tensor(self.max_norms, dtype=norms.dtype, device=norms.device)
         unit_sq = torch.zeros(len(self.max_norms), dtype=norms.dtype, device=norms.device)
         unit_sq.index_add_(0, idx, norms * norms)
         coef = clip_coefficient(unit_sq.sqrt(), self._tau)[idx]  # τ = inf → 1

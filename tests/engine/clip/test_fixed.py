@@ -58,6 +58,21 @@ def test_per_group_clips_each_group_to_its_own_tau_and_changes_direction():
     assert cos < 0.9999  # not a projection: the full gradient's direction changed
 
 
+def test_per_group_fp64_equals_torch_clip_grad_norm_per_group():
+    """An fp64 run's τ_j is not rounded to fp32: each group equals ``clip_grad_norm_(group, τ_j)`` to
+    fp64 rounding (an fp32 τ of 0.3 made the coefficients differ from torch's by 4e-8 relative)."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 4, generator=gen, dtype=torch.float64) for _ in range(3)]
+    ours, ref = _params_with_grads(*grads), _params_with_grads(*grads)
+    opt = torch.optim.SGD([{"params": ours[:2]}, {"params": ours[2:]}], lr=0.1)
+    _clip(make_clip_policy("per_group", max_norms=[0.3, 0.1], optimizer=opt), ours)
+    torch.nn.utils.clip_grad_norm_(ref[:2], 0.3)
+    torch.nn.utils.clip_grad_norm_(ref[2:], 0.1)
+    for a, b in zip(ours, ref):
+        assert a.grad.dtype == torch.float64
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=0)
+
+
 def test_per_group_patterns_by_name_and_rest_untouched():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     for p in model.parameters():
