@@ -270,11 +270,11 @@ def check_calibrator_options(quantile: float, candidates: Any, confidence: Any) 
         )
 
 
-def check_checkpoint_fits(state: dict[str, Any], dtype: str, scheduled: bool) -> None:
+def check_checkpoint_fits(state: dict[str, Any], dtype: str, scheduled: bool, clip: Any = None) -> None:
     """``AmpTrainState.load_state_dict``: a checkpoint of another dtype, or with a schedule where the
     state has none (or the reverse), would drop or invent a loss scale or a schedule; one that lacks
-    the state's own entries (another loop's: nanoGPT's ``model``, ``optimizer``, ``iter_num``) is
-    refused before anything loads."""
+    the state's own entries (another loop's: nanoGPT's ``model``, ``optimizer``, ``iter_num``), or whose
+    clip state is another policy's (``check_clip_state_fits``), is refused before anything loads."""
     missing = [k for k in ("scaler", "clip", "skip_monitor", "clip_monitor", "step_count") if k not in state]
     if missing:
         raise ValueError(
@@ -293,6 +293,24 @@ def check_checkpoint_fits(state: dict[str, Any], dtype: str, scheduled: bool) ->
         raise ValueError(
             f"the checkpoint {has} LR scheduler state and this AmpTrainState "
             f"{'has a' if scheduled else 'has no'} scheduler: build it as the run was built"
+        )
+    if clip is not None:
+        check_clip_state_fits(state["clip"], clip)
+
+
+def check_clip_state_fits(saved: Any, clip: Any) -> None:
+    """A clip state saved by another policy: a stateful policy's (AutoClip's history, a calibrated
+    window and its τ, DP-SGD's noise generator) would be dropped silently by a policy that keeps none,
+    or fail deep inside ``load_state_dict`` (a ``KeyError``) after the model had been loaded."""
+    own = set(clip.state_dict())
+    saved_keys = set(saved) if isinstance(saved, dict) else set()
+    foreign = sorted(saved_keys - own)
+    if foreign or (own and not saved_keys):
+        held = f"state {', '.join(foreign)}" if foreign else "no state"
+        raise ValueError(
+            f"the checkpoint's clip policy holds {held}, which this AmpTrainState's clip={clip.mode!r} "
+            f"({type(clip).__name__}) {'does not keep' if foreign else 'needs'}: it was saved by another clip "
+            "mode (nothing was loaded); build the AmpTrainState with the clip policy the run was saved with"
         )
 
 

@@ -382,7 +382,7 @@ class AmpTrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` if it fits (``check_checkpoint_fits``); ``model``/``optimizer`` entries
         missing are left alone (FSDP2 shards are restored through ``torch.distributed.checkpoint``)."""
-        check_checkpoint_fits(state, self.dtype, self.scheduler is not None)
+        check_checkpoint_fits(state, self.dtype, self.scheduler is not None, self.clip)
         if "model" in state:
             unwrap(self.model).load_state_dict(state["model"])
         if "optimizer" in state:

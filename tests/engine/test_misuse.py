@@ -353,3 +353,38 @@ def test_trainable_parameters_the_optimizer_does_not_hold_are_named_in_a_warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AmpTrainState(model, torch.optim.SGD(model[2].parameters(), lr=0.1), F.mse_loss, dtype="fp32")
+
+
+@pytest.mark.parametrize(
+    ("saved_mode", "resumed_mode", "message"),
+    [
+        (
+            "calibrated",
+            "norm",
+            r"holds state calibrator, .*which this AmpTrainState's clip='norm' \(GlobalNormClip\) does not keep",
+        ),
+        (
+            "norm",
+            "calibrated",
+            r"holds no state, which this AmpTrainState's clip='calibrated' \(CalibratedClip\) needs",
+        ),
+        ("zscore", "quantile", r"holds state mean, var, warmup_norms, which .*clip='quantile'"),
+        ("dpsgd", "norm", r"holds state generator, which .*clip='norm'"),
+    ],
+)
+def test_a_checkpoint_of_another_clip_mode_is_refused_before_anything_loads(saved_mode, resumed_mode, message):
+    """Resuming with another clip policy dropped a calibrated window and its τ (or DP-SGD's noise stream)
+    silently, or raised a bare ``KeyError`` from the policy after the model had been overwritten."""
+
+    def build(mode):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, AmpTrainState(model, opt, F.mse_loss, dtype="fp32", clip=make_clip_policy(mode))
+
+    _, source = build(saved_mode)
+    source.step(*_batch())
+    model, target = build(resumed_mode)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=message + r".*nothing was loaded\); build the AmpTrainState with the clip"):
+        target.load_state_dict(source.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and target.step_count == 0
