@@ -32,9 +32,13 @@ class GlobalNormClip(GlobalCoefficientClip):
     mode = "norm"
 
     def __init__(self, max_norm: float = 1.0) -> None:
-        if not max_norm > 0:
+        try:
+            tau = float(max_norm)  # a str or None is refused here, not by a TypeError from the comparison
+        except (TypeError, ValueError):
+            tau = math.nan
+        if not tau > 0:
             raise ValueError(f"max_norm={max_norm!r} must be > 0 (use clip mode 'none' to disable clipping)")
-        self.max_norm = float(max_norm)
+        self.max_norm = tau
 
     def coefficient(self, pre, step):
         return clip_coefficient(pre, self.max_norm)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -36,6 +38,9 @@ def test_unknown_option_lists_the_modes_options():
         ("agc", {"exclude": ["bias"]}, "named_params"),
         ("per_group", {}, "optimizer"),
         ("update", {"max_update_norm": -1}, "max_update_norm"),
+        ("norm", {"max_norm": "x"}, r"^max_norm='x' must be > 0 \(use clip mode 'none'"),
+        ("norm", {"max_norm": None}, r"^max_norm=None must be > 0 \(use clip mode 'none'"),
+        ("norm", {"max_norm": math.nan}, r"^max_norm=nan must be > 0"),
     ],
 )
 def test_bad_option_values_are_value_errors(mode, options, match):
