@@ -35,6 +35,9 @@ def _describe(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {', '.join(_describe(v) for v in value) or 'nothing'}"
+    if isinstance(value, Mapping):  # its keys, and its 'loss' if any (a ModelOutput leaves out a None one)
+        keys = f"a {type(value).__name__} with keys {', '.join(map(repr, value)) or '(none)'}"
+        return f"{keys} ('loss' is {_describe(value['loss'])})" if "loss" in value else f"{keys} and no 'loss'"
     return "None" if value is None else f"a {type(value).__name__}"
 
 
@@ -42,11 +45,12 @@ def _is_loss(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
-def model_loss(output: Any) -> torch.Tensor:
+def model_loss(output: Any, without_targets: bool = False) -> torch.Tensor:
     """The scalar loss in a model's output (a tuple, a mapping, or an object with ``.loss``).
 
     Raises:
-        ValueError: no single scalar loss in ``output``; the message names the expected forms.
+        ValueError: no single scalar loss in ``output``; the message names the expected forms (and,
+            ``without_targets``, that the model was called without targets, the likely cause).
     """
     if isinstance(output, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
         loss = output.get("loss")
@@ -59,6 +63,12 @@ def model_loss(output: Any) -> torch.Tensor:
         raise ValueError(
             f"the model computes its own loss (loss_fn=None) but returned {_describe(output)}: "
             f"expected {EXPECTED_MODEL_OUTPUT}"
+            + (
+                "; it was called without targets (targets=None): pass them, state.step(inputs, targets), "
+                "or a batch that holds its 'labels'"
+                if without_targets
+                else ""
+            )
         )
     return loss
 
@@ -89,9 +99,9 @@ def loss_function(model: nn.Module, loss_fn: Callable[[Any, Any], Any] | None) -
                     "the batch holds 'labels' and targets were given too: pass targets=None to train on the "
                     "batch's own labels (state.step(batch, None)), or leave 'labels' out of the batch"
                 )
-            return model_loss(model(**x) if y is None else model(**x, labels=y))
+            return model_loss(model(**x) if y is None else model(**x, labels=y), y is None and "labels" not in x)
         if y is None:
-            return model_loss(model(x))
+            return model_loss(model(x), without_targets=True)
         return model_loss(model(x, labels=y) if by_name else model(x, y))
 
     by_name = _labels_by_name(params)

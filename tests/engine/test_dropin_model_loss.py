@@ -91,7 +91,8 @@ def test_each_output_form_trains_and_equals_the_same_loss_through_loss_fn(wrap, 
         (lambda p, loss: p, "a tensor of shape (8, 1)"),
         (lambda p, loss: (p, None), "a tuple of a tensor of shape (8, 1), None"),
         (lambda p, loss: (loss, loss), "a tuple of a tensor of shape (), a tensor of shape ()"),
-        (lambda p, loss: {"logits": p}, "a dict"),
+        (lambda p, loss: {"logits": p}, "a dict with keys 'logits' and no 'loss'"),
+        (lambda p, loss: {"logits": p, "loss": None}, "a dict with keys 'logits', 'loss' ('loss' is None)"),
         (lambda p, loss: SimpleNamespace(loss=None), "a SimpleNamespace"),
     ],
 )
@@ -101,6 +102,36 @@ def test_a_wrong_model_output_is_one_line_naming_the_expected_forms(wrap, got):
     msg = f"the model computes its own loss (loss_fn=None) but returned {got}: expected {EXPECTED_MODEL_OUTPUT}"
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         state.step(torch.randn(8, 4), torch.randn(8, 1))
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict", "ModelOutput", "mapping batch"])
+def test_a_model_called_without_targets_says_so(form):
+    """``state.step(x, None)`` by mistake: the model's loss slot is None (nanoGPT's ``(logits, None)``, a Hugging
+    Face output without ``loss``), and the message named the expected forms only, not the missing targets."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    wrap = {
+        "tuple": lambda p, loss: (p, loss),
+        "dict": lambda p, loss: {"logits": p, "loss": loss},
+        "ModelOutput": lambda p, loss: CausalLMOutput(loss=loss, logits=p),
+        "mapping batch": lambda p, loss: {"logits": p, "loss": loss},
+    }[form]
+
+    class NoTargets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels=None):
+            p = self.lin(x)
+            return wrap(p, None if labels is None else F.mse_loss(p, labels))
+
+    model = NoTargets()
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype="fp32")
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"; it was called without targets \(targets=None\): pass them, state.step"):
+        state.step({"x": x} if form == "mapping batch" else x, None)
+    assert state.step({"x": x} if form == "mapping batch" else x, torch.randn(8, 1)).step == 1
 
 
 def test_a_loss_fn_returning_none_names_the_forms_and_loss_fn_none():
