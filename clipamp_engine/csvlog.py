@@ -17,16 +17,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .records import CANONICAL_COLUMNS, StepLog
 
 DEFAULT_EXTRA_COLUMNS = ("clipped", "token_count", "max_norm")
 
 
 def _format(value: Any) -> str:
+    """A field: a number as Python writes it (shortest round-trip repr), numpy scalars and one-element tensors
+    included (their own repr, ``np.float64(0.1)`` or ``tensor(0.2500)``, is no number, and rounds)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    elif type(value).__module__ == "numpy" and getattr(value, "size", 0) == 1:  # (numpy is not imported here)
+        value = value.item()
     if value is None:
         return ""
     if isinstance(value, float):
-        return repr(value)
+        return repr(float(value))
     return str(value)
 
 

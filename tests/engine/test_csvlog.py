@@ -253,3 +253,20 @@ def test_a_row_without_a_step_is_named_and_changes_nothing(tmp_path):
         assert path.read_bytes() == before
         w.write(_log(2))
     assert pd.read_csv(path)["step"].tolist() == [1, 2]
+
+
+def test_numpy_scalars_and_one_element_tensors_are_written_as_numbers(tmp_path):
+    """A mapping row (or a forensics column) holding ``np.float64(0.1)`` or ``torch.tensor(0.25)`` was written as
+    their repr, ``np.float64(0.1)`` and ``tensor(0.2500)``: no number for any CSV reader, and rounded to 4 digits."""
+    import numpy as np
+    import torch
+
+    path = tmp_path / "steps.csv"
+    third = float(torch.tensor(1 / 3, dtype=torch.float32))
+    with StepCSVWriter(path) as w:
+        w.write({"step": np.int64(1), "lr": np.float64(0.1), "loss": torch.tensor(1 / 3), "val": np.float32(1.5)})
+        w.write(_log(2).with_extra(val=torch.tensor([2.5], dtype=torch.float64), flag=np.bool_(True)))
+    df = pd.read_csv(path)
+    assert df["step"].tolist() == [1, 2] and df["lr"].tolist() == [0.1, 1e-3]
+    assert df["loss"].iloc[0] == third  # every digit of the fp32 value, not 0.3333
+    assert df["val"].tolist() == [1.5, 2.5] and df["flag"].iloc[1] == True  # noqa: E712
