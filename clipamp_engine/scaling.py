@@ -10,6 +10,8 @@ References:
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -32,8 +34,30 @@ class LossScaler(torch.amp.GradScaler):
     ``GradScaler.update()`` asserts that an inf check ran this iteration; a step skipped for a
     non-finite loss never reaches ``unscale_``, so ``back_off()`` applies the overflow rule
     (scale × backoff_factor, growth tracker reset) through the public state dict instead.
-    Disabled (bf16/fp32) it is a no-op like the parent.
+    Disabled (bf16/fp32) it is a no-op like the parent. Enabled, its settings are checked here (one
+    ``ValueError`` each): ``GradScaler`` asserts only the factors, and takes an ``init_scale`` of 0, inf or
+    NaN (every step skipped, the scale stuck) or a ``growth_interval`` of 0 (the scale never grows).
     """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if enabled:
+            check_scaler_settings(init_scale, growth_factor, backoff_factor, growth_interval)
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
 
     def back_off(self) -> None:
         if not self.is_enabled():
@@ -61,6 +85,20 @@ class LossScaler(torch.amp.GradScaler):
 
     def poll(self) -> None:
         """Bring host-side state up to date with the device (``AmpTrainState.flush`` calls it); nothing here."""
+
+
+def check_scaler_settings(init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
+    """``LossScaler``'s settings, each refused in one line naming its valid range."""
+    if not (isinstance(init_scale, numbers.Real) and 0 < init_scale <= FP32_MAX):
+        raise ValueError(f"init_scale={init_scale!r} must be a number > 0 that fits in fp32 (e.g. 2.0**16)")
+    if not (isinstance(growth_factor, numbers.Real) and 1 < growth_factor < math.inf):
+        raise ValueError(f"growth_factor={growth_factor!r} must be a finite number > 1 (e.g. 2.0)")
+    if not (isinstance(backoff_factor, numbers.Real) and 0 < backoff_factor < 1):
+        raise ValueError(f"backoff_factor={backoff_factor!r} must be in (0, 1) (e.g. 0.5)")
+    if isinstance(growth_interval, bool) or not (
+        isinstance(growth_interval, numbers.Integral) and growth_interval >= 1
+    ):
+        raise ValueError(f"growth_interval={growth_interval!r} must be an integer >= 1 (clean steps before a growth)")
 
 
 class LossScaleFloorWarning(RuntimeWarning):

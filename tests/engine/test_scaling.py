@@ -105,6 +105,27 @@ def test_invalid_settings_are_value_errors():
         HysteresisScaler("cpu", init_scale=2.0**30, max_scale=2.0**24)
 
 
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"init_scale": 0}, r"^init_scale=0 must be a number > 0 that fits in fp32"),
+        ({"init_scale": float("inf")}, r"^init_scale=inf must be a number > 0"),
+        ({"init_scale": float("nan")}, r"^init_scale=nan must be a number > 0"),
+        ({"growth_interval": 0}, r"^growth_interval=0 must be an integer >= 1"),
+        ({"growth_factor": 0.5}, r"^growth_factor=0.5 must be a finite number > 1"),
+        ({"backoff_factor": 2.0}, r"^backoff_factor=2.0 must be in \(0, 1\)"),
+    ],
+)
+@pytest.mark.parametrize("cls", [LossScaler, HysteresisScaler])
+def test_a_loss_scaler_that_could_not_train_is_refused(cls, setting, message):
+    """``LossScaler('cpu', init_scale=0)`` (or inf, NaN) skipped every fp16 step with the scale stuck, and
+    ``growth_interval=0`` never grew the scale, silently; torch asserts only the two factors."""
+    with pytest.raises(ValueError, match=message):
+        cls("cpu", **setting)
+    if cls is LossScaler:  # disabled (bf16/fp32): a no-op, as GradScaler (HysteresisScaler checks its range anyway)
+        cls("cpu", enabled=False, **setting)
+
+
 def test_plugs_into_amp_train_state_fp16():
     """fp16 on CPU with an absurd initial scale: gradients overflow until the scale comes down.
     With hysteresis 2 the first overflow is absorbed (scale kept), later ones halve it, and
