@@ -323,7 +323,7 @@ class AmpTrainState:
         extra = self.forensics.after_step(params, self.optimizer)
         self.scaler.update()
         names = list(clip_extra)
-        added = (full_tensor(torch.as_tensor(clip_extra[n], dtype=torch.float32)).to(pre.device) for n in names)
+        added = (full_tensor(torch.as_tensor(clip_extra[n], dtype=pre.dtype)).to(pre.device) for n in names)
         pre_f, post_f, *values = torch.stack([pre, post, *added]).tolist()  # sync: the record
         log = StepLog(
             step=self.step_count,

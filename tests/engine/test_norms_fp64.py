@@ -324,3 +324,34 @@ def test_an_fp64_model_with_accumulation_equals_the_canonical_loop(k):
     assert [log.grad_l2_pre_clip for log in logs] == norms
     assert [log.loss for log in logs] == pytest.approx(losses, rel=1e-15)  # not rounded to fp32 (≈1e-8)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_an_fp64_models_update_norm_columns_stay_fp64():
+    """``clip=update`` on an fp64 model: ``update_l2_pre_clip`` equals the norm of AdamW's own data update
+    (decoupled decay apart) to fp64 rounding; it was rounded to fp32 on its way into the record (2e-8 off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    ref = copy.deepcopy(model)
+    lr, wd = 0.05, 0.1
+    state = AmpTrainState(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd),
+        nn.functional.mse_loss,
+        dtype="fp32",
+        clip=make_clip_policy("update", max_update_norm=1e3),  # never clips: the ref needs no clip
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = (
+            torch.randn(8, 4, generator=gen, dtype=torch.float64),
+            torch.randn(8, 1, generator=gen, dtype=torch.float64),
+        )
+        record = state.step(x, y)
+        nn.functional.mse_loss(ref(x), y).backward()
+        before = [p.detach().clone() for p in ref.parameters()]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        data = [p.detach() - b * (1 - lr * wd) for p, b in zip(ref.parameters(), before)]
+        want = float(torch.linalg.vector_norm(torch.cat([d.flatten() for d in data])))
+        assert record.extra["update_l2_pre_clip"] == pytest.approx(want, rel=1e-12, abs=0)
