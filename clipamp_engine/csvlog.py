@@ -83,6 +83,7 @@ class StepCSVWriter:
         self._file = None
         self._rewrite: str | None = None  # resume: the file without its torn tail, written on the first row
         self._refused = False
+        self._closed = False
         existing = self._existing_header() if self.path.exists() else None
         if existing and mode == "new":
             raise ValueError(f"{self.path} already exists: pass mode='overwrite' to replace it or mode='resume'")
@@ -158,13 +159,26 @@ class StepCSVWriter:
 
         A step not after the last one written is refused (``ValueError``) before the file changes.
         """
+        if self._closed:
+            raise ValueError(
+                f"{self.path} is closed: write inside the `with StepCSVWriter(...)` block, or reopen it with "
+                "StepCSVWriter(path, mode='resume') to add rows"
+            )
+        if not isinstance(record, (StepLog, Mapping)):
+            raise ValueError(
+                f"write takes a StepLog/SkipLog or a mapping of columns, not a {type(record).__name__} (the file is "
+                "unchanged)"
+            )
         row = record.row() if isinstance(record, StepLog) else dict(record)
         if row.get("step") is None:
             raise ValueError(
                 f"a row without a step: got columns {', '.join(map(str, row)) or 'none'}; write a StepLog/SkipLog "
                 f"or a mapping with 'step' (the file is unchanged)"
             )
-        step = int(row["step"])
+        try:
+            step = int(row["step"])
+        except (TypeError, ValueError):
+            raise ValueError(f"step={row['step']!r} is not a step number (the file is unchanged)") from None
         if self.last_step is not None and step <= self.last_step:
             self._refused = True
             raise ValueError(
@@ -201,6 +215,7 @@ class StepCSVWriter:
             self._apply_rewrite()
         if self._file is not None:
             self._file.close()
+        self._closed = True
 
     def __enter__(self) -> StepCSVWriter:
         return self

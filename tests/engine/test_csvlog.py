@@ -270,3 +270,27 @@ def test_numpy_scalars_and_one_element_tensors_are_written_as_numbers(tmp_path):
     assert df["step"].tolist() == [1, 2] and df["lr"].tolist() == [0.1, 1e-3]
     assert df["loss"].iloc[0] == third  # every digit of the fp32 value, not 0.3333
     assert df["val"].tolist() == [1.5, 2.5] and df["flag"].iloc[1] == True  # noqa: E712
+
+
+@pytest.mark.parametrize(
+    "misuse, message",
+    [
+        ("after close", r"is closed: write inside the `with StepCSVWriter\(...\)` block, or reopen it with .*resume"),
+        ("a float", r"^write takes a StepLog/SkipLog or a mapping of columns, not a float \(the file is unchanged\)$"),
+        ("a bad step", r"^step='one' is not a step number \(the file is unchanged\)$"),
+    ],
+)
+def test_a_misused_writer_says_what_to_do_and_changes_nothing(tmp_path, misuse, message):
+    """Writing after ``close`` read ``I/O operation on closed file.``; a float ``'float' object is not iterable``;
+    a step that is no number ``invalid literal for int() with base 10``."""
+    path = tmp_path / "steps.csv"
+    writer = StepCSVWriter(path)
+    writer.write(_log(1))
+    if misuse == "after close":
+        writer.close()
+    before = path.read_bytes()
+    record = {"after close": _log(2), "a float": 3.0, "a bad step": {"step": "one", "loss": 1.0}}[misuse]
+    with pytest.raises(ValueError, match=message):
+        writer.write(record)
+    writer.close()
+    assert path.read_bytes() == before
