@@ -181,7 +181,9 @@ class DPSGDClip(ClipPolicy):
     loss is taken per example as its token mean.
 
     Args:
-        max_norm: C (> 0), the per-example bound.
+        max_norm: C (> 0): the per-example bound; with ``per_layer`` the bound of each of the L
+            parameter tensors, so an example's whole gradient is bounded by C·√L, the sensitivity
+            the noise is scaled to (``dp_sgd_grads``).
         noise_multiplier: σ (≥ 0).
         per_layer: clip each parameter tensor separately (see ``dp_sgd_grads``).
         seed: seeds the policy's own CPU generator, which draws the noise when the model is on the
