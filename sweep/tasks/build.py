@@ -79,6 +79,15 @@ def _check_data_cfg(d: DataConfig) -> None:
     ef = d.eval_fraction
     if not 0.0 < float(ef) < 1.0:
         raise UserError(f"data.eval_fraction={ef!r} is not in (0, 1): pass e.g. data.eval_fraction=0.05")
+    # a file named under the other data's key would be ignored: the run trains on something else
+    if d.path is not None and d.name != "text":
+        fix = f"data.files={d.path} (data=hf reads its files there)" if d.name == "hf" else "data=text, or drop it"
+        raise UserError(f"data.path={d.path!r} is read by data=text only, not data={d.name}: pass {fix}")
+    if d.files and d.name != "hf":
+        raise UserError(
+            f"data.files={d.files!r} is read by data=hf only, not data={d.name}: pass data=hf (with model=hf), "
+            "or data=text data.path=FILE"
+        )
 
 
 def _build_model(m: ModelConfig, seq_len: int) -> tuple[nn.Module, Callable | None]:

@@ -190,6 +190,25 @@ def test_user_errors_name_the_value(corpus, overrides, match):
         build_task(cfg.model, cfg.data, seed=0)
 
 
+def test_a_file_under_the_other_datas_key_is_refused_not_replaced(corpus):
+    """``data=hf data.path=FILE`` (data=text's key) used to train on the standard-library corpus
+    instead of FILE, saying nothing; ``data.files`` under another data was ignored the same way."""
+    from sweep.errors import UserError
+
+    for overrides, said in (
+        (
+            ["data=hf", f"data.path={corpus}"],
+            f"data.path='{corpus}' is read by data=text only, not data=hf: pass data.files={corpus} ",
+        ),
+        (["data=stdlib", f"data.files={corpus}"], f"data.files='{corpus}' is read by data=hf only, not data=stdlib"),
+        (["data=text", f"data.path={corpus}", f"data.files={corpus}"], "' is read by data=hf only, not data=text"),
+    ):
+        cfg = compose_cfg("+experiment=train", "model=hf_llama", "data.vocab_size=300", "data.max_files=20", *overrides)
+        with pytest.raises(UserError) as e:
+            build_task(cfg.model, cfg.data, seed=0)
+        assert said in str(e.value) and "\n" not in str(e.value)
+
+
 def test_not_a_model_dir_and_empty_dataset(tmp_path, corpus):
     from sweep.errors import UserError
 

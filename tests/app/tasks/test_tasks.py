@@ -220,6 +220,8 @@ def test_custom_loss_target_is_used():
         (dict(name="lstm"), dict(name="synthetic"), r"model=lstm needs byte data"),
         (dict(name="gpt", d_model=30, n_head=4), {}, r"model.d_model=30 is not divisible by model.n_head=4"),
         (TINY_GPT, dict(batch_size=0), r"data.batch_size=0 must be a positive integer"),
+        (TINY_GPT, dict(path="my.txt"), r"data.path='my.txt' is read by data=text only, not data=stdlib"),
+        (TINY_GPT, dict(files="my.jsonl"), r"data.files='my.jsonl' is read by data=hf only, not data=stdlib"),
     ],
 )
 def test_user_errors_are_one_line_value_errors(model, dkw, match):
