@@ -164,16 +164,28 @@ def load_tokenizer(path: str | os.PathLike, key: str):
             f"{key}={str(path)!r} is not a local directory: clipamp runs offline and never "
             "downloads; pass a directory written by tokenizer.save_pretrained()"
         )
+    if not has_tokenizer(p):  # else transformers may build an empty one from a model's config.json
+        raise UserError(
+            f"{key}={str(path)!r} has no tokenizer.json or tokenizer_config.json: pass a directory written "
+            "by tokenizer.save_pretrained()"
+        )
     offline()
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:
         raise UserError(
             f"{key}={str(path)!r} holds no loadable tokenizer ({one_line(e, 300)}): pass a "
             "directory written by tokenizer.save_pretrained()"
         ) from None
+    # its vocabulary files missing, transformers 5 builds the class tokenizer_config.json names, empty
+    if not tok("Hello, world.", add_special_tokens=False)["input_ids"]:
+        raise UserError(
+            f"{key}={str(path)!r} holds no tokenizer vocabulary ({type(tok).__name__} of {len(tok)} tokens "
+            "encodes text to nothing): pass a directory written by tokenizer.save_pretrained()"
+        )
+    return tok
 
 
 def _cache_root(d: DataConfig, files: list[Path]) -> Path:

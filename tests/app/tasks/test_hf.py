@@ -209,6 +209,33 @@ def test_a_file_under_the_other_datas_key_is_refused_not_replaced(corpus):
         assert said in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_directory_without_a_tokenizer_is_refused_as_such(tmp_path, corpus):
+    """``data.tokenizer=`` a model directory saved without its tokenizer: transformers 5 builds its
+    config's tokenizer class with an empty vocabulary, every document became nothing and the run said
+    "the corpus has 0 usable document(s)". Refused instead, naming the tokenizer directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sweep.errors import UserError
+
+    model_dir, vocabless = tmp_path / "model", tmp_path / "vocabless"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        model_dir
+    )
+    vocabless.mkdir()
+    (vocabless / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    for where, said in (
+        (model_dir, f"data.tokenizer='{model_dir}' has no tokenizer.json or tokenizer_config.json: pass"),
+        (vocabless, f"data.tokenizer='{vocabless}' holds no tokenizer vocabulary (GPT2Tokenizer of"),
+    ):
+        with pytest.raises(UserError) as e:
+            build_task(
+                ModelConfig(name="hf", config=dict(TINY_LLAMA)),
+                DataConfig(name="hf", files=str(corpus), tokenizer=str(where)),
+                seed=0,
+            )
+        assert said in str(e.value), str(e.value)
+
+
 def test_not_a_model_dir_and_empty_dataset(tmp_path, corpus):
     from sweep.errors import UserError
 
