@@ -171,12 +171,25 @@ def _check_names(mname: str, dname: str) -> None:
         )
 
 
+def _check_hf_keys(m: ModelConfig, d: DataConfig) -> None:
+    """model=hf's own keys under another model would be ignored: a byte-level model trained from scratch."""
+    given = [f"model.{k}" for k in ("pretrained", "config") if getattr(m, k) and m.name in ("gpt", "lstm", "linear")]
+    given += [f"data.{k}" for k in ("tokenizer", "cache_dir") if getattr(d, k) and m.name != "hf"]
+    if given:
+        raise UserError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for model=hf, not model={m.name} (which "
+            f"would ignore {'it' if len(given) == 1 else 'them'}): pass model=hf (or hf_llama, hf_gpt2), or drop "
+            f"{'it' if len(given) == 1 else 'them'}"
+        )
+
+
 def build_task(model_cfg: Any, data_cfg: Any, *, seed: int, device: str | torch.device = "cpu") -> Task:
     """Build the model (initialised from ``seed``), its loss and seeded train/eval batches."""
     model_cfg, data_cfg = _as(ModelConfig, model_cfg), _as(DataConfig, data_cfg)
     mname, dname = model_cfg.name, data_cfg.name
     _check_names(mname, dname)
     _check_data_cfg(data_cfg)
+    _check_hf_keys(model_cfg, data_cfg)
     if mname == "hf":
         from .hf import hf_task
         from .hf_model import describe

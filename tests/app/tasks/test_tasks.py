@@ -222,6 +222,9 @@ def test_custom_loss_target_is_used():
         (TINY_GPT, dict(batch_size=0), r"data.batch_size=0 must be a positive integer"),
         (TINY_GPT, dict(path="my.txt"), r"data.path='my.txt' is read by data=text only, not data=stdlib"),
         (TINY_GPT, dict(files="my.jsonl"), r"data.files='my.jsonl' is read by data=hf only, not data=stdlib"),
+        ({**TINY_GPT, "pretrained": "ft"}, {}, r"^model.pretrained is for model=hf, not model=gpt \(which would"),
+        (dict(name="lstm", config={"hidden_size": 64}), {}, r"^model.config is for model=hf, not model=lstm"),
+        (TINY_GPT, dict(tokenizer="tok", cache_dir="c"), r"^data.tokenizer, data.cache_dir are for model=hf, not"),
     ],
 )
 def test_user_errors_are_one_line_value_errors(model, dkw, match):
