@@ -159,6 +159,26 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def scheduler_mark(scheduler: Any) -> tuple[int, Any] | None:
+    """Which scheduler the state holds and its ``last_epoch`` (``None`` without one)."""
+    return None if scheduler is None else (id(scheduler), getattr(scheduler, "last_epoch", None))
+
+
+def check_scheduler_untouched(scheduler: Any, seen: tuple[int, Any] | None) -> None:
+    """Before a step: the scheduler is where the state left it. A loop that also calls ``scheduler.step()``
+    (a habit kept when adopting ``AmpTrainState(scheduler=...)``) runs the schedule twice as fast, and a
+    scheduler restored behind the state's back is not followed by the fused path's device schedule.
+    One swapped in (``state.scheduler = ...``, ``None`` to drop it) is the user's to place."""
+    now = scheduler_mark(scheduler)
+    if now is not None and seen is not None and now[0] == seen[0] and now[1] != seen[1]:
+        raise ValueError(
+            f"scheduler={type(scheduler).__name__} was stepped or restored outside AmpTrainState (last_epoch "
+            f"{now[1]}, the state left it at {seen[1]}): the state steps it after each taken update, so drop your "
+            "scheduler.step() (or pass scheduler=None and step it yourself), and restore it before building "
+            "the state or through state.load_state_dict"
+        )
+
+
 def _required_positionals(fn: Any) -> list[str]:
     """The positional parameters of ``fn`` without a default (an unreadable signature counts as none)."""
     try:

@@ -144,6 +144,17 @@ DEFAULT_FACTOR_RECIPE = "grad_scale"
 RECIPES = ("grad_scale", "multiply")
 
 
+def refit_recipe(optimizer: torch.optim.Optimizer, clip: ClipPolicy, params: Sequence[torch.Tensor]) -> str:
+    """The fused path's recipe after the optimizer's param groups changed; ``ValueError`` when it cannot take them."""
+    refusal = fused_path_refusal(optimizer, clip, forensics=False)
+    if refusal is not None:
+        raise ValueError(
+            f"the optimizer's param groups changed and the fused path cannot run for them: {refusal}; "
+            "build AmpTrainState with fused=False to take any param group"
+        )
+    return factor_recipe(params)
+
+
 def factor_recipe(params: Sequence[torch.Tensor]) -> str:
     """The recipe for ``params``: ``"grad_scale"`` if every (device type, dtype) among them takes it, else
     ``"multiply"`` (one optimizer call takes one ``grad_scale``; the multiply is right for every dtype)."""

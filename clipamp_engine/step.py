@@ -29,16 +29,18 @@ from .checks import (
     check_checkpoint_fits,
     check_scheduler,
     check_scheduler_groups,
+    check_scheduler_untouched,
     check_setup,
     check_sharding,
     model_device_type,
+    scheduler_mark,
 )
 from .clip.base import ClipPolicy
 from .clip.fixed import GlobalNormClip
 from .clip.registry import whole_param_modes
 from .distributed import GlobalBatchLoss, replicas_of, unwrap
 from .forensics import NoForensics
-from .fused import RecordBuffer, factor_recipe, flush_window, fused_path_refusal
+from .fused import RecordBuffer, factor_recipe, flush_window, fused_path_refusal, refit_recipe
 from .fused_step import fused_step
 from .gradients import GradientSource, ScaledBackward
 from .micro_batches import batch_size as _batch_size
@@ -173,6 +175,7 @@ class AmpTrainState:
     @log_every.setter
     def log_every(self, value: int) -> None:
         self._log_every, self._device_lr = flush_window(value, len(self._pending), self.pipeline, self.scheduler)
+        self._scheduler_seen = scheduler_mark(self.scheduler)  # where the next step expects the scheduler
 
     @property
     def gradients(self) -> GradientSource:
@@ -222,6 +225,7 @@ class AmpTrainState:
             except Exception as e:
                 e.records = records  # type: ignore[attr-defined]
                 raise
+        self._scheduler_seen = scheduler_mark(self.scheduler)
         for record in records:
             try:
                 self.clip.observe(record)  # e.g. a calibration window closes
@@ -238,6 +242,7 @@ class AmpTrainState:
         return records
 
     def _run(self, inputs: Any, targets: Any) -> None:
+        check_scheduler_untouched(self.scheduler, self._scheduler_seen)
         if param_groups_key(self.optimizer) != self._groups_key:
             self._follow_param_groups()
         self.step_count, self._updated = self.step_count + 1, False  # _updated: its optimizer pass ran
@@ -254,6 +259,7 @@ class AmpTrainState:
             raise
         finally:
             self.replicas.zero_grad(self.optimizer, aborted=not self._updated)  # FSDP2: unreduced ones too
+            self._scheduler_seen = scheduler_mark(self.scheduler)
 
     def _follow_param_groups(self) -> None:
         """The optimizer's parameters changed since the last step (``add_param_group``, say): norm, check
@@ -262,13 +268,7 @@ class AmpTrainState:
         check_scheduler_groups(self.scheduler, self.optimizer)
         params = optimizer_params_in_model_order(self.model, self.optimizer)
         if self.pipeline == "fused":
-            refusal = fused_path_refusal(self.optimizer, self.clip, forensics=False)
-            if refusal is not None:
-                raise ValueError(
-                    f"the optimizer's param groups changed and the fused path cannot run for them: {refusal}; "
-                    "build AmpTrainState with fused=False to take any param group"
-                )
-            self.fused_recipe = factor_recipe(params)
+            self.fused_recipe = refit_recipe(self.optimizer, self.clip, params)
         self.params, self._groups_key = params, param_groups_key(self.optimizer)
 
     def _step(self, inputs: Any, targets: Any, lr: float, scale: float) -> StepLog:
