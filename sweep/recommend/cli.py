@@ -167,7 +167,8 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
             f"{gaps} step(s) of the logging grid hold no value: counted as skipped, as a run counts a refused step"
         )
     notes = caveats(series, grid) + moved + outcome_notes(clip, grid)
-    return Recommendation(series, grid, clip, diagnose(diagnosis_rows(series)), notes)
+    rows = diagnosis_rows(series if series.rows is not None else replayed)  # a grid step with no value: skipped
+    return Recommendation(series, grid, clip, diagnose(rows), notes)
 
 
 def main(argv: list[str] | None = None) -> int:

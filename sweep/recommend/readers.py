@@ -359,6 +359,9 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     tau = _float(run.data.params.get("max_grad_norm"))  # Trainer's MLflowCallback logs its arguments
     if tau and tau > 0:
         extra["max_norm"] = np.full(len(steps), tau)
+    if name == "grad_l2_pre_clip" and "grad_l2_post_clip" in keys:  # clipamp's: which steps the run clipped
+        post = client.get_metric_history(run_id, "grad_l2_post_clip")
+        extra["post"] = by_step([m.step for m in post], [m.value for m in post], steps)
     extra["lightning"] = lightning_marks(keys)  # Lightning's MLFlowLogger logs at global_step too
     extra["settings"] = run_settings(run.data.params)  # the app's and the integrations' calibrate.* params
     pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}

@@ -196,6 +196,7 @@ def diagnosis_rows(series: NormSeries) -> list[dict[str, Any]]:
         return series.rows
     lrs = series.lrs if series.lrs is not None else np.full(len(series.steps), np.nan)
     tau = series.max_norm if series.max_norm is not None else np.full(len(series.steps), np.nan)
+    post = series.post if series.post is not None else np.full(len(series.steps), np.nan)
     skipped = ~series.taken
     return [
         {
@@ -205,6 +206,7 @@ def diagnosis_rows(series: NormSeries) -> list[dict[str, Any]]:
             "skipped": bool(k),
             "skip_reason": "nonfinite_grad" if k else "",
             "max_norm": float(t) if math.isfinite(t) else None,
+            "grad_l2_post_clip": float(p),
         }
-        for s, lr, x, k, t in zip(series.steps, lrs, series.norms, skipped, tau)
+        for s, lr, x, k, t, p in zip(series.steps, lrs, series.norms, skipped, tau, post)
     ]

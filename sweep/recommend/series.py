@@ -51,7 +51,8 @@ class NormSeries:
     (NaN where unknown; ``None``: the log has none), for the quantiles of ‖g‖·√N_tok. ``settings``: the
     calibration options the run itself logged (its ``calibrate.*`` params, by ``Options`` field name).
     ``total_steps``: the run's planned length where the log says (a Trainer state's ``max_steps``), which a
-    checkpoint taken mid-run logs past its last step (``None``: the log's last step).
+    checkpoint taken mid-run logs past its last step (``None``: the log's last step). ``post``: the norm after
+    clipping (clipamp's MLflow ``grad_l2_post_clip``), which tells the diagnosis the steps the run clipped.
     """
 
     source: str
@@ -68,6 +69,7 @@ class NormSeries:
     tokens: np.ndarray | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     total_steps: int | None = None
+    post: np.ndarray | None = None
 
     @property
     def interval(self) -> int:
@@ -98,7 +100,7 @@ def make_series(
     order = np.argsort(steps, kind="stable")
     last = np.r_[steps[order][1:] != steps[order][:-1], True]  # the last of each run of equal steps
     keep = order[last]
-    arrays = {"lrs": lrs, **{k: extra.pop(k, None) for k in ("max_norm", "skipped", "tokens")}}
+    arrays = {"lrs": lrs, **{k: extra.pop(k, None) for k in ("max_norm", "skipped", "tokens", "post")}}
     kept = {k: None if v is None else np.asarray(v)[keep] for k, v in arrays.items()}
     rows = extra.pop("rows", None)
     series = NormSeries(
@@ -272,6 +274,7 @@ def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
         norms=merged(series.norms, gap),
         lrs=merged(series.lrs, gap),
         max_norm=merged(series.max_norm, gap),
+        post=merged(series.post, gap),
         skipped=merged(skipped, np.ones(len(missing), dtype=bool)),
         rows=None,
         notes=list(series.notes),

@@ -199,3 +199,36 @@ def test_a_checkpoint_taken_mid_run_places_the_window_for_the_runs_max_steps(tmp
     assert start > 51 and whole.tau == pytest.approx(numpy_tau(steps, norms, start, start + 99), rel=1e-12)
     assert cli.main([str(states["checkpoint-250"]), "--window", "100", "--quantile", "0.95"]) == 0
     assert "the run's max_steps=400 (from the state; the log ends at step 250)" in capsys.readouterr().out
+
+
+def test_an_mlflow_runs_diagnosis_sees_its_clipping_and_its_skipped_steps(store):
+    """A clipamp run's MLflow metrics say which steps it clipped (``grad_l2_post_clip`` below the pre-clip
+    norm) and which it skipped (no norm logged): the diagnosis of ``runs:/ID`` names the same patterns as
+    the diagnosis of the run's own records (sustained clipping, non-finite steps), not "no findings"."""
+    from mlflow.entities import Metric
+
+    from clipamp_engine.diagnosis import diagnose
+
+    rng = np.random.default_rng(3)
+    steps = np.arange(1, 301)
+    pre = rng.lognormal(0.0, 0.3, len(steps))
+    tau = float(np.quantile(pre, 0.8))  # clips ~20% of the steps after step 100: above the 5% band
+    post = np.where((steps > 100) & (pre > tau), tau, pre)
+    refused = {150, 151, 220}  # a run logs no non-finite norm: these steps are absent from the history
+    rows = [
+        {"step": int(s), "lr": 1e-3, "grad_l2_pre_clip": float(p) if s not in refused else np.nan,
+         "grad_l2_post_clip": float(q) if s not in refused else np.nan, "skipped": s in refused,
+         "skip_reason": "nonfinite_grad" if s in refused else ""}
+        for s, p, q in zip(steps, pre, post)
+    ]  # fmt: skip
+    expected = sorted(f.kind for f in diagnose(rows))
+    assert {"sustained_clipping", "nonfinite"} <= set(expected)
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("app"))
+    logged = [(s, p, q) for s, p, q in zip(steps, pre, post) if s not in refused]
+    metrics = [Metric("grad_l2_pre_clip", float(p), 0, int(s)) for s, p, _ in logged]
+    metrics += [Metric("grad_l2_post_clip", float(q), 0, int(s)) for s, _, q in logged]
+    metrics += [Metric("lr", 1e-3, 0, int(s)) for s, _, _ in logged]
+    client.log_batch(run.info.run_id, metrics=metrics)
+    rec = _recommend([f"runs:/{run.info.run_id}", "--tracking-uri", store, "--window", "60"])
+    assert sorted(f.kind for f in rec.findings) == expected
