@@ -140,6 +140,11 @@ def tables(clip: CalibratedClip) -> list[Any]:
     if check is not None:
         colour = "green" if check.inside else "yellow"
         out += [f"[{colour}]validation:[/] {check.verdict}", f"next: {check.action}"]
+    else:
+        out.append(
+            "[yellow]validation:[/] none: no step after the window, so nothing checks τ against the band "
+            "(raise steps, or lower calibrate.window or calibrate.start)"
+        )
     drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
     if len(clip.summaries) > 1:
         out.append(_drift_table(clip))

@@ -89,3 +89,16 @@ def test_the_intervals_are_labelled_at_the_level_they_were_computed_at():
         console.print(r)
     out = console.export_text()
     assert "80% interval" in out and "95%" not in out
+
+
+def test_a_window_that_ends_the_run_says_nothing_checked_its_tau():
+    """steps = calibrate.window: the policy has no held-out step (``checks()[0]`` is None); the terminal says
+    so, as report.md and ``python -m sweep.recommend`` do, instead of dropping the validation line."""
+    clip = _driven(n=100)
+    assert clip.summaries and clip.checks()[0] is None
+    console = Console(record=True, width=200)
+    for r in tables(clip):
+        console.print(r)
+    out = console.export_text()
+    assert "validation: none" in out and "nothing checks τ against the band" in out
+    assert "No validation step after the window" in "\n".join(markdown(clip))
