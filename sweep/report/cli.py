@@ -21,7 +21,7 @@ from sweep.errors import UserError, fail, for_commands
 from sweep.offline import stay_offline
 from sweep.paths import write_refusal
 from sweep.pick import flag_table, pick_trial
-from sweep.report.format import frame_markdown
+from sweep.report.format import frame_markdown, print_wide
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
 from sweep.run.liveness import DIED, died_line, trial_state
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     for name, sdf, pick, band, mode in sweeps:
         title = f"Study {name}" + (f" ({mode})" if mode else "")
-        console.print(sweep_table(sdf, pick, title, pareto=mode != "constrained"))
+        print_wide(console, sweep_table(sdf, pick, title, pareto=mode != "constrained"))
         console.print(
             f"band [{band[0]:g}, {band[1]:g}]; "
             + (

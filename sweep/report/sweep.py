@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sweep.pick import TABLE_COLUMNS, Pick
-from sweep.report.format import fmt, frame_markdown, pct, ui_command
+from sweep.report.format import fmt, frame_markdown, pct, print_wide, ui_command
 from sweep.report.plots import plot_sweep
 
 if TYPE_CHECKING:
@@ -91,8 +91,9 @@ def sweep_table(df, pick: Pick | None, title: str, *, pareto: bool = True) -> Ta
     )
     cols = [c for c in _SHORT if c in df.columns]
     for c in cols:
-        t.add_column(_SHORT[c], justify="left" if c in ("state", "dtype") else "right")
-    t.add_column("marks")
+        # fold, not "…": a number cut to fit a narrow console reads as another number (3.006… for 3.006e+04)
+        t.add_column(_SHORT[c], justify="left" if c in ("state", "dtype") else "right", overflow="fold")
+    t.add_column("marks", overflow="fold")
     for _, row in df.iterrows():
         cells = [
             pct(row[c])
@@ -116,7 +117,7 @@ def print_sweep_summary(result: SweepResult, *, uri: str, experiment_id: str, co
     """Terminal: the study's trials, the pick and its rule, pruning accounting, the UI command."""
     console = console or Console()
     title = f"Study {result.study_name} ({result.mode})"
-    console.print(sweep_table(result.trials, result.pick, title, pareto=result.mode == "pareto"))
+    print_wide(console, sweep_table(result.trials, result.pick, title, pareto=result.mode == "pareto"))
     p = result.pick
     if p is not None:
         console.print(

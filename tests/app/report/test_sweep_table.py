@@ -73,3 +73,52 @@ def test_a_running_or_died_trial_has_the_steps_of_its_loss_history(store, tmp_pa
             client.log_metric(run.info.run_id, "loss", 3.0, step=step)
     [(_, df, *_)] = sweeps_tables(client, "clipamp")
     assert df[["state", "steps_run"]].values.tolist() == [["DIED", 17], ["RUNNING", 9]]
+
+
+def _diverged_table() -> pd.DataFrame:
+    """Figures of a diverged sweep (optim.lr=30): τ ≈ 1.8e8, training loss ≈ 3e4."""
+    df = pd.DataFrame(
+        {
+            "trial": [0, 1],
+            "state": ["COMPLETE", "FAIL"],
+            "dtype": ["bf16", "fp16"],
+            "max_norm": [185330959.2, 82387129.15],
+            "eval_loss": [2180.51, float("nan")],
+            "clip_ratio": [0.467, 0.0],
+            "skip_ratio": [0.0, 0.967],
+            "final_loss": [30063.29, 5.452],
+            "steps_run": [30, 30],
+        }
+    )
+    df["pareto"], df["in_band"] = [True, False], [False, False]
+    return df
+
+
+@pytest.mark.parametrize("width", [80, 70])
+def test_no_figure_is_cut_to_another_number_on_a_narrow_console(width):
+    """On an 80-column console (a pipe, a log file) rich cut τ 1.853e+08 to '1.853e…' and a training
+    loss of 3.006e+04 to '3.006…', which reads as 3.006: every figure is printed whole (folded)."""
+    console = Console(record=True, width=width)
+    console.print(sweep_table(_diverged_table(), None, "Study s"))
+    text = console.export_text()
+    assert "…" not in text
+    body = [line.strip().strip("│").split("│") for line in text.splitlines() if line.startswith("│")]
+    columns = ["".join(cells[i].strip() for cells in body) for i in range(len(body[0]))]  # folded cells rejoined
+    assert columns[3] == "1.853e+088.239e+07"  # τ
+    assert columns[4] == "2181—"  # eval
+    assert columns[5:8] == ["46.7%0.0%", "0.0%96.7%", "3.006e+045.452"]  # clip, skip, train
+
+
+def test_the_sweep_summary_prints_its_table_unwrapped_into_a_log():
+    """The sweep's summary printed into a pipe or log file (not a terminal, 80 columns): one line per trial."""
+    import io
+
+    from sweep.report.sweep import print_sweep_summary
+    from sweep.results.study import SweepResult
+
+    out = io.StringIO()
+    result = SweepResult("s", "sqlite:///x.db", "pareto", "r" * 32, _diverged_table(), None, 2, 0, 1, 60, 60, 0, 0, 1)
+    print_sweep_summary(result, uri="sqlite:///x.db", experiment_id="1", console=Console(file=out, width=80))
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert len(rows) == 2  # one line per trial
+    assert "1.853e+08" in rows[0] and "3.006e+04" in rows[0]
