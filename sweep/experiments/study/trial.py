@@ -297,12 +297,17 @@ def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
 
 def _mark_killed(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
     """A signal stopped the trial (its run ended KILLED): FAIL in Optuna, with what its run holds (run id, the
-    steps it ran, partial figures) and ``outcome=killed``, so the sweep's table says KILLED as sweep.report does."""
+    steps it ran, partial figures) and ``outcome=killed``, so the sweep's table says KILLED as sweep.report does;
+    its run gets the same figures and its τ tags."""
     try:
         run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number) or ""
     except Exception:  # the store is away: the run id stays unknown here, sweep.report finds the run
         run_id = ""
-    set_attrs(trial, {**watch.partial_metrics(), "wall_s": wall, "run_id": run_id, "outcome": KILLED_OUTCOME})
+    part = watch.partial_metrics()
+    set_attrs(trial, {**part, "wall_s": wall, "run_id": run_id, "outcome": KILLED_OUTCOME})
+    if run_id and watch.records.rows:  # its run says the same figures, and its τ, as a pruned or failed one
+        with contextlib.suppress(Exception):
+            log_metrics(ctx.store.client, run_id, part, step=0, tags=tau_tags(watch.records.rows))
 
 
 def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: float, e: Exception) -> None:
