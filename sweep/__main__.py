@@ -25,6 +25,7 @@ from sweep.commands import python_command
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
 from sweep.config.schema import RUNS, register
+from sweep.config.study_keys import refuse_other_mode_keys
 from sweep.config.validate import refuse_clip_overrides, refuse_pruning_overrides
 from sweep.errors import UserError, fail, one_line, one_line_warnings
 from sweep.offline import stay_offline
@@ -86,6 +87,7 @@ def precheck(argv: list[str]) -> None:
                 cfg = to_config(compose(config_name="config", overrides=job))
                 refuse_clip_overrides(cfg.run, job)
                 refuse_pruning_overrides(cfg.run, cfg.study.mode, job)
+                refuse_other_mode_keys(cfg.run, cfg.study.mode, job)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or e))
 

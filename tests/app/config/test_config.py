@@ -499,3 +499,33 @@ def test_a_heartbeat_setting_out_of_range_is_named_by_its_key(override):
         validate(compose_cfg("+experiment=sweep", override))
     assert str(e.value) == f"{key}={value} must be >= 1"
     validate(compose_cfg("+experiment=sweep", f"{key}=1"))
+
+
+@pytest.mark.parametrize(
+    ("study", "override"),
+    [
+        ("study=entangle", "study.dtypes=[fp16]"),
+        ("study=entangle", "study.n_trials=3"),
+        ("study=entangle", "study.sampler=random"),
+        ("study=entangle", "study.anchor=null"),
+        ("study=pareto", "study.lr_factors=[1.0]"),
+        ("study=constrained", "study.seeds=3"),
+        ("study=pareto", "study.entangle_quantiles=[p50]"),
+    ],
+)
+def test_a_study_key_the_sweeps_mode_would_ignore_is_refused(study, override, capsys):
+    """``study=entangle study.dtypes=[fp16]`` ran the LR check in bf16 (amp.dtype), ``study=pareto
+    study.seeds=3`` ran one seed per trial, without a word: each key is read by one mode only."""
+    from sweep.__main__ import precheck
+    from sweep.config.schema import StudyConfig
+    from sweep.config.study_keys import ENTANGLE_KEYS, OPTUNA_KEYS
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=sweep", study, override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {override}: ") and ("would ignore" in err or "would be ignored" in err)
+    other = "study=pareto" if study == "study=entangle" else "study=entangle"
+    precheck(["+experiment=sweep", other, override])  # the mode that reads it: accepted
+    fields = {f"study.{f}" for f in StudyConfig.__dataclass_fields__}
+    assert set(ENTANGLE_KEYS) | set(OPTUNA_KEYS) <= fields and not set(ENTANGLE_KEYS) & set(OPTUNA_KEYS)
