@@ -162,6 +162,11 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             f"{head}: every trial this command ran ({e.trials}) finished and its parent run ended {e.sweep_ended}; "
             f"`{python_command('sweep.report')}` gives the study's pick (re-running the command would add new trials)"
         )
+    if run == "sweep" and getattr(e, "anchor_window", False):  # before any trial: the study's anchor window
+        return (
+            f"{head}: the anchor window's run ended KILLED before any trial ran; re-run the same command to "
+            "resume the study (it runs the window again)"
+        )
     if run == "sweep":
         return f"{head}: " + (
             "the trial ended KILLED; re-run the same command to resume the study"

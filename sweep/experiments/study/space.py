@@ -62,7 +62,11 @@ def window_quantiles(
     )
     # the whole run is the window: no step after it, so no clipping ratio realised at τ (its report says —);
     # no clip_ratio metric either (the window's own, 0 unless calibrate.cap, is window_clip_ratio_at_tau's kin)
-    result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
+    try:
+        result = run_training(wcfg, store, spec, RunHooks(artifacts=artifacts, announce=lambda s: None))
+    except KeyboardInterrupt as e:  # the exit line names the window's run, not a trial
+        e.anchor_window = True  # type: ignore[attr-defined]
+        raise
     return result.windows[0].quantiles, result.run_id
 
 

@@ -105,3 +105,26 @@ def test_a_spike_arm_that_finished_its_last_step_still_names_the_replay_killed()
         "interrupted (SIGINT at step 80): the spike replay ended KILLED (the run it was training finished first); "
         "re-run the same command to start it again"
     )
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweeps_anchor_window_names_the_window_not_a_trial(store, monkeypatch):
+    """Ctrl-C during the anchor window said 'the trial ended KILLED', though no trial had started."""
+    import optuna
+
+    from sweep.experiments.study import space
+
+    args = ["+experiment=sweep", *TINY, "steps=6", "calibrate.window=8", "study.n_trials=2"]
+    cfg = compose_cfg(*args, f"tracking.uri={store}")
+    _interrupt_call(monkeypatch, space, call=1, after_step=3)
+    with pytest.raises(KeyboardInterrupt) as e:
+        app.run(cfg, [args[0]])
+    parent, statuses = _statuses(store)
+    assert (parent, statuses) == ("KILLED", ["KILLED"])  # the window's run: the only child
+    db = store.replace("mlflow.db", "optuna.db")
+    (summary,) = optuna.get_all_study_summaries(db)
+    assert summary.n_trials == 0
+    assert _interrupted_line(e.value, OmegaConf.structured(cfg)) == (
+        "interrupted: the anchor window's run ended KILLED before any trial ran; re-run the same command to "
+        "resume the study (it runs the window again)"
+    )
