@@ -223,11 +223,14 @@ def check_band(
     held_out_by: str = "steps",
     quantile: float | None = None,
     norms: int | None = None,
+    room: int | None = None,
+    validate: int = 0,
 ) -> BandCheck:
     """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
     ``repeating``: the run already re-calibrates (``calibrate.every``); ``placed_auto``: the window was placed
     by ``calibrate.start=auto``; ``held_out_by``: what ended its validation steps (``"validate"``: their
-    number, ``"every"``: the next window, ``"steps"``: the end of the run). The next action accounts for them."""
+    number, ``"every"``: the next window, ``"steps"``: the end of the run); ``room``: the run's steps after
+    the window (``None``: unknown); ``validate``: ``calibrate.validate``. The next action accounts for them."""
     low, high = validate_band(band)
     if steps < 1:
         raise ValueError("no validation step was taken: raise calibrate.validate or steps")
@@ -274,8 +277,23 @@ def check_band(
             held_out_by,
             quantile,
             norms,
+            room,
+            validate,
         ),
     )
+
+
+def _more_held_out(need: int, held_out_by: str, room: int | None, validate: int) -> str:
+    """The change that gives τ ``need`` validation steps: only a knob that binds, never ``calibrate.validate``
+    alone where the run ends before that many steps (``room``: the run's steps after the window)."""
+    if held_out_by == "every":
+        return "space the windows further apart (calibrate.every)"
+    if held_out_by == "validate" and (room is None or room >= need):
+        return "raise calibrate.validate"
+    if held_out_by == "validate":
+        return f"raise steps and calibrate.validate (the run ends {room} steps after the window)"
+    capped = 0 < validate < need  # more steps alone stop at calibrate.validate
+    return "train longer after the window (raise steps" + (" and calibrate.validate)" if capped else ")")
 
 
 def _action(
@@ -291,6 +309,8 @@ def _action(
     held_out_by: str = "steps",
     quantile: float | None = None,
     norms: int | None = None,
+    room: int | None = None,
+    validate: int = 0,
 ) -> str:
     low, high = band
     if inside:
@@ -300,10 +320,7 @@ def _action(
         )
     if consistent and low <= predicted <= high:
         need = math.ceil(20 / max(predicted, 1e-9))
-        more = {
-            "validate": "raise calibrate.validate",
-            "every": "space the windows further apart (calibrate.every)",
-        }.get(held_out_by, "train longer after the window (raise steps)")
+        more = _more_held_out(need, held_out_by, room, validate)
         return (
             f"too few validation steps to tell the ratio from the band ({steps}): {more}; "
             f"≈{need} steps see ~20 clips at {predicted:.1%}"

@@ -235,6 +235,8 @@ class CalibratedClip(ClipPolicy):
                 placed_auto=self.start == "auto",
                 quantile=s.quantile,
                 norms=s.n_finite,
+                room=None if self.total_steps is None else self.total_steps - s.end_step,
+                validate=self.validate,
                 held_out_by="validate"
                 if self.validate and taken >= self.validate
                 else "every"

@@ -113,6 +113,12 @@ def test_a_few_steps_outside_the_band_are_called_noise_not_drift():
     assert "train longer after the window (raise steps); ≈910 steps see ~20 clips at 2.2%" in c.action
     capped = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate")
     assert "raise calibrate.validate; ≈910 steps" in capped.action
+    ended = check_band(
+        2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate", room=100, validate=100
+    )  # the run ends at the last validation step: a larger calibrate.validate adds none
+    assert "raise steps and calibrate.validate (the run ends 100 steps after the window); ≈910 steps" in ended.action
+    capped_run = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), room=100, validate=150)
+    assert "train longer after the window (raise steps and calibrate.validate); ≈910" in capped_run.action
     cut = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="every")
     assert "space the windows further apart (calibrate.every)" in cut.action
 

@@ -332,15 +332,22 @@ def test_auto_in_a_run_too_short_to_wait_starts_at_step_1_and_says_why():
     ("options", "steps", "fix"),
     [
         ({"validate": 0, "every": 0}, 60, "train longer after the window (raise steps)"),  # the run ended
-        ({"validate": 10, "every": 0}, 60, "raise calibrate.validate"),  # validate held them to 10
+        ({"validate": 10, "every": 0}, 1000, "raise calibrate.validate"),  # validate held them to 10, steps remain
+        # validate held them to 10, but the run ends 30 steps after the window: validate alone cannot reach ≈600
+        ({"validate": 10, "every": 0}, 60, "raise steps and calibrate.validate (the run ends 30 steps after"),
+        ({"validate": 10, "every": 0}, 40, "raise steps and calibrate.validate (the run ends 10 steps after"),
+        # the run ended them at 15; more steps alone stop at validate=20, far short of ≈600
+        ({"validate": 20, "every": 0}, 45, "train longer after the window (raise steps and calibrate.validate)"),
         ({"validate": 0, "every": 40}, 80, "space the windows further apart (calibrate.every)"),  # the next window
     ],
 )
 def test_too_few_held_out_steps_name_what_ended_them(options, steps, fix):
-    """Raising calibrate.validate adds no step where the run or the next window ended the validation."""
+    """Raising calibrate.validate adds no step where the run or the next window ended the validation, and
+    raising steps none beyond calibrate.validate: the advice names every knob that binds."""
     norms = np.r_[np.random.default_rng(0).lognormal(0, 0.3, 30), np.full(steps - 30, 0.5)]  # none clips after
     policy = CalibratedClip(window=30, start=0, quantile=0.97, total_steps=steps, **options)
     _drive(policy, norms, np.full(steps, 1e-3))
     check = policy.checks()[0]
     assert not check.inside and check.consistent  # too few steps to tell
-    assert f"too few validation steps to tell the ratio from the band ({check.steps}): {fix}; ≈" in check.action
+    assert f"too few validation steps to tell the ratio from the band ({check.steps}): {fix}" in check.action
+    assert "; ≈" in check.action.split(fix, 1)[1]
