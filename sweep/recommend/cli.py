@@ -30,7 +30,7 @@ DESCRIPTION = (
 )
 
 
-RUN = "runs:/ID: the run's own calibrate.* param where it logged one"
+RUN = "runs:/ID, or a CSV beside its run's config.yaml: the run's own calibrate.* where it has one"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,14 +95,15 @@ def options_from(args: argparse.Namespace) -> Options:
 
 def run_options(options: Options, series: NormSeries, args: argparse.Namespace) -> tuple[Options, list[str]]:
     """``options`` with the run's own calibration settings (its ``calibrate.*`` params) where an option was not
-    passed, and a note listing them: an MLflow run of the app or a trainer integration gets the advice it printed."""
+    passed, and a note listing them and where they were read: an MLflow run of the app or a trainer integration,
+    or an app run's steps.csv beside its config.yaml, gets the advice it printed."""
     read = series.settings
     if not read:
         return options, []
     used = {k: v for k, v in read.items() if getattr(args, k) is None}
     passed = [as_flag(k, getattr(options, k)) for k in read if k not in used and getattr(options, k) != read[k]]
     note = (
-        f"calibration settings read from the run's calibrate.* params: "
+        f"calibration settings read from {series.settings_from}: "
         f"{' '.join(as_flag(k, v) for k, v in used.items()) or 'none used'}"
         + (f" (passed here instead: {' '.join(passed)})" if passed else "")
         + "; an option passed here overrides them"
@@ -141,12 +142,16 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
     if taken < max(2, grid.window // n):
         every = f" (one every {n} steps)" if n > 1 else ""
         left = len(series.steps) - taken
+        default = (
+            " (--window's default: the log carries no run setting)" if not (series.settings or args.window) else ""
+        )
         counted = f"{taken} finite norm{'' if taken == 1 else 's'}" + (
             f" ({left} more non-finite or skipped)" if left else ""
         )
         raise UserError(
             f"{series.source}: {counted} over steps {series.steps[0]}–{series.steps[-1]}{every}, fewer "
-            f"than one {grid.window}-step window holds ({grid.window // n}): lower --window or read a longer log"
+            f"than one {grid.window}-step window holds ({grid.window // n}){default}: lower --window or read a "
+            "longer log"
         )
     replayed, gaps = with_gaps_skipped(series)
     clip = replay(replayed, grid)

@@ -28,6 +28,7 @@ from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
 from sweep.recommend.replay import run_settings
+from sweep.recommend.run_config import csv_run_settings, no_config_note
 from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
@@ -317,11 +318,14 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
         lrs = by_step(lr_steps[lr_steps.notna()], lr_values[lr_steps.notna()], np.asarray(steps))
     pre = "clipamp records grad_l2_pre_clip before clipping" if ours and name == "grad_l2_pre_clip" else None
     extra["lightning"] = lightning_marks(cols, path.parent) if step_name is not None else None
+    extra["settings"], config = csv_run_settings(path)  # the app's config.yaml beside its steps.csv
+    extra["settings_from"] = f"the run's config {config} (calibrate.*)" if config else None
     series = make_series(
         f"{path} (CSV)", name, np.asarray(steps), values.to_numpy(), lrs, pre_clip=pre, lr_name=lr_name, **extra
     )
     if step_name is None:
         series.notes.append(f"no step column ({' / '.join(STEP_NAMES)}): row n is step n")
+    series.notes += [no_config_note(path)] if ours and config is None else []
     return series
 
 

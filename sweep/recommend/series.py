@@ -49,7 +49,8 @@ class NormSeries:
     ``pre_clip``: why the series is known to be measured before clipping (``None``: assumed).
     ``lr_name``: the tag, column or metric the LR came from. ``tokens``: the token count of each step
     (NaN where unknown; ``None``: the log has none), for the quantiles of ‖g‖·√N_tok. ``settings``: the
-    calibration options the run itself logged (its ``calibrate.*`` params, by ``Options`` field name).
+    calibration options the run itself logged (its ``calibrate.*`` params, by ``Options`` field name), read
+    from ``settings_from`` (an MLflow run's params, or the config beside a CSV).
     ``total_steps``: the run's planned length where the log says (a Trainer state's ``max_steps``), which a
     checkpoint taken mid-run logs past its last step (``None``: the log's last step). ``post``: the norm after
     clipping (clipamp's MLflow ``grad_l2_post_clip``), which tells the diagnosis the steps the run clipped.
@@ -68,6 +69,7 @@ class NormSeries:
     notes: list[str] = field(default_factory=list)
     tokens: np.ndarray | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    settings_from: str | None = "the run's calibrate.* params"
     total_steps: int | None = None
     post: np.ndarray | None = None
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
+from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.recommend import cli
 from tests.app.recommend.test_recommend import numpy_tau, parse, trace
 
@@ -232,3 +233,46 @@ def test_an_mlflow_runs_diagnosis_sees_its_clipping_and_its_skipped_steps(store)
     client.log_batch(run.info.run_id, metrics=metrics)
     rec = _recommend([f"runs:/{run.info.run_id}", "--tracking-uri", store, "--window", "60"])
     assert sorted(f.kind for f in rec.findings) == expected
+
+
+def test_an_app_runs_steps_csv_is_read_with_the_config_beside_it(tmp_path, store, capsys):
+    """An app run's steps.csv sits beside its config.yaml (the run's resolved config, as the app writes it):
+    its calibrate.* are the defaults, as for runs:/ID of the same run, so both give the run's τ and say where
+    they read them; a Hydra folder's .hydra/config.yaml too. A clipamp CSV with no config says it uses defaults."""
+    from mlflow.entities import Metric, Param
+
+    from sweep.config.convert import as_yaml, flat_params
+    from tests.app.helpers import compose_cfg
+    from tests.app.recommend.test_recommend import N, write_csv
+
+    steps, lr, norms = trace()
+    cfg = compose_cfg("+experiment=calibrate", "calibrate.window=60", "calibrate.start=100", "calibrate.quantile=0.9")
+    cols = [steps, lr, norms, norms, np.ones(N), ["False"] * N, [""] * N, np.ones(N)]
+    run = tmp_path / "artifacts"
+    run.mkdir()
+    path = write_csv(run / "steps.csv", dict(zip(CANONICAL_COLUMNS, cols)))
+    (run / "config.yaml").write_text(as_yaml(cfg))
+    rec = _recommend([str(path)])
+    assert (rec.options.window, rec.options.start, rec.options.quantile) == (60, 100, 0.9)
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, 101, 160, 0.9), rel=1e-12)
+    [note] = [n for n in rec.notes if "calibration settings read from" in n]
+    assert f"the run's config {run / 'config.yaml'} (calibrate.*): --window 60" in note
+    client = MlflowClient(store)  # the same run through its MLflow params
+    mlflow_run = client.create_run(client.create_experiment("app"))
+    metrics = [Metric("grad_l2_pre_clip", float(x), 0, int(s)) for s, x in zip(steps, norms)]
+    metrics += [Metric("lr", float(v), 0, int(s)) for s, v in zip(steps, lr)]
+    params = [Param(k, str(v)) for k, v in flat_params(cfg).items() if k.startswith("calibrate.")]
+    client.log_batch(mlflow_run.info.run_id, metrics=metrics, params=params)
+    assert _recommend([f"runs:/{mlflow_run.info.run_id}", "--tracking-uri", store]).tau == rec.tau
+    hydra = tmp_path / "hydra_out"
+    (hydra / ".hydra").mkdir(parents=True)
+    (hydra / ".hydra" / "config.yaml").write_text(as_yaml(cfg))
+    (hydra / "steps.csv").write_bytes(path.read_bytes())
+    assert _recommend([str(hydra / "steps.csv")]).tau == rec.tau
+    alone = tmp_path / "steps.csv"
+    alone.write_bytes(path.read_bytes())
+    bare = _recommend([str(alone)])
+    assert bare.options.window == 200 and not [n for n in bare.notes if "calibration settings read from" in n]
+    assert any("no run config (config.yaml or .hydra/config.yaml) beside steps.csv" in n for n in bare.notes)
+    assert cli.main([str(alone)]) == 0
+    assert "the calibration settings are this command's defaults and options" in capsys.readouterr().out
