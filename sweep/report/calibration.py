@@ -2,7 +2,7 @@
 
 From the run's ``CalibratedClip`` (the same object ``sweep.run.calibration`` turns into metrics
 and ``quantiles.json``): where the window was and why, each quantile's order-statistic interval
-at the policy's ``confidence`` (and the window length a ±10% interval needs), the τ adopted, predicted vs realised
+at the policy's ``confidence`` (and the window, in steps, a ±10% interval needs), the τ adopted, predicted vs realised
 clipping on the validation steps with the verdict and next action, and the drift between windows.
 """
 
@@ -39,11 +39,25 @@ def _level(clip: CalibratedClip) -> str:
     return f"{clip.confidence * 100:.4g}%"
 
 
-def _needs(ci) -> str:
+def _needs(ci, per_norm: float = 1.0) -> str:
+    """The window a bound, or a ±10% interval, needs: counted in norms by the statistics, said in steps
+    (``calibrate.window``'s unit) at the window's own ``per_norm`` steps per finite norm, which skipped
+    steps and a log sampled every N steps raise above 1."""
     if not ci.bounded:
-        return f"≥ {min_window(ci.q, ci.confidence)} norms for a bound"
+        need = min_window(ci.q, ci.confidence)
+        more = f" (≈ {math.ceil(need * per_norm - 1e-9)} steps)" if per_norm > 1 else ""
+        return f"≥ {need} norms{more} for a bound"
     need = window_for_width(ci.n, ci.rel_width, TARGET_REL_WIDTH)
-    return f"{need} for ±{TARGET_REL_WIDTH / 2:.0%}" if need and need > ci.n else "—"
+    if not (need and need > ci.n):
+        return "—"
+    return f"{math.ceil(need * per_norm - 1e-9)} steps" + (f" ({need} norms)" if per_norm > 1 else "")
+
+
+def per_norm(clip: CalibratedClip, w) -> float:
+    """A window's steps per finite norm (1 when every step is logged and taken)."""
+    span = clip.windows.window_at(w.end_step) if clip.windows is not None else None
+    length = len(span) if span is not None else w.end_step - w.start_step + 1
+    return max(1.0, length / w.n_finite) if w.n_finite else 1.0
 
 
 def steps(clip: CalibratedClip, w) -> str:
@@ -70,7 +84,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
     for k, v in w.quantiles.items():
         ci = w.cis.get(k)
         lines.append(
-            f"| {k} | {_f(v)} | {_interval(ci) if ci else ''} | {_needs(ci) if ci else ''} "
+            f"| {k} | {_f(v)} | {_interval(ci) if ci else ''} | {_needs(ci, per_norm(clip, w)) if ci else ''} "
             f"| {_f(w.token_quantiles.get(k, math.nan))} |"
         )
     lines += [""] + [f"> warning: {x}" for x in w.warnings] + ([""] if w.warnings else [])
@@ -122,7 +136,11 @@ def tables(clip: CalibratedClip) -> list[Any]:
     for k, v in w.quantiles.items():
         ci = w.cis.get(k)
         t.add_row(
-            k, _f(v), _interval(ci) if ci else "", _needs(ci) if ci else "", _f(w.token_quantiles.get(k, math.nan))
+            k,
+            _f(v),
+            _interval(ci) if ci else "",
+            _needs(ci, per_norm(clip, w)) if ci else "",
+            _f(w.token_quantiles.get(k, math.nan)),
         )
     out.append(t)
     out += [f"[yellow]warning:[/] {x}" for x in w.warnings]

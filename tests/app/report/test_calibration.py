@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from clipamp_engine.calibration import window_for_width
 from clipamp_engine.clip import CalibratedClip
 from clipamp_engine.records import StepLog
 from sweep.report.calibration import markdown, tables
@@ -102,3 +103,46 @@ def test_a_window_that_ends_the_run_says_nothing_checked_its_tau():
     out = console.export_text()
     assert "validation: none" in out and "nothing checks τ against the band" in out
     assert "No validation step after the window" in "\n".join(markdown(clip))
+
+
+def _window_of(norms, per: int) -> CalibratedClip:
+    """A policy whose one window of ``per × len(norms)`` steps holds ``norms``, each after ``per − 1`` skipped
+    steps (a refused update: no norm for the window), then 50 steps at τ."""
+    from sweep.recommend.replay import record
+
+    window = per * len(norms)
+    clip = CalibratedClip(window=window, start=0, quantile=0.9, total_steps=window + 50)
+    step = 0
+    for g in [*norms, *np.full(50, 0.5)]:
+        for _ in range(per - 1 if step < window else 0):
+            step += 1
+            clip.observe(record(step, 1e-3, np.nan, False, clip.threshold))
+        step += 1
+        clip.observe(record(step, 1e-3, float(g), True, clip.threshold))
+    return clip
+
+
+def _window_cells(clip: CalibratedClip) -> dict[str, str]:
+    rows = [line.split(" | ") for line in markdown(clip) if line.startswith("| p")]
+    return {cells[0].lstrip("| "): cells[3] for cells in rows}
+
+
+def test_the_window_a_narrower_interval_needs_is_counted_in_steps():
+    """The same 100 norms, logged every step or each after a skipped step (a 200-step window): the
+    intervals, and the norms a ±10% interval or a bound needs, are the same; the window (calibrate.window,
+    in steps) is twice as long in the second, and the column says so rather than repeat the norm count."""
+    norms = np.random.default_rng(0).lognormal(0, 1.0, 100)
+    every, skipped = _window_of(norms, 1), _window_of(norms, 2)
+    assert skipped.summaries[0].n_finite == every.summaries[0].n_finite == 100
+    assert skipped.summaries[0].n_skipped == 100
+    ci = every.summaries[0].cis["p50"]
+    need = window_for_width(ci.n, ci.rel_width, 0.2)  # the norms a ±10% interval needs: 1/√n extrapolation
+    assert need > 100
+    one, two = _window_cells(every), _window_cells(skipped)
+    assert one["p50"] == f"{need} steps"
+    assert two["p50"] == f"{2 * need} steps ({need} norms)"
+    assert one["p99"] == "≥ 368 norms for a bound" and two["p99"] == "≥ 368 norms (≈ 736 steps) for a bound"
+    wide = Console(width=200, record=True)
+    for r in tables(skipped):
+        wide.print(r)
+    assert f"{2 * need} steps ({need} norms)" in wide.export_text()
