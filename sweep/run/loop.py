@@ -158,7 +158,8 @@ def progress_bar(enabled: bool, label: str = "{task.description}", console: Any 
 
 class ProgressLines(Progress):
     """Progress as plain lines: ``label  n/total  elapsed  info`` each time a task passes a multiple of
-    ``every``, completes, or is updated with ``line=True`` (e.g. a calibration window's end)."""
+    ``every``, completes, or is updated with ``line=True`` (a new phase: a calibration window's first step,
+    the first step after it)."""
 
     def __init__(self, console: Any, every: int) -> None:
         super().__init__(console=console, disable=True)
@@ -308,7 +309,8 @@ def _show(
     bar: Progress, task: Any, log: StepLog, phase: str, phases: list[str], done: int, total: int, every: int
 ) -> None:
     """Update the display every 10 steps (each step if ``every`` < 10), at the end, and when the phase
-    changes (e.g. a calibration window's end: τ is set from there), which outside a terminal gets its own line."""
+    changes (a calibration window's first step; the first step after it, the first clipped at its τ), which
+    outside a terminal gets its own line, at that step and with its phase, as ``steps.csv`` has them."""
     new_phase = phases[-1:] != [phase]
     phases[-1:] = [phase]
     if not (new_phase or done % 10 == 0 or done == total or every < 10):

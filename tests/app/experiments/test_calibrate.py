@@ -288,3 +288,30 @@ def test_resume_restores_the_calibration_from_the_checkpoint_alone(store):
 def _csv_of(st, name):
     run = st.client.search_runs([st.experiment_id], filter_string=f"attributes.run_name = '{name}'")[0]
     return Path(run.info.artifact_uri.replace("file://", "")) / "steps.csv"
+
+
+def test_plain_progress_lines_mark_the_phases_where_steps_csv_and_the_report_do(tmp_path, store_template):
+    """Outside a terminal a calibrate run prints a line where the phase changes: at the window's first step
+    (calibrate) and at the first step after it (validate, τ in force), the steps where steps.csv's phase column
+    changes and that bound the report's window; docs/calibration.md's example says the same of its window."""
+    import re
+
+    from tests.app.helpers import csv_of, run_cli
+
+    uri = store_in(tmp_path, store_template)
+    tiny = [t for t in TINY if t != "progress=false"]
+    args = ["steps=40", "calibrate.window=10", "calibrate.validate=5", "calibrate.start=12", f"tracking.uri={uri}"]
+    r = run_cli("+experiment=calibrate", *tiny, *args, "progress_every=50", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    shown = {int(step): phase for step, phase in re.findall(r"^calibrate-\S+  (\d+)/40  \d+s  (\w+)", r.stdout, re.M)}
+    rows = pd.read_csv(csv_of(r.stdout))
+    changes = {int(s): p for s, p, before in zip(rows.step, rows.phase, [None, *rows.phase[:-1]]) if p != before}
+    start, end = map(int, re.search(r"Calibration window, steps (\d+)–(\d+)", r.stdout).groups())
+    assert (start, end) == (13, 22)
+    assert changes == {1: "settle", 13: "calibrate", 23: "validate", 28: "train"}
+    assert {s: shown[s] for s in changes} == changes and set(shown) == {*changes, 40}
+    docs = (Path(__file__).parents[3] / "docs" / "calibration.md").read_text()
+    said = re.search(r"`(\d+)/500 … calibrate` and `(\d+)/500 … validate` for the window (\d+)–(\d+)", docs)
+    assert said, "docs/calibration.md gives the progress lines of a window"
+    first, after, w_start, w_end = map(int, said.groups())
+    assert (first, after) == (w_start, w_end + 1)

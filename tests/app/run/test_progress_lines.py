@@ -54,7 +54,8 @@ def test_a_reset_task_starts_counting_again():
 @pytest.mark.slow
 def test_a_piped_run_prints_progress_while_it_trains(tmp_path):
     """stdout is a pipe (as under nohup): the step-40 line is read while the process still runs, and the
-    calibration window's end gets its own line with the τ set there (validate: the held-out steps at τ)."""
+    first step after the calibration window (31, after the window 1–30) gets its own line with the τ set
+    there (validate: the held-out steps at τ)."""
     args = [
         *[a for a in TINY if a != "progress=false"],
         "+experiment=calibrate",
