@@ -27,8 +27,7 @@ from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
-from sweep.recommend.replay import run_settings
-from sweep.recommend.run_config import csv_run_settings, no_config_note
+from sweep.recommend.run_config import csv_run_params, no_config_note, own_settings
 from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
@@ -318,7 +317,8 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
         lrs = by_step(lr_steps[lr_steps.notna()], lr_values[lr_steps.notna()], np.asarray(steps))
     pre = "clipamp records grad_l2_pre_clip before clipping" if ours and name == "grad_l2_pre_clip" else None
     extra["lightning"] = lightning_marks(cols, path.parent) if step_name is not None else None
-    extra["settings"], config = csv_run_settings(path)  # the app's config.yaml beside its steps.csv
+    params, config = csv_run_params(path)  # the app's config.yaml beside its steps.csv
+    extra["settings"], extra["notes"] = own_settings(params, f"the run of {config}") if config else ({}, [])
     extra["settings_from"] = f"the run's config {config} (calibrate.*)" if config else None
     series = make_series(
         f"{path} (CSV)", name, np.asarray(steps), values.to_numpy(), lrs, pre_clip=pre, lr_name=lr_name, **extra
@@ -367,7 +367,7 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
         post = client.get_metric_history(run_id, "grad_l2_post_clip")
         extra["post"] = by_step([m.step for m in post], [m.value for m in post], steps)
     extra["lightning"] = lightning_marks(keys)  # Lightning's MLFlowLogger logs at global_step too
-    extra["settings"] = run_settings(run.data.params)  # the app's and the integrations' calibrate.* params
+    extra["settings"], extra["notes"] = own_settings(run.data.params, where)  # the app's, the integrations'
     pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
     return make_series(
         f"{where} in {uri} (MLflow)", name, steps, norms, lrs, pre_clip=pre.get(name), lr_name=lr_name, **extra

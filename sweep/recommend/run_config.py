@@ -19,9 +19,10 @@ from sweep.recommend.replay import run_settings
 CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
 
 
-def csv_run_settings(csv_path: Path) -> tuple[dict[str, Any], Path | None]:
-    """The ``calibrate.*`` settings of the first config beside ``csv_path`` with a ``calibrate`` section,
-    and that config's path; ``({}, None)`` when there is none (or it is not readable YAML)."""
+def csv_run_params(csv_path: Path) -> tuple[dict[str, str], Path | None]:
+    """The first config beside ``csv_path`` with a ``calibrate`` section as the params its run logged (``run``,
+    ``clip.mode``, ``calibrate.*``), and that config's path; ``({}, None)`` when there is none (or it is not
+    readable YAML)."""
     for name in CONFIG_NAMES:
         path = Path(csv_path).parent / name
         try:
@@ -30,8 +31,24 @@ def csv_run_settings(csv_path: Path) -> tuple[dict[str, Any], Path | None]:
             continue
         section = cfg.get("calibrate") if isinstance(cfg, dict) else None
         if isinstance(section, dict):
-            return run_settings({f"calibrate.{k}": str(v) for k, v in section.items()}), path
+            clip = cfg.get("clip") if isinstance(cfg.get("clip"), dict) else {}
+            params = {"run": str(cfg.get("run")), "clip.mode": str(clip.get("mode"))}
+            return {**params, **{f"calibrate.{k}": str(v) for k, v in section.items()}}, path
     return {}, None
+
+
+def own_settings(params: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
+    """The ``calibrate.*`` settings of a run that calibrated (``run_settings``), and a note where ``params``
+    (an MLflow run's, or a config's) say it did not: an app run with another ``clip.mode`` than calibrated,
+    not a calibrate run, logs ``calibrate.*`` too, the unused defaults of ``clip=calibrated`` (a 100-step p95
+    window from step 1, warm-up included), which are not the run's choice; this command's defaults are."""
+    mode = params.get("clip.mode")
+    if mode not in (None, "None", "calibrated") and params.get("run") != "calibrate":
+        return {}, [
+            f"{where} clipped with clip.mode={mode}, not calibrated: its calibrate.* are unused defaults, not "
+            "read; the calibration settings are this command's defaults and options"
+        ]
+    return run_settings(params), []
 
 
 def no_config_note(csv_path: Path) -> str:

@@ -276,3 +276,44 @@ def test_an_app_runs_steps_csv_is_read_with_the_config_beside_it(tmp_path, store
     assert any("no run config (config.yaml or .hydra/config.yaml) beside steps.csv" in n for n in bare.notes)
     assert cli.main([str(alone)]) == 0
     assert "the calibration settings are this command's defaults and options" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "window"),
+    [
+        (["+experiment=train", "clip=norm"], 200),  # clipped at a fixed τ: its calibrate.* were never used
+        (["+experiment=train", "clip=calibrated", "calibrate.window=60", "calibrate.start=100"], 60),
+    ],
+)
+def test_a_run_that_did_not_calibrate_keeps_the_commands_defaults(tmp_path, store, overrides, window):
+    """Every app run logs calibrate.* (and config.yaml holds them), a clip=norm train run too: there they are
+    clip=calibrated's unused defaults (a 100-step p95 window from step 1, warm-up included), not the run's
+    choice, so neither its steps.csv nor runs:/ID reads them, and the report says so; a train run that
+    calibrated (clip=calibrated) is read with its own."""
+    from mlflow.entities import Metric, Param
+
+    from sweep.config.convert import as_yaml, flat_params
+    from tests.app.helpers import compose_cfg
+    from tests.app.recommend.test_recommend import N, write_csv
+
+    steps, lr, norms = trace()
+    cfg = compose_cfg(*overrides)
+    cols = [steps, lr, norms, norms, np.ones(N), ["False"] * N, [""] * N, np.ones(N)]
+    path = write_csv(tmp_path / "steps.csv", dict(zip(CANONICAL_COLUMNS, cols)))
+    (tmp_path / "config.yaml").write_text(as_yaml(cfg))
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("train"))
+    metrics = [Metric("grad_l2_pre_clip", float(x), 0, int(s)) for s, x in zip(steps, norms)]
+    metrics += [Metric("lr", float(v), 0, int(s)) for s, v in zip(steps, lr)]
+    params = [Param(k, str(v)) for k, v in flat_params(cfg).items() if k.startswith("calibrate.") or k == "run"]
+    params.append(Param("clip.mode", cfg.clip.mode))
+    client.log_batch(run.info.run_id, metrics=metrics, params=params)
+    for where in ([str(path)], [f"runs:/{run.info.run_id}", "--tracking-uri", store]):
+        rec = _recommend(where)
+        assert rec.options.window == window
+        said = [n for n in rec.notes if "clip.mode=norm, not calibrated" in n]
+        assert bool(said) == (window == 200)
+        if window == 200:
+            assert rec.tau == _recommend([*where, "--window", "200"]).tau
+        else:
+            assert rec.tau == pytest.approx(numpy_tau(steps, norms, 101, 160, 0.95), rel=1e-12)
