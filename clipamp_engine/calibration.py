@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_calibrator_options
+from .checks import check_calibrator_options, check_window_options
 from .records import StepLog
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
@@ -189,16 +189,19 @@ def quantile_ci(values: Sequence[float], q: float, confidence: float = CONFIDENC
     return QuantileCI(q, estimate, low, high, confidence, n, coverage)
 
 
-def short_window_warning(ci: QuantileCI) -> str | None:
-    """One line when the window cannot bound Quantile_q, else None."""
+def short_window_warning(ci: QuantileCI, steps_per_norm: float = 1.0) -> str | None:
+    """One line when the window cannot bound Quantile_q, else None. The window it needs is said in steps
+    (``calibrate.window``'s unit) at ``steps_per_norm``, the window's steps per finite norm (above 1 with
+    skipped steps or a log sampled every N steps)."""
     if ci.bounded:
         return None
     need = min_window(ci.q, ci.confidence)
+    steps = math.ceil(need * max(1.0, steps_per_norm) - 1e-9)
     return (
         f"{quantile_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
         f"{'upper' if math.isnan(ci.high) else 'lower'} confidence bound (it needs ≥ {need} norms); "
         f"{'it is essentially the window maximum' if ci.q > 0.5 else 'it is essentially the window minimum'}: "
-        f"lengthen calibrate.window to ≥ {need} or use a lower calibrate.quantile"
+        f"lengthen calibrate.window to ≥ {steps} steps or use a lower calibrate.quantile"
     )
 
 
@@ -324,7 +327,9 @@ class NormCalibrator:
         cis = {
             quantile_label(q): quantile_ci(self.norms, q, self.confidence) for q in dict.fromkeys(qs + [self.quantile])
         }
-        warning = short_window_warning(cis[quantile_label(self.quantile)])
+        first, last, k = self.steps[0], self.steps[-1], len(self.steps)  # a sampled log: its interval × k steps
+        span = (last - first) / (k - 1) * k if k > 1 else k
+        warning = short_window_warning(cis[quantile_label(self.quantile)], span / len(self.norms))
         return CalibrationSummary(
             start_step=self.steps[0],
             end_step=self.steps[-1],
@@ -356,14 +361,7 @@ class CalibrationWindows:
     def __init__(
         self, window: int = DEFAULT_WINDOW, every: int = 0, total_steps: int | None = None, first: int = 1
     ) -> None:
-        if not _is_int(window) or window < 2:
-            raise ValueError(f"window={window!r} must be an integer >= 2 steps")
-        if not _is_int(every) or every < 0 or (every and every < window):
-            raise ValueError(f"every={every!r} must be 0 (one window) or an integer >= window={window}")
-        if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
-            raise ValueError(f"total_steps={total_steps!r} must be an integer >= 1 (or None: unknown)")
-        if not _is_int(first) or first < 1:
-            raise ValueError(f"first={first!r} must be a step number >= 1")
+        check_window_options(window, every, total_steps, first)
         self.window, self.every, self.total_steps, self.first = int(window), int(every), total_steps, first
 
     def window_at(self, step: int) -> range | None:
@@ -393,7 +391,3 @@ class CalibrationWindows:
             raise ValueError("the windows of a run of unknown length cannot be listed: pass total_steps")
         starts = range(self.first, self.total_steps + 1, self.every) if self.every else [self.first]
         return [w for w in map(self.window_at, starts) if w is not None]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

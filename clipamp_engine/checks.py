@@ -337,3 +337,19 @@ def check_clip_state_fits(saved: Any, clip: Any) -> None:
 def is_number(x: object) -> bool:
     """A real number (numpy's included), not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_window_options(window: Any, every: Any, total_steps: Any, first: Any) -> None:
+    """``CalibrationWindows``' arguments: one ``ValueError`` naming the first that is out of range."""
+    if not _is_int(window) or window < 2:
+        raise ValueError(f"window={window!r} must be an integer >= 2 steps")
+    if not _is_int(every) or every < 0 or (every and every < window):
+        raise ValueError(f"every={every!r} must be 0 (one window) or an integer >= window={window}")
+    if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
+        raise ValueError(f"total_steps={total_steps!r} must be an integer >= 1 (or None: unknown)")
+    if not _is_int(first) or first < 1:
+        raise ValueError(f"first={first!r} must be a step number >= 1")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -140,3 +140,21 @@ def test_a_bad_confidence_or_candidate_is_refused_when_the_policy_is_built(optio
     """Not when the first window closes, hundreds of steps into the run."""
     with pytest.raises(ValueError, match=message):
         make_clip_policy("calibrated", **option)
+
+
+def test_short_window_warning_counts_the_window_it_needs_in_steps():
+    """calibrate.window counts steps: with a norm every 5th step, or every other step skipped, the 368 norms
+    a p99 bound needs take 5× or 2× as many steps; every step logged and taken, the two counts agree."""
+    norms = np.random.default_rng(3).lognormal(0.0, 0.3, 100)
+
+    def warning(steps, skipped=()):
+        cal = NormCalibrator(quantile=0.99)
+        for i, (s, n) in enumerate(zip(steps, norms)):
+            cal.add(_log(int(s), float(n)))
+            if i in skipped:
+                cal.add(_log(int(s) + 1, math.nan, skipped=True))
+        return cal.summary().warnings[0]
+
+    assert "needs ≥ 368 norms" in warning(range(1, 101)) and "calibrate.window to ≥ 368 steps" in warning(range(1, 101))
+    assert "calibrate.window to ≥ 1840 steps" in warning(range(5, 501, 5))  # a log sampled every 5 steps
+    assert "calibrate.window to ≥ 736 steps" in warning(range(1, 201, 2), skipped=range(100))  # half skipped
