@@ -160,7 +160,7 @@ def resume(
         if state["run_id"] is not None:
             lost = f"its records are in MLflow run {state['run_id']} and this run has tracking=None"
         elif state["csv"] is not None:
-            path = Path(state["csv"])
+            path, lost = _csv_to_continue(recorder.csv_path, Path(state["csv"]), path)
     else:
         store, parent, recorder.store_label = open_store(recorder.tracking, recorder.experiment)
         tracker, lost = _reopen(store, recorder.store_label, state)
@@ -199,6 +199,20 @@ def _reopen(store, label: str, state: dict[str, Any]):
     if run.info.lifecycle_stage == "deleted":
         return None, f"its MLflow run {run_id} was deleted from {label}"
     return RunTracker.reopen(store.client, run_id, upto=int(state["step"])), None
+
+
+def _csv_to_continue(named: str | Path | None, saved: Path, own: Path) -> tuple[Path, str | None]:
+    """The ``steps.csv`` a CSV-only resume writes, and why it cannot continue the checkpoint's (``None``: it can).
+    The checkpoint's own where this run names none (``csv_path``) and it is still there; else this run's
+    (``own``: ``csv_path``, or the default under this run's output folder), continued where it exists (the
+    checkpoint's CSV copied or moved with the folder), never a CSV recreated where the checkpoint left one."""
+    if named is None and saved.exists():
+        return saved, None
+    if own.exists():
+        return own, None
+    if named is None or own.absolute() == saved:
+        return own, f"{saved} is missing"
+    return own, f"its records are in {saved} and this run writes {own} (csv_path), which does not exist"
 
 
 def _continue_csv(path: Path, columns, step: int, lost: str | None):

@@ -83,3 +83,51 @@ def test_records_kept_elsewhere_than_this_run_keeps_them_are_said(tmp_path, stor
     )
     assert message.startswith(f"clipamp: resuming at step 6: {why}, so steps 1–6 are not in this run's records")
     assert [r["step"] for r in rec.records.rows] == list(range(SAVE + 1, STEPS + 1))
+
+
+def test_a_moved_output_folder_never_recreates_the_checkpoints_csv(tmp_path):
+    """The checkpoint's CSV gone with its folder (the run resumed elsewhere): the new CSV is this run's own,
+    under its output folder, and the old folder is not made again."""
+    old, new = tmp_path / "old" / "clipamp" / "steps.csv", tmp_path / "new" / "clipamp" / "steps.csv"
+    saved = train(recorder(), old)
+    (tmp_path / "old").rename(tmp_path / "gone")
+    rec = recorder()
+    with pytest.warns(ResumeWarning, match=f"resuming at step 6: {old} is missing, .* a new steps.csv \\({new}\\)"):
+        train(rec, new, resume=saved)
+    assert not (tmp_path / "old").exists()
+    assert [int(line.split(",")[0]) for line in new.read_text().splitlines()[1:]] == list(range(SAVE + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_copy_of_the_checkpoints_csv_where_this_run_writes_is_continued(tmp_path, named):
+    """The output folder copied (``csv_path`` naming the copy, or the default under the copy): the copy goes on,
+    steps 1–6 kept, and the checkpoint's CSV is left as it was."""
+    old, new = tmp_path / "old" / "steps.csv", tmp_path / "new" / "steps.csv"
+    saved = train(recorder(csv_path=old), old)
+    before = old.read_text()
+    new.parent.mkdir()
+    new.write_text(before)
+    rec = recorder(csv_path=new if named else None)
+    if not named:
+        old.unlink()
+    train(rec, new, resume=saved)
+    if named:
+        assert old.read_text() == before
+    assert [int(line.split(",")[0]) for line in new.read_text().splitlines()[1:]] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rec.records.rows] == list(range(1, STEPS + 1))
+
+
+def test_a_csv_path_elsewhere_is_said_and_written_there(tmp_path):
+    old, new = tmp_path / "old.csv", tmp_path / "new.csv"
+    saved = train(recorder(csv_path=old), old)
+    before = old.read_text()
+    rec = recorder(csv_path=new)
+    with pytest.warns(ResumeWarning) as caught:
+        train(rec, new, resume=saved)
+    [message] = [str(w.message) for w in caught if w.category is ResumeWarning]
+    assert message.startswith(
+        f"clipamp: resuming at step 6: its records are in {old} and this run writes {new} (csv_path), which does "
+        f"not exist, so steps 1–6 are not in this run's records: a new steps.csv ({new}) starts at step 7"
+    )
+    assert old.read_text() == before
+    assert [int(line.split(",")[0]) for line in new.read_text().splitlines()[1:]] == list(range(SAVE + 1, STEPS + 1))
