@@ -218,6 +218,8 @@ class StepRecorder:
             seen.load_state_dict(open_window)
             if len(seen.norms) >= 2:
                 self._adopt_partial(seen)
+        if not self.policy.summaries and (open_window is None or len(open_window.get("norms", ())) < 2):
+            self.say(f"no calibration window by step {step}: {_no_window(self.policy)}: no recommendation")
         atexit.unregister(self._at_exit)
         _OPEN.discard(self)
         if self.writer is None:
@@ -370,6 +372,20 @@ class StepRecorder:
     def say(self, message: str) -> None:
         if self.verbose and self.writer is not None:
             print(f"clipamp: {message}", flush=True)
+
+
+def _no_window(policy: CalibratedClip) -> str:
+    """Why a run ended before its first window held two norms, and what places one."""
+    if policy.placement is not None:
+        return f"the {policy.window}-step window starts at step {policy.placement.start}"
+    detector = policy.detector
+    waited = "the LR was still rising" if detector.warmup_end is None else "the norms had not settled"
+    if policy.total_steps is None:  # no deadline: the window waits for the warm-up and the transient
+        return (
+            f"{waited} and the run's length is unknown, so start='auto' waits on: give its length (total_steps=, "
+            "max_steps) to place the window within it, or start=N"
+        )
+    return f"{waited}; the window would have started by step {detector.latest} (the run ended before)"
 
 
 def _interval(ci) -> str:
