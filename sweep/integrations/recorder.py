@@ -13,8 +13,9 @@ drift), so the numbers equal a ``+experiment=calibrate`` run's on the same norms
   ``torch.nn.utils.get_total_norm`` over the host's parameters in the host's order, and a clip at the
   host's own τ, where this object does it for the host, is ``torch.nn.utils.clip_grad_norm_`` itself.
   The calibrated τ is only recommended; its checks count the steps it *would* have clipped.
-- ``apply=True`` clips at the policy's τ: the host's τ as the cap until the first window closes (or
-  nothing, without one), the calibrated τ after it; non-finite gradients are dropped (``skip_nonfinite``).
+- ``apply=True`` clips at the policy's τ with the same norm and clip (bf16/fp16 gradients normed in their
+  dtype, as torch does): the host's τ as the cap until the first window closes (or nothing, without one),
+  the calibrated τ after it; non-finite gradients are dropped (``skip_nonfinite``).
 
 A run its host never ends (an exception out of ``Trainer.train()`` or a hand loop, ``end()`` never
 called) is closed when the process exits (``atexit``): the ``steps.csv`` with every step recorded,
@@ -45,7 +46,7 @@ import torch
 from clipamp_engine.calibration import CalibrationError, NormCalibrator
 from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.csvlog import StepCSVWriter
-from clipamp_engine.norms import clip_coefficient, grads_of, total_norm
+from clipamp_engine.norms import clip_coefficient, grads_of
 from clipamp_engine.records import SkipLog, StepLog
 
 from ..errors import one_line
@@ -287,10 +288,12 @@ class StepRecorder:
         """
         grads = grads_of(params)
         tau = self.clip_in_force()
-        if self.apply and not host_clips:
-            pre = total_norm(grads)
+        if self.apply and not host_clips:  # the host's clip (torch's), at the policy's τ; a non-finite norm: untouched
+            pre = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             finite = torch.isfinite(pre)
-            post = torch.where(finite, self.policy.clip_(params, grads, torch.where(finite, pre, 0.0), step), pre)
+            if tau is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, tau, torch.where(finite, pre, 0.0))
+            post = pre if tau is None else torch.where(finite, pre * clip_coefficient(pre, tau), pre)
         elif tau is None or host_clips:
             pre = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             post = pre if tau is None else pre * clip_coefficient(pre, tau)
