@@ -151,6 +151,12 @@ class ClipampAccelerate:
                 f"norm_type={norm_type!r}: ClipampAccelerate records and calibrates the global L2 norm "
                 "(norm_type=2); call accelerator.clip_grad_norm_ for another norm"
             )
+        if max_norm is not None and not max_norm > 0:  # torch's coefficient max_norm/‖g‖ would be ≤ 0
+            raise ValueError(
+                f"max_norm={max_norm!r}: accelerator.clip_grad_norm_ would multiply every gradient by "
+                "max_norm/‖g‖ (0 zeroes them, a negative flips them); pass max_norm=None to record without "
+                "clipping, or a τ > 0"
+            )
         if not self._begun:
             self._begin(max_norm)
         elif not self.recorder.apply:  # the τ of this call, as accelerate would clip at it

@@ -93,3 +93,31 @@ def test_another_norm_type_is_refused_naming_the_call_to_use(tmp_path):
     with pytest.raises(ValueError, match=r"^norm_type=1: .* global L2 norm \(norm_type=2\); call accelerator"):
         cb.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
     assert not (tmp_path / "steps.csv").exists()
+
+
+@pytest.mark.parametrize("max_norm", [0, 0.0, -1.0])
+def test_a_max_norm_accelerate_would_zero_or_flip_gradients_with_is_refused(tmp_path, max_norm):
+    """accelerate's clip at max_norm ≤ 0 scales every gradient by max_norm/‖g‖: the drop-in cannot both change
+    nothing and skip that clip, so it says so before recording anything; max_norm=None records unclipped."""
+    from accelerate import Accelerator
+
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    accelerator.clip_grad_norm_(model.parameters(), max_norm)  # the call it replaces
+    after = torch.cat([p.grad.flatten() for p in model.parameters()])
+    before = torch.cat([g.flatten() for g in grads])
+    if max_norm == 0:
+        assert before.abs().sum() > 0 and torch.equal(after, torch.zeros_like(after))
+    else:
+        assert (after * before < 0).all()  # every gradient flipped
+    cb = ClipampAccelerate(accelerator, tracking=None, csv_path=tmp_path / "steps.csv")
+    with pytest.raises(
+        ValueError,
+        match=rf"^max_norm={max_norm!r}: accelerator.clip_grad_norm_ would multiply .* "
+        r"pass max_norm=None to record without clipping",
+    ):
+        cb.clip_grad_norm_(model.parameters(), max_norm)
+    assert not (tmp_path / "steps.csv").exists()
