@@ -138,9 +138,10 @@ class ClipampCallback(pl.Callback):
                 "norms of different networks; configure one optimizer, or clip and record each network with "
                 "the engine's own loop (docs/own-loop.md)"
             )
-        if trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = trainer.gradient_clip_algorithm  # Lightning's GradClipAlgorithmType (a str enum) or None
+        if algorithm not in (None, "norm"):
             raise ValueError(
-                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: ClipampCallback calibrates a "
+                f"gradient_clip_algorithm={getattr(algorithm, 'value', algorithm)!r}: ClipampCallback calibrates a "
                 "norm threshold; use gradient_clip_algorithm='norm' or drop the callback"
             )
         if pl_module.automatic_optimization and self.max_norm is not None:

@@ -227,6 +227,23 @@ def test_a_max_norm_that_would_not_be_the_clip_is_refused_before_any_step(tmp_pa
     assert not (tmp_path / "s.csv").exists()
 
 
+def test_a_value_clip_is_refused_naming_lightnings_setting_as_the_user_wrote_it(tmp_path):
+    """Trainer(gradient_clip_algorithm="value") clips each element, not the norm the callback calibrates."""
+    cb = ClipampCallback(tracking=None, csv_path=tmp_path / "s.csv", verbose=False)
+    torch.manual_seed(0)
+    module = LitGPT()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = quiet_trainer(tmp_path, [cb], 2, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    message = (
+        r"^gradient_clip_algorithm='value': ClipampCallback calibrates a norm threshold; "
+        r"use gradient_clip_algorithm='norm' or drop the callback$"
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, _loader(2, 1))
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    assert not (tmp_path / "s.csv").exists()
+
+
 class TwoOptimizers(L.LightningModule):
     """Manual optimization with two networks and their optimizers (a GAN's generator and discriminator)."""
 
