@@ -56,6 +56,7 @@ from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
 from .resume import checkpoint_state, new_run, open_store
 from .resume import resume as restore
+from .window_lines import interval, no_window, placement_line
 
 #: The recorders of this process with a run open: a resume that continues another's run takes it over.
 _OPEN: weakref.WeakSet = weakref.WeakSet()
@@ -220,7 +221,7 @@ class StepRecorder:
             if len(seen.norms) >= 2:
                 self._adopt_partial(seen)
         if not self.policy.summaries and (open_window is None or len(open_window.get("norms", ())) < 2):
-            self.say(f"no calibration window by step {step}: {_no_window(self.policy)}: no recommendation")
+            self.say(f"no calibration window by step {step}: {no_window(self.policy)}: no recommendation")
         atexit.unregister(self._at_exit)
         _OPEN.discard(self)
         if self.writer is None:
@@ -358,12 +359,14 @@ class StepRecorder:
 
     def _announce(self) -> None:
         """One line per newly closed window: where it was, its quantiles and the recommended τ."""
+        if not self._announced and self.policy.summaries:  # the first window: where it lies and why
+            self.say(placement_line(self.policy))
         for s in self.policy.summaries[self._announced :]:
             q, ci = s.quantiles, s.tau_ci
             self.say(
                 f"calibration window steps {s.start_step}–{s.end_step} ({s.n_finite} finite, {s.n_skipped} skipped): "
                 f"‖g‖ p50 {q['p50']:.4g}  p95 {q['p95']:.4g}  p99 {q['p99']:.4g} → recommended τ="
-                f"{s.recommended_max_norm:.4g} (Quantile_{self.policy.quantile:.3g}, {_interval(ci)}) "
+                f"{s.recommended_max_norm:.4g} (Quantile_{self.policy.quantile:.3g}, {interval(ci)}) "
                 f"predicting {s.predicted_clip_ratio:.1%} clipped; "
                 + (f"applied from step {s.end_step + 1}" if self.apply else "not applied (apply=True clips at it)")
             )
@@ -375,26 +378,3 @@ class StepRecorder:
     def say(self, message: str) -> None:
         if self.verbose and self.writer is not None:
             print(f"clipamp: {message}", flush=True)
-
-
-def _no_window(policy: CalibratedClip) -> str:
-    """Why a run ended before its first window held two norms, and what places one."""
-    if policy.placement is not None:
-        return f"the {policy.window}-step window starts at step {policy.placement.start}"
-    detector = policy.detector
-    waited = "the LR was still rising" if detector.warmup_end is None else "the norms had not settled"
-    if policy.total_steps is None:  # no deadline: the window waits for the warm-up and the transient
-        return (
-            f"{waited} and the run's length is unknown, so start='auto' waits on: give its length (total_steps=, "
-            "max_steps) to place the window within it, or start=N"
-        )
-    return f"{waited}; the window would have started by step {detector.latest} (the run ended before)"
-
-
-def _interval(ci) -> str:
-    """A quantile's interval; a side the window is too short to bound says so."""
-    if ci.bounded:
-        return f"interval [{ci.low:.4g}, {ci.high:.4g}]"
-    low = f"{ci.low:.4g}" if math.isfinite(ci.low) else "unbounded"
-    high = f"{ci.high:.4g}" if math.isfinite(ci.high) else "unbounded"
-    return f"interval [{low}, {high}]: the window is too short to bound it"

@@ -54,3 +54,17 @@ def test_a_window_cut_short_is_still_summarised_without_that_line(tmp_path, caps
     rec = run(tmp_path, start=25)
     assert (rec.summary.start_step, rec.summary.end_step) == (26, STEPS)
     assert "no calibration window" not in capsys.readouterr().out
+
+
+def test_the_first_window_says_where_it_lies_and_why_as_recommend_does_on_its_csv(tmp_path, capsys):
+    """A run whose norms never settle, of known length: the window is placed by the run's end, and the live
+    line says so in the words ``python -m sweep.recommend`` uses for the same CSV."""
+    from sweep.recommend.cli import main
+
+    rec = run(tmp_path, total_steps=STEPS)
+    assert (rec.summary.start_step, rec.summary.end_step) == (STEPS - 2 * WINDOW + 1, STEPS - WINDOW)
+    live = [line for line in capsys.readouterr().out.splitlines() if "window placement (" in line]
+    assert len(live) == 1 and live[0].startswith("clipamp: window placement (start=auto): ")
+    assert main([str(tmp_path / "steps.csv"), "--window", str(WINDOW)]) == 0
+    offline = [line for line in capsys.readouterr().out.splitlines() if line.startswith("window placement")]
+    assert len(offline) == 1 and offline[0].split("): ", 1)[1] == live[0].split("): ", 1)[1]
