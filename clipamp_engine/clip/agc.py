@@ -12,7 +12,16 @@ from collections.abc import Sequence
 import torch
 
 from ..norms import CLIP_EPS, accumulation_dtype, replicated, total_norm
-from .base import ClipPolicy, NamedParams, compile_patterns, embedding_param_ids, param_names, positive, scale_each_
+from .base import (
+    ClipPolicy,
+    NamedParams,
+    compile_patterns,
+    embedding_param_ids,
+    param_names,
+    positive,
+    refuse_unmatched,
+    scale_each_,
+)
 
 __all__ = ["DEFAULT_AGC_EXCLUDE", "AdaptiveGradClip", "unitwise_norm"]
 
@@ -95,6 +104,8 @@ class AdaptiveGradClip(ClipPolicy):
                     "named_params=model.named_parameters() (or the model), or exclude=[]"
                 )
         regexes = compile_patterns(patterns, "agc exclude")
+        if exclude is not None:
+            refuse_unmatched("agc exclude", list(patterns), list(names.values()))
         self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
         self._key: tuple | None = None
         self._selected: list[int] = []

@@ -198,6 +198,26 @@ def embedding_param_ids(named_params: NamedParams | None) -> set[int]:
     return {id(m.weight) for m in named_params.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
+def refuse_unmatched(
+    option: str, patterns: Sequence[str], names: Sequence[str], selected: Sequence[int] | None = None
+) -> None:
+    """Refuse a name pattern that selects no parameter: a typo or a wrong prefix, whose setting would
+    silently do nothing. ``selected``: how many parameters each pattern got where the first matching
+    pattern wins (a pattern shadowed by earlier ones is refused too)."""
+    regexes = compile_patterns(patterns, option)
+    for j, (pat, rx) in enumerate(zip(patterns, regexes)):
+        if not any(rx.search(n) for n in names):
+            raise ValueError(
+                f"{option}: {pat!r} matches no parameter name (names look like {', '.join(names[:4])}): fix the pattern"
+            )
+        if selected is not None and selected[j] == 0:
+            earlier = next(p for p, r in zip(patterns, regexes[:j]) if any(r.search(n) and rx.search(n) for n in names))
+            raise ValueError(
+                f"{option}: {pat!r} selects no parameter: every name it matches is taken by the earlier "
+                f"pattern {earlier!r} (the first matching pattern wins): reorder or narrow the patterns"
+            )
+
+
 def compile_patterns(patterns: Iterable[str], option: str) -> list[re.Pattern[str]]:
     compiled = []
     for pat in patterns:

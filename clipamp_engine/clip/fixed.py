@@ -18,7 +18,16 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..norms import clip_coefficient, dense_views, per_tensor_norms, total_norm
-from .base import ClipPolicy, GlobalCoefficientClip, NamedParams, compile_patterns, param_names, positive, scale_each_
+from .base import (
+    ClipPolicy,
+    GlobalCoefficientClip,
+    NamedParams,
+    compile_patterns,
+    param_names,
+    positive,
+    refuse_unmatched,
+    scale_each_,
+)
 
 __all__ = ["GlobalNormClip", "NoClip", "PerGroupClip", "StagedNormClip", "ValueClip"]
 
@@ -199,8 +208,13 @@ class PerGroupClip(ClipPolicy):
             regexes = compile_patterns(patterns, "per_group patterns")
             taus = [positive(f"patterns[{k!r}]", v) for k, v in patterns.items()]
             rest = math.inf if rest_max_norm is None else positive("rest_max_norm", rest_max_norm)
-            for pid, name in param_names(named_params).items():
+            names = param_names(named_params)
+            for pid, name in names.items():
                 self._unit_of[pid] = next((j for j, r in enumerate(regexes) if r.search(name)), len(regexes))
+            chosen = list(self._unit_of.values())
+            refuse_unmatched(
+                "per_group patterns", list(patterns), list(names.values()), [chosen.count(j) for j in range(len(taus))]
+            )
             self.max_norms = [*taus, rest]
         else:
             if optimizer is None:

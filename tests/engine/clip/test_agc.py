@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -92,3 +93,16 @@ def test_agc_excludes_embeddings_by_type_and_name():
         p.grad = torch.full_like(p, 100.0)
     _clip(AdaptiveGradClip(exclude=[], named_params=m), list(m.parameters()))
     assert m.word_embeddings.grad.abs().max() < 1.0
+
+
+def test_an_exclude_pattern_that_matches_no_name_is_refused():
+    """A typo'd exclusion would leave the layer clipped (its gradient ×0.01 of the weight) without a word."""
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"agc exclude: 'haed' matches no parameter name \(names look like 0\.weight"):
+        make_clip_policy("agc", exclude=["haed"], named_params=m)
+    policy = make_clip_policy("agc", exclude=[r"^1\."], named_params=m)  # the final layer, as the paper leaves it
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 100.0)
+    _clip(policy, list(m.parameters()))
+    assert torch.equal(m[1].weight.grad, torch.full((2, 3), 100.0))
+    assert m[0].weight.grad.abs().max() < 1.0

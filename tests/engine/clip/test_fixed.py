@@ -84,6 +84,31 @@ def test_per_group_patterns_by_name_and_rest_untouched():
     assert torch.equal(model[1].weight.grad, torch.full((2, 2), 10.0))  # no pattern, rest_max_norm=None
 
 
+@pytest.mark.parametrize(
+    ("patterns", "message"),
+    [
+        ({"atn": 0.5}, r"'atn' matches no parameter name \(names look like 0\.weight, 0\.bias, 1\.weight, 1\.bias\)"),
+        (
+            {"weight": 0.5, r"^0\.weight": 1.0},
+            r"selects no parameter: every name it matches is taken by the earlier pattern 'weight'",
+        ),
+    ],
+)
+def test_per_group_refuses_a_pattern_that_selects_no_parameter(patterns, message):
+    """A typo'd or shadowed pattern's τ would clip nothing: the run clipped exactly as without it, silently."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=message):
+        make_clip_policy("per_group", patterns=patterns, named_params=model)
+    # the same patterns with a real match clip what they name, as clip_grad_norm_ does per unit
+    ours, ref = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        a.grad, b.grad = torch.full_like(a, 10.0), torch.full_like(b, 10.0)
+    _clip(make_clip_policy("per_group", patterns={"weight": 0.5}, named_params=ours), list(ours.parameters()))
+    torch.nn.utils.clip_grad_norm_([ref[0].weight, ref[1].weight], 0.5)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_per_group_needs_one_tau_per_group():
     a, b = _params_with_grads(torch.ones(2), torch.ones(2))
     opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1)
