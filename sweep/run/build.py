@@ -69,12 +69,23 @@ def build_clip_policy(
     mode = cfg.clip.mode
     try:
         return make_clip_policy(
-            mode, named_params=model, optimizer=optimizer, total_steps=total_steps, **clip_options(cfg)
+            mode, named_params=named_model(model), optimizer=optimizer, total_steps=total_steps, **clip_options(cfg)
         )
     except ValueError as e:
         if isinstance(e, UserError):
             raise
         raise UserError(f"clip={mode}: {e}") from None
+
+
+def named_model(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The module whose parameter names ``clip.patterns`` / ``clip.exclude`` are written against, as
+    ``model.freeze``'s are: without DDP's ``module.`` or the own-loss wrapper's ``model.`` prefix (the same
+    parameters, so the policy clips them wherever they are trained)."""
+    from sweep.tasks.own_loss import OwnLossModel
+
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, OwnLossModel)):
+        model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model.model
+    return model
 
 
 def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: int | None = None) -> AmpTrainState:

@@ -3,7 +3,9 @@ set only what differs from it, choices checked from the fields that declare them
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -195,3 +197,26 @@ def test_per_group_patterns_can_be_given_on_the_command_line():
     model = torch.nn.ModuleDict({"attn": torch.nn.Linear(2, 2), "mlp": torch.nn.Linear(2, 2)})
     policy = make_clip_policy("per_group", named_params=model, **options)
     assert policy.max_norms[:2] == [0.5, 1.0]  # attn's parameters at 0.5, mlp's at 1.0 (then the rest)
+
+
+@pytest.mark.parametrize("pattern", ["^0", r"^0\.weight$"])
+def test_clip_patterns_name_the_users_parameters_inside_the_own_loss_wrapper(pattern):
+    """model.loss_target=model wraps the model (names ``model.0.weight``, and ``module.`` under DDP); an
+    anchored pattern (a clip YAML of one's own: Hydra's override grammar has no ``^`` in a key) written against
+    the user's names, as model.freeze takes them, selected nothing and clipped nothing."""
+    from sweep.tasks.own_loss import OwnLossModel
+
+    cfg = compose_cfg("+experiment=train", "clip=per_group")
+    cfg = dataclasses.replace(cfg, clip=dataclasses.replace(cfg.clip, patterns={pattern: 0.5}))
+    torch.manual_seed(0)
+    user = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    ref = copy.deepcopy(user)
+    for a, b in zip(user.parameters(), ref.parameters()):
+        a.grad, b.grad = torch.full_like(a, 10.0), torch.full_like(b, 10.0)
+    policy = build_clip_policy(cfg, OwnLossModel(user), torch.optim.SGD(user.parameters(), lr=0.1))
+    params = list(user.parameters())
+    pre = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    policy.clip_(params, [p.grad for p in params], pre, 1)
+    torch.nn.utils.clip_grad_norm_([p for n, p in ref.named_parameters() if re.search(pattern, n)], 0.5)
+    for a, b in zip(user.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
