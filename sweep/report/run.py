@@ -142,6 +142,10 @@ def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, consol
     ]
     if per_example:  # clip=dpsgd bounds each example's gradient; the batch's is never clipped (clip_ratio 0)
         clipped = f"examples clipped {pct(sum(per_example) / len(per_example))} (mean dp_clip_fraction), "
+    updates = [r for r in result.records.taken() if math.isfinite(r.get("update_l2_pre_clip", math.nan))]
+    if updates:  # clip=update bounds the optimizer's update; the gradient is never clipped (clip_ratio 0)
+        share = sum(r["update_l2_post_clip"] < r["update_l2_pre_clip"] for r in updates) / len(updates)
+        clipped = f"updates clipped {pct(share)} (update_l2_post_clip < update_l2_pre_clip), "
     taken = len(result.records.final_losses())
     over = (
         "the last 10 taken steps" if taken == 10 else f"all {taken} taken steps" if taken > 1 else f"{taken} taken step"

@@ -67,6 +67,21 @@ def test_forensic_columns(uri):
     assert (df["zero_grad_count"] == 0).all()
 
 
+@pytest.mark.parametrize("rho", [1e-4, 10.0])
+def test_update_mode_says_how_many_updates_it_clipped(uri, capsys, rho):
+    """clip=update bounds the update, never the gradient: the summary said "clipped 0.0%" while every
+    update was cut to ρ."""
+    cfg = compose_cfg(
+        "+experiment=train", "clip=update", f"clip.max_update_norm={rho}", "model=linear", "data=synthetic",
+        "steps=4", "progress=false", "tracking.plots=false", f"tracking.uri={uri}",
+    )  # fmt: skip
+    df = pd.read_csv(app.run(cfg).csv_path)
+    share = (df["update_l2_pre_clip"] > rho).mean()  # the reference: updates over ρ
+    assert share == (1.0 if rho < 1 else 0.0)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"updates clipped {share:.1%} (update_l2_post_clip < update_l2_pre_clip)" in out
+
+
 def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri, capsys):
     cfg = compose_cfg(
         "+experiment=train", "clip=dpsgd", *TINY, "steps=3", "clip.noise_multiplier=0.0", f"tracking.uri={uri}"
