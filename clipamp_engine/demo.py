@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         help="fail when the skip rate over the last min(100, --steps) steps exceeds X",
     )
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--inject-step", type=int, default=5, help="step whose gradient gets an inf (0: none)")
-    p.add_argument("--spike-step", type=int, default=12)
+    p.add_argument("--inject-step", type=int, help="step whose gradient gets an inf (default 5; 0: none)")
+    p.add_argument("--spike-step", type=int, help="the batch --spike corrupts (default 12)")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -59,6 +59,9 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--steps {args.steps} must be >= 1, e.g. --steps 20"
     if not (math.isfinite(args.max_norm) and args.max_norm > 0):
         return f"--max-norm {args.max_norm} must be a finite number > 0, e.g. --max-norm 1.0"
+    for flag, value, low in (("--inject-step", args.inject_step, 0), ("--spike-step", args.spike_step, 1)):
+        if value is not None and not low <= value <= args.steps:  # a default past a short run is no fault
+            return f"{flag} {value} must be in [{low}, --steps {args.steps}], or the run never reaches it"
     if args.max_skip_rate is not None and not 0.0 <= args.max_skip_rate <= 1.0:
         return f"--max-skip-rate {args.max_skip_rate} must be in [0, 1], e.g. --max-skip-rate 0.2"
     return None
@@ -101,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         max_norm=args.max_norm,
         skip_monitor=SkipRateMonitor(fail_window=fail_window, fail_above=args.max_skip_rate),
     )
+    inject_step = 5 if args.inject_step is None else args.inject_step
+    spike_step = 12 if args.spike_step is None else args.spike_step
     pending = {}
     model.weight.register_hook(lambda g: g + pending.pop("inf") if "inf" in pending else g)
     try:
         for step in range(1, args.steps + 1):
             x = torch.randn(32, 16)
             y = x @ true_w + 0.1 * torch.randn(32, 1)
-            if args.spike and step == args.spike_step:
+            if args.spike and step == spike_step:
                 y = y * 1e8
-            if step == args.inject_step:
+            if step == inject_step:
                 pending["inf"] = float("inf")
             try:
                 log = state.step(x, y)

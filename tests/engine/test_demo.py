@@ -38,3 +38,17 @@ def test_csv_and_max_skip_rate(tmp_path, capsys):
     assert rc == 1 and "FAIL skip rate" in out.err
     df = pd.read_csv(path)
     assert df["step"].tolist() == list(range(1, 21)) and df["skipped"].sum() >= 1
+
+
+def test_a_fault_step_past_the_run_is_refused(capsys):
+    """``--steps 20 --inject-step 30`` ran 20 clean steps and exited 0: the fault asked for never happened."""
+    for argv, message in (
+        (["--inject-step", "30"], "error: --inject-step 30 must be in [0, --steps 20], or the run never reaches it"),
+        (["--spike", "--spike-step", "0"], "error: --spike-step 0 must be in [1, --steps 20]"),
+    ):
+        rc, lines, out = _lines(capsys, *argv)
+        assert rc == 2 and lines == [] and out.err.startswith(message)
+    rc, lines, _ = _lines(capsys, "--bf16", "--steps", "3")  # the defaults (5, 12) past a short run: no error
+    assert rc == 0 and [l[:4] for l in lines] == ["STEP"] * 3
+    rc, lines, _ = _lines(capsys, "--bf16", "--inject-step", "20")
+    assert rc == 0 and [l.split()[1] for l in lines if l.startswith("SKIP")] == ["20"]
