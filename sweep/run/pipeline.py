@@ -26,7 +26,7 @@ from sweep.config.schema import Config
 from sweep.distributed.launch import Launch
 from sweep.errors import UserError, one_line
 from sweep.run.artifacts import logged_params, write_data_artifacts
-from sweep.run.build import build_state
+from sweep.run.build import build_clip_policy, build_optimizer, build_state
 from sweep.run.calibration import calibration_metrics
 from sweep.run.checkpoint import (
     checkpoint_path,
@@ -101,6 +101,7 @@ def run_training(
     torch.manual_seed(cfg.seed)
     task = spec.task or build_task(cfg.model, cfg.data, seed=cfg.seed, device=cfg.device)
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device))  # train_batches stay global
+    build_clip_policy(cfg, task.model, build_optimizer(cfg.optim, task.model))  # refused options: before a run opens
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
         tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
         reserve = SpaceReserve(checkpoint_path(store.uri, tracker.run_id).with_name("space.reserve") if lock else None)

@@ -94,3 +94,23 @@ def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri, capsys):
     bad = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "amp.dtype=fp16", f"tracking.uri={uri}")
     with pytest.raises(ValueError, match="needs accumulation_steps=1 and dtype bf16 or fp32"):
         app.run(bad)
+
+
+def test_a_refused_clip_option_opens_no_run(uri):
+    """The policy was built after the MLflow run opened: a refused option (here 3 τ for the app's 2 param
+    groups) left an empty FAILED run, a row of dashes in sweep.report, and a printed steps.csv never written."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+
+    def runs() -> int:
+        return sum(len(client.search_runs([e.experiment_id])) for e in client.search_experiments())
+
+    before = runs()
+    cfg = compose_cfg(
+        "+experiment=train", "clip=per_group", "clip.max_norms=[1,1,1]", "model=linear", "data=synthetic",
+        "steps=2", "progress=false", "tracking.plots=false", f"tracking.uri={uri}",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="max_norms has 3 values but the optimizer has 2 param groups"):
+        app.run(cfg)
+    assert runs() == before
