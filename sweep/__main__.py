@@ -191,6 +191,8 @@ def main(cfg: DictConfig) -> None:
     from sweep.app import run
     from sweep.distributed.launch import rank_from_env, torchrun_world
     from sweep.distributed.rank_failure import RankFailed
+    from sweep.tracking.busy import locked_line, store_locked
+    from sweep.tracking.tracker import resolve_uri
 
     startup_sigint(False)  # from here the app handles Ctrl-C
     one_line_warnings()
@@ -210,6 +212,8 @@ def main(cfg: DictConfig) -> None:
             print(f"error: {redact_text(line)}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
+        if store_locked(e):  # another process held the sqlite store past LOCK_WAIT_S
+            fail(redact_text(locked_line(resolve_uri(cfg.tracking.uri), cfg.run)), 1)
         if torchrun_world() is None:
             raise  # one process: a bug keeps its traceback
         # under torchrun before the ranks could agree (joining the process group): each failing rank says so

@@ -46,6 +46,7 @@ from sweep.run.nothing_trained import nothing_trained
 from sweep.run.resume_csv import open_steps_csv, resumed_rows
 from sweep.run.summary import summary_metrics, tau_tags, window_metrics
 from sweep.tasks.build import Batch, Task, build_task, evaluate
+from sweep.tracking.busy import store_locked
 from sweep.tracking.tracker import RunTracker, SilentTracker, Store, source_tags
 
 
@@ -135,10 +136,12 @@ def run_training(
                 tracker.set_tags({"failure_reason": str(nothing)})
                 raise nothing
             status = "FINISHED"
-        except Exception as e:
-            if disk_full(e) is None:
+        except Exception as e:  # a full disk or a store locked for LOCK_WAIT_S: KILLED if resumable
+            if disk_full(e) is None and not store_locked(e):
                 raise
-            status = "KILLED" if checkpoint_path(store.uri, tracker.run_id).exists() else "FAILED"  # resumable?
+            status = "KILLED" if checkpoint_path(store.uri, tracker.run_id).exists() else "FAILED"
+            if disk_full(e) is None:
+                raise  # the CLI's one line (sweep.tracking.busy)
             raise full_disk_error(e, reserve, resumable=status == "KILLED") from None
         finally:
             reserve.release()

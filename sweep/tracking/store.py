@@ -27,6 +27,7 @@ from filelock import FileLock, Timeout
 
 from sweep.errors import UserError
 from sweep.secrets import redact
+from sweep.tracking.busy import LOCK_WAIT_S, quiet_lock_errors, store_locked
 
 DEFAULT_URI = "sqlite:///mlruns/mlflow.db"
 SUPPORTED_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
@@ -130,6 +131,7 @@ def prepare_sqlite(uri: str, db: Path) -> None:
     """Create the store at ``db`` once (atomically, under ``db.lock``) or check the one there."""
     if not str(db) or str(db) == ".":
         raise UserError(f"tracking.uri={uri!r} names no database file; {_FIX_URI}")
+    quiet_lock_errors()  # a store locked mid-run is the CLI's one line, not MLflow's logged traceback
     if db.is_dir():
         raise UserError(f"tracking.uri={uri!r}: {db} is a directory, not a database file; {_FIX_URI}")
     if db.exists() and not os.access(db, os.W_OK):
@@ -209,7 +211,7 @@ def _tables(db: Path) -> tuple[set[str], str | None, int | None]:
 
 
 def _read_tables(db: Path, mode: str) -> tuple[set[str], str | None, int | None]:
-    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode={mode}", uri=True)
+    con = sqlite3.connect(f"{db.resolve().as_uri()}?mode={mode}", uri=True, timeout=LOCK_WAIT_S)
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         rev = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None
@@ -232,6 +234,11 @@ def verify_store(uri: str, db: Path) -> None:
     try:
         tables, rev, runs = _tables(db)
     except sqlite3.DatabaseError as e:
+        if store_locked(e):  # a valid store another process holds: moving it aside would hide its runs
+            raise UserError(
+                f"tracking.uri={uri!r}: {db} stayed locked by another process for {LOCK_WAIT_S:.0f} s ({e}); "
+                f"re-run once nothing else holds it (an open `sqlite3` shell or transaction, a backup)"
+            ) from None
         raise UserError(
             f"tracking.uri={uri!r}: {db} is not an SQLite database ({e}); move it aside "
             f"(`mv {db} {db}.bad`) and re-run, or {_FIX_URI}"
