@@ -29,7 +29,7 @@ from sweep.config.study_keys import refuse_other_mode_keys
 from sweep.config.validate import refuse_clip_overrides, refuse_pruning_overrides
 from sweep.errors import UserError, fail, one_line, one_line_warnings
 from sweep.offline import stay_offline
-from sweep.paths import write_refusal
+from sweep.paths import space_refusal, write_refusal
 from sweep.run.loop import RunInterrupted
 from sweep.secrets import hide_argv, redact_text
 
@@ -73,6 +73,8 @@ def precheck(argv: list[str]) -> None:
         key, _, value = arg.lstrip("+").partition("=")
         if key in ("hydra.run.dir", "hydra.sweep.dir") and value:
             _refuse_unwritable(key, Path(value))
+    if any(a in MULTIRUN for a in argv) and not any(a.lstrip("+").startswith("hydra.sweep.dir=") for a in argv):
+        _refuse_unwritable("hydra.sweep.dir", Path("multirun"))  # -m: Hydra's default multirun/DATE/TIME
     flags = [a for a in argv if a.startswith("-")]
     if any(f not in MULTIRUN for f in flags):  # --help, --cfg …: leave them to Hydra
         return
@@ -115,10 +117,13 @@ def _jobs(overrides: list[str]) -> list[list[str]]:
 
 
 def _refuse_unwritable(key: str, folder: Path) -> None:
-    """One line, exit 2, when Hydra could not create ``folder`` (under a file, or a read-only folder)."""
+    """One line, exit 2, when Hydra could not create ``folder`` (under a file, a read-only folder, a full disk)."""
     why = write_refusal(folder)
     if why is not None:
         fail(f"{key}={folder}: {why}, so Hydra cannot create its folder there: pass a writable {key}")
+    full = space_refusal(folder)
+    if full is not None:
+        fail(f"{key}={folder}: {full}, so Hydra cannot write its files there: free space there or pass another {key}")
 
 
 def _unknown_override(e: Exception) -> Exception | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -26,3 +27,15 @@ def write_refusal(path: Path, *, is_file: bool = False) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
     return None
+
+
+def space_refusal(path: Path, least: int = 256 << 10) -> str | None:
+    """Why ``path`` (a folder to create) cannot take ``least`` bytes of small files: its disk is full; or ``None``."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return None
+    return f"no space left on the device of {existing} ({free >> 10} KiB free)" if free < least else None

@@ -8,6 +8,7 @@ the run with every step exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import shutil
@@ -72,3 +73,41 @@ def test_a_full_disk_stops_the_run_resumable_in_one_line(tmp_path, store_templat
         assert len(history) == len(set(history))  # no step's metric sent twice
     finally:
         subprocess.run(["umount", "-l", str(mlruns)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["hydra.run.dir=outputs/run"], "hydra.run.dir=outputs/run"),
+        (["-m", "hydra.sweep.dir=outputs/multi"], "hydra.sweep.dir=outputs/multi"),
+        (["-m"], "hydra.sweep.dir=multirun"),  # Hydra's default multirun/DATE/TIME, in a full working folder
+    ],
+)
+def test_a_full_disk_under_hydras_folder_is_one_line_before_anything_runs(tmp_path, args, key):
+    """Hydra writes its .hydra/ files before the job: on a full disk that was its OSError traceback, exit 1."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(outputs)], capture_output=True
+        ).returncode
+        != 0
+    ):
+        pytest.skip("needs root and mount(8) for a small file system to fill")
+    try:
+        with open(outputs / "fill", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        cwd = outputs if key.endswith("=multirun") else tmp_path
+        res = finish(
+            start_cli(*args, "+experiment=train", *TINY, "steps=2", f"tracking.uri=sqlite:///{tmp_path}/m.db", cwd=cwd)
+        )
+        assert_one_line_error(
+            res, key, "no space left on the device", f"free space there or pass another {key.split('=')[0]}"
+        )
+        assert sorted(p.name for p in outputs.iterdir()) == ["fill"]
+        assert not (tmp_path / "m.db").exists()  # refused before any run started
+    finally:
+        subprocess.run(["umount", "-l", str(outputs)], check=False)
