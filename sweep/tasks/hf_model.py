@@ -33,17 +33,57 @@ PAD = -1  # input id of a padded position (targets there are -100)
 _EXAMPLES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "opt")
 
 
-def _check_keys(config_class: type, keys: list[str]) -> None:
-    """Refuse a key that is a near-miss of a real config field (a typo would be silently ignored)."""
+#: Names of one size in different config classes: a key the new ``model_type`` lacks is refused
+#: naming its own spelling of it (e.g. the Llama preset's intermediate_size is OPT's ffn_dim).
+_SAME_SIZE = (
+    ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "inner_hidden_size"),
+    ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    ("hidden_size", "n_embd", "d_model", "dim", "embed_dim"),
+    ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"),
+)
+#: Keys ``PreTrainedConfig`` consumes without a field of that name (``__post_init__``).
+_CONSUMED = {"torch_dtype", "num_labels", "output_attentions", "attn_implementation", "experts_implementation"}
+
+
+def _known_keys(config_class: type) -> set[str]:
+    known = {f.name for f in fields(config_class)} | set(getattr(config_class, "attribute_map", {})) | _CONSUMED
+    known |= {k for k in dir(config_class) if not k.startswith("_")}  # properties (num_labels, rope_scaling...)
+    if "rope_parameters" in known:  # legacy RoPE keys, converted into rope_parameters
+        known |= {"rope_theta", "rope_scaling"}
+    return known
+
+
+def check_keys(model_type: str, config: dict) -> None:
+    """Refuse a ``model.config`` key that ``model_type``'s config class does not have: transformers
+    keeps it as an unused attribute and builds its own default instead (a preset's Llama keys under
+    another model_type made a model of another size, silently). A near-miss is named as a typo."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
     if not is_dataclass(config_class):
         return
-    known = {f.name for f in fields(config_class)} | set(getattr(config_class, "attribute_map", {}))
-    for key in keys:
+    known, name = _known_keys(config_class), config_class.__name__
+    unknown = [k for k in config if k not in known and k != "model_type"]
+    for key in unknown:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-        if key not in known and close:
-            raise UserError(
-                f"model.config.{key} is not a field of {config_class.__name__}: did you mean model.config.{close[0]}?"
-            )
+        if close:
+            raise UserError(f"model.config.{key} is not a field of {name}: did you mean model.config.{close[0]}?")
+    if not unknown:
+        return
+    them = "it" if len(unknown) == 1 else "them"
+    own = []
+    for key in unknown:
+        same = next((g for g in _SAME_SIZE if key in g), ())
+        if mine := next((n for n in same if n in known and n not in config), None):
+            own.append(f"+model.config.{mine}={config[key]}")
+    raise UserError(
+        f"model.config.model_type={model_type} ({name}) has no {', '.join('model.config.' + k for k in unknown)}: "
+        f"transformers would ignore {them} and build {name}'s default{'s' if len(unknown) > 1 else ''} instead, "
+        f"not the model model.config describes; drop {them}: {' '.join('~model.config.' + k for k in unknown)}"
+        + (f", and pass {name}'s own name for the same size: {' '.join(own)}" if own else "")
+    )
 
 
 def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
@@ -63,7 +103,6 @@ def from_config(m: ModelConfig, vocab_size: int) -> nn.Module:
             f"model.config={ {'model_type': model_type, **kwargs} } is refused by transformers: "
             f"{one_line(e, 300)}: fix that model.config key"
         ) from None
-    _check_keys(type(config), list(kwargs))
     try:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as e:
@@ -208,6 +247,7 @@ def precheck(m: ModelConfig) -> None:
             f"pass one of {', '.join(_EXAMPLES)} (or any of the {len(CAUSAL)} in "
             "transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
         )
+    check_keys(model_type, dict(m.config))
 
 
 def build(m: ModelConfig, vocab: int) -> nn.Module:

@@ -60,3 +60,41 @@ def test_long_causes_are_cut_at_a_word():
     text = "word " * 100
     cut = clip_words(text, 300)
     assert len(cut) <= 302 and cut.endswith("word …") and clip_words("short text") == "short text"
+
+
+def test_a_preset_key_the_new_model_type_lacks_is_refused_naming_its_own_name():
+    """``model=hf model.config.model_type=opt``: OPTConfig has no intermediate_size nor num_key_value_heads
+    (the Llama preset's); transformers kept them as unused attributes and built OPT's ffn_dim=3072, a
+    3.53M-parameter model instead of the preset's sizes, saying nothing. Refused, naming the keys to drop and
+    OPT's name for the size; the model those overrides build is OPT's own at the preset's sizes."""
+    import yaml
+    from transformers import OPTConfig, OPTForCausalLM
+
+    preset = yaml.safe_load(open("conf/model/hf.yaml"))["config"]
+    with pytest.raises(UserError) as e:
+        build(ModelConfig(name="hf", config={**preset, "model_type": "opt"}), 300)
+    said = str(e.value)
+    assert said.startswith("model.config.model_type=opt (OPTConfig) has no model.config.intermediate_size, ")
+    assert "drop them: ~model.config.intermediate_size ~model.config.num_key_value_heads" in said, said
+    assert said.endswith("+model.config.ffn_dim=384") and "\n" not in said, said
+    fixed = {k: v for k, v in preset.items() if k not in ("intermediate_size", "num_key_value_heads")}
+    model = build(ModelConfig(name="hf", config={**fixed, "model_type": "opt", "ffn_dim": 384}), 300)
+    sizes = {k: v for k, v in fixed.items() if k not in ("model_type", "vocab_size")}
+    reference = OPTForCausalLM(OPTConfig(vocab_size=300, ffn_dim=384, **sizes))
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [
+        (n, p.shape) for n, p in reference.named_parameters()
+    ]
+    # mapped names (GPT2Config's attribute_map) and the keys transformers consumes are accepted
+    build(
+        ModelConfig(
+            name="hf",
+            config={
+                "model_type": "gpt2",
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "attn_implementation": "eager",
+            },
+        ),
+        300,
+    )
