@@ -82,6 +82,7 @@ class DataConfig:
     files: Any = None  # hf: a file, a glob or a list of them (text/json/jsonl/parquet/csv/arrow)
     format: str | None = None  # hf: datasets builder (text|json|parquet|csv|arrow); null = by extension
     text_field: str = "text"  # hf: the column holding the text
+    field: str | None = None  # hf, json: the key of the list of records in one JSON object (datasets' field=)
     source_field: str | None = None  # hf: the column that becomes data_source (null: the file name)
     tokenizer: str | None = None  # local tokenizer dir; null: model.pretrained's, else a BPE trained once
     vocab_size: int = 4096  # the trained BPE's vocabulary

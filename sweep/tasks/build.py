@@ -88,6 +88,11 @@ def _check_data_cfg(d: DataConfig) -> None:
             f"data.files={d.files!r} is read by data=hf only, not data={d.name}: pass data=hf (with model=hf), "
             "or data=text data.path=FILE"
         )
+    if d.field is not None and not (d.name == "hf" and d.files):
+        raise UserError(
+            f"data.field={d.field!r} (the key a JSON file's records sit under) is read with data=hf "
+            "data.files=FILE.json only: pass data.files, or drop data.field"
+        )
 
 
 def _build_model(m: ModelConfig, seq_len: int) -> tuple[nn.Module, Callable | None]:

@@ -101,6 +101,12 @@ def file_docs(d: DataConfig) -> tuple[list[Doc], str]:
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" lines: the error says it
+    nested = {"field": d.field} if d.field is not None else {}
+    if nested and builder != "json":
+        raise UserError(
+            f"data.field={d.field!r} (the key a JSON file's records sit under) is read by data.format=json "
+            f"only, and data.files are {builder}: drop data.field"
+        )
     docs: list[Doc] = []
     empty, not_text, first_not_text = 0, 0, ""
     for f in files:
@@ -109,8 +115,10 @@ def file_docs(d: DataConfig) -> tuple[list[Doc], str]:
         if builder in TEXT_BUILDERS:
             check_utf8(f)
         try:
-            ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
+            ds = datasets.load_dataset(builder, data_files=[str(f)], split="train", **nested)
         except Exception as e:  # malformed file, wrong format
+            if nested:
+                raise UserError(f"data.field={d.field!r}: {_top_keys(f)}") from None
             bad = bad_json_line(f) if builder == "json" else None
             if bad is not None:
                 raise UserError(f"data.files={str(f)!r} is not JSON Lines: {bad}; fix or remove that line") from None
@@ -124,7 +132,7 @@ def file_docs(d: DataConfig) -> tuple[list[Doc], str]:
             if field is not None and field not in ds.column_names:
                 raise UserError(
                     f"data.{key}={field!r} is not a column of {f.name}: its columns are "
-                    f"{', '.join(ds.column_names)}; pass data.{key}=NAME"
+                    f"{', '.join(ds.column_names)}; {_nested_hint(ds, d) or f'pass data.{key}=NAME'}"
                 )
         texts = ds[d.text_field]
         sources = ds[d.source_field] if d.source_field else [f.name] * len(texts)
@@ -144,6 +152,36 @@ def file_docs(d: DataConfig) -> tuple[list[Doc], str]:
         )
     parts = [f"{empty} empty"] * bool(empty) + [f"{not_text} not strings, first {first_not_text}"] * bool(not_text)
     return docs, (f"{empty + not_text} rows skipped: {'; '.join(parts)}" if parts else "")
+
+
+def _top_keys(f: Path) -> str:
+    """Why ``data.field`` could not be read from ``f``: its top-level keys, or that it is not one object."""
+    import json
+
+    try:
+        top = json.loads(f.read_text(encoding="utf-8"))
+    except ValueError:
+        return f"{f.name} is not one JSON object (JSON Lines has no key to read records from): drop data.field"
+    if not isinstance(top, dict):
+        return f"{f.name} holds a JSON {type(top).__name__}, not an object with keys: drop data.field"
+    lists = [k for k, v in top.items() if isinstance(v, list)]
+    return f"{f.name} has no list of records under that key: its keys are {', '.join(map(str, top)) or '(none)'}; " + (
+        f"pass data.field={lists[0]}" if lists else "drop data.field"
+    )
+
+
+def _nested_hint(ds, d: DataConfig) -> str:
+    """'pass data.field=KEY' when the file is one JSON object whose records (objects holding
+    ``data.text_field``) sit in a list under KEY, as datasets reads with ``field=KEY``; else ""."""
+    if d.field is not None or ds.num_rows != 1:
+        return ""
+    row = ds[0]
+    for key in ds.column_names:
+        value = row[key]
+        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+            if any(d.text_field in r for r in value):
+                return f"its records sit in a list under the key {key!r}: pass data.field={key}"
+    return ""
 
 
 def builtin_docs(d: DataConfig) -> list[Doc]:

@@ -314,3 +314,34 @@ def test_documents_end_with_eos_else_sep_else_nothing_said(corpus, tmp_path, cap
     task = hf_task(corpus, packing=True, tokenizer=str(plain))
     assert "packed with no separator (the tokenizer has no eos_token or sep_token)" in task.description
     assert "packed documents are joined with no token between them" in capfd.readouterr().err
+
+
+def test_records_nested_under_a_key_are_read_with_data_field(tmp_path, corpus):
+    """``{"data": [{"text": …}, …]}`` (what datasets reads with ``field="data"``) was unreadable: the run
+    said "data.text_field='text' is not a column …: pass data.text_field=NAME", and no NAME works.
+    ``data.field=data`` reads the same documents as the JSON Lines file of the same records; without it
+    the message names the key; a wrong key or a JSON Lines file is one line naming what to pass."""
+    from sweep.errors import UserError
+    from sweep.tasks import hf_data as D
+
+    records = [json.loads(line) for line in corpus.read_text().splitlines()]
+    nested = tmp_path / "nested.json"
+    nested.write_text(json.dumps({"version": 1, "data": records}))
+    docs, _ = D.file_docs(DataConfig(name="hf", files=str(nested), field="data", source_field="source"))
+    reference, _ = D.file_docs(DataConfig(name="hf", files=str(corpus), source_field="source"))
+    assert [d[1:] for d in docs] == [d[1:] for d in reference] and len(docs) == len(records)
+    for field, files, said in (
+        (None, nested, "its records sit in a list under the key 'data': pass data.field=data"),
+        (
+            "nope",
+            nested,
+            "data.field='nope': nested.json has no list of records under that key: its keys are "
+            "version, data; pass data.field=data",
+        ),
+        ("data", corpus, "data.field='data': corpus.jsonl is not one JSON object (JSON Lines has no key"),
+    ):
+        with pytest.raises(UserError) as e:
+            D.file_docs(DataConfig(name="hf", files=str(files), field=field))
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(UserError, match="read with data=hf data.files=FILE.json only"):
+        build_task(ModelConfig(name="hf", config=dict(TINY_LLAMA)), DataConfig(name="stdlib", field="data"), seed=0)
