@@ -11,6 +11,9 @@ loss (``band_verdict``):
   ratio falls as the run goes on and a run already under the band does not climb back into it. This half
   is an assumption, not a certainty: norms that rise late (they do as a cosine LR decays, Defazio,
   arXiv:2506.02285) can lift a ratio back into the band; ``study.prune_below_after=null`` turns it off.
+  Because it is a guess, it waits for a feasible trial (COMPLETE, ratio in the band): until the study has
+  one, a trial below the band so far runs on, so the guess never leaves a study with no pick (seen:
+  ``model=lstm steps=60``, every trial pruned at 0 clipped of 6 steps, one of which ended at 11.7%).
 
 Otherwise the inner pruner decides on the training loss, reported as the mean over each
 ``study.report_every`` steps (one value per window of batches; every trial sees the same batches):
@@ -86,7 +89,18 @@ class BandPruner(optuna.pruners.BasePruner):
         return band_verdict(step, taken, clipped, self.steps, self.band, self.below_after)
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        return self.verdict(trial) is not None or self.inner.prune(study, trial)
+        verdict = self.verdict(trial)
+        if verdict == "above" or verdict == "below" and self.has_feasible(study):
+            return True
+        return self.inner.prune(study, trial)
+
+    def has_feasible(self, study: optuna.Study) -> bool:
+        """A COMPLETE trial whose constraints all hold (its clipping ratio ended in the band); once true,
+        it stays true for the study, so it is read from the storage until then only."""
+        if not getattr(self, "_feasible", False):
+            done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            self._feasible = any(t.constraints and all(v <= 0 for v in t.constraints.values()) for t in done)
+        return self._feasible
 
 
 #: The loss pruner's p-value threshold (``WilcoxonPruner``): pruned when worse than the best trial at p < this.

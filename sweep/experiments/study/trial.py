@@ -83,7 +83,7 @@ class _Watch:
         self.taken = self.clipped = 0
         pruner = ctx.study.pruner
         self.band = pruner if self.prunable and isinstance(pruner, BandPruner) else None
-        self.beat = time.monotonic()
+        self.beat, self.below_kept = time.monotonic(), False
         ctx.storage.record_heartbeat(trial._trial_id)  # ask/tell has no heartbeat thread: beat from the loop
 
     def on_step(self, log) -> None:
@@ -107,9 +107,12 @@ class _Watch:
         verdict = self.band and band_verdict(
             log.step, self.taken, self.clipped, ctx.cfg.steps, self.band.band, self.band.below_after
         )
+        if verdict == "below" and self.below_kept and log.step % s.report_every:
+            verdict = None  # kept below the band (no feasible trial yet): asked again at report steps only
         if verdict:  # the clipping ratio can no longer end in the band: tell the pruner the counts, ask it
             self.trial.set_user_attr(CLIP_COUNTS, [log.step, self.taken, self.clipped])
             self.ask(log.step, t, f"clipping ratio {self.clipped}/{self.taken}: ends {verdict} the band")
+            self.below_kept = True  # not pruned: only a below-band verdict is ever kept
         elif log.step % s.report_every == 0 and self.window:
             self.trial.report(sum(self.window) / len(self.window), log.step)
             self.window.clear()

@@ -70,7 +70,9 @@ def test_median_pruner_prunes_hopeless_trials_and_keeps_a_good_one_on_a_real_stu
     steps = 100  # median after 20 steps, below-band rule after 10
     pruner = constrained_pruner("median", steps, 1, (0.01, 0.2), warmup=0.2, report_every=10, below_after=0.1)
     study = optuna.create_study(pruner=pruner)
-    first = report_losses(study, {10: 4.0, 20: 3.0, 30: 2.5})  # completes: the median's reference
+    first = report_losses(study, {10: 4.0, 20: 3.0, 30: 2.5})  # completes in band: the median's reference
+    first.set_constraint("clip_ratio_low", -0.05)
+    first.set_constraint("clip_ratio_high", -0.1)
     study.tell(first, 2.4)
     good = report_losses(study, {10: 4.1, 20: 2.9, 30: 2.4}, counts=[30, 30, 5])  # in band, ahead
     assert not good.should_prune()
@@ -82,6 +84,23 @@ def test_median_pruner_prunes_hopeless_trials_and_keeps_a_good_one_on_a_real_stu
     assert above.should_prune() and study.pruner.verdict(frozen(study, above)) == "above"
     below = report_losses(study, {10: 3.0}, counts=[10, 10, 0])  # ahead on loss, never clipped by step 10
     assert below.should_prune() and study.pruner.verdict(frozen(study, below)) == "below"
+
+
+def test_below_the_band_waits_for_a_feasible_trial_so_a_study_keeps_a_pick():
+    """``+experiment=sweep study=constrained model=lstm steps=60``: every trial was pruned at step 6 with 0 of 6
+    steps clipped ("ends below the band") and the study ended with no pick; unpruned, the first (the anchor
+    window's p95) ended at 11.7%, in the band. The below-band rule is a guess: it waits for a feasible trial.
+    The above-band rule (a certainty) does not wait."""
+    pruner = constrained_pruner("wilcoxon", 60, 2, (0.01, 0.2), warmup=0.1, report_every=5, below_after=0.1)
+    study = optuna.create_study(pruner=pruner)
+    below = report_losses(study, {5: 4.0}, counts=[6, 6, 0])
+    assert pruner.verdict(frozen(study, below)) == "below" and not below.should_prune()  # no trial done yet
+    complete(study, [4.0, 3.5], 3.0, clip_ratio=0.5)  # completes above the band: infeasible, not a pick
+    assert not below.should_prune()
+    above = report_losses(study, {5: 4.0}, counts=[13, 13, 13])  # 13 > 0.2 × 60: can only end above
+    assert above.should_prune()
+    complete(study, [4.0, 3.5], 3.1, clip_ratio=0.05)  # feasible: the study has its pick
+    assert below.should_prune() and report_losses(study, {5: 4.0}, counts=[6, 6, 0]).should_prune()
 
 
 def complete(study: optuna.Study, losses: list[float], value: float, clip_ratio: float) -> None:
