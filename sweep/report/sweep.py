@@ -113,6 +113,24 @@ def sweep_table(df, pick: Pick | None, title: str, *, pareto: bool = True) -> Ta
     return t
 
 
+def no_pick_line(result: SweepResult) -> str:
+    """Why a study has no pick and what to change: its trials were pruned above the band, or failed."""
+    df, (low, high) = result.trials, result.band
+    above = df[(df["state"] == "PRUNED") & (df["clip_ratio"] > high)]
+    if len(df) == 0 or len(above) == 0:
+        return "no completed trial: no pick"
+    keys = (
+        "study.anchor_low/anchor_high (τ in [anchor_low × p50, anchor_high × p99] of the window)"
+        if result.anchor
+        else "study.max_norm_low/max_norm_high"
+    )
+    return (
+        f"no completed trial: no pick: {len(above)} of {len(df)} trials clipped more than the band's "
+        f"{pct(high)} allows (pruned above [{pct(low)}, {pct(high)}]: τ up to {fmt(above['max_norm'].max())} is "
+        f"below this task's gradient norms); search larger τ: raise {keys}, or widen study.target_clip"
+    )
+
+
 def print_sweep_summary(result: SweepResult, *, uri: str, experiment_id: str, console: Console | None = None) -> None:
     """Terminal: the study's trials, the pick and its rule, pruning accounting, the UI command."""
     console = console or Console()
@@ -125,7 +143,7 @@ def print_sweep_summary(result: SweepResult, *, uri: str, experiment_id: str, co
             f"clipping ratio {pct(p.clip_ratio)}); rule {p.rule}: {p.reason}"
         )
     else:
-        console.print("no completed trial: no pick")
+        console.print(no_pick_line(result))
     console.print(
         f"this invocation: {result.trials_run} trials ({result.pruned} pruned, {result.failed} failed) in "
         f"{result.wall_s:.0f} s; trial-steps run {result.steps_run} of {result.steps_budget} unpruned "

@@ -270,3 +270,18 @@ def test_a_trial_is_never_pruned_at_its_last_step():
     last.on_step(log(30))  # asks nothing
     with pytest.raises(Pruned, match="pruned at step 29"):
         _Watch(ctx, study.ask()).on_step(log(29))
+
+
+@pytest.mark.slow
+def test_a_study_with_every_trial_pruned_says_why_and_what_to_change(tmp_path, capsys):
+    """τ in [0.001, 0.002], far below the tiny task's norms (~1): every step clips, every trial is pruned
+    above the band. It said only "no completed trial: no pick"; now it names the cause and the keys."""
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    band = ["study.max_norm_low=0.001", "study.max_norm_high=0.002", "study.n_trials=2"]
+    result = app.run(sweep_cfg(uri, *BAND_SWEEP[:3], *band), ["+experiment=sweep"])
+    trials = optuna_study(result, tmp_path).get_trials()
+    assert result.pick is None and [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
+    assert all(t.user_attrs[CLIP_COUNTS][2] == t.user_attrs[CLIP_COUNTS][1] for t in trials)  # every step clipped
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "no completed trial: no pick: 2 of 2 trials clipped more than the band's 20.0% allows" in out, out
+    assert "search larger τ: raise study.max_norm_low/max_norm_high, or widen study.target_clip" in out, out
