@@ -48,3 +48,11 @@ def locked_line(store: str, run: str | None) -> str:
         f"(sqlite: database is locked), so the run stopped; steps.csv and the last checkpoint are kept: once "
         f"nothing else holds the store (an open `sqlite3` shell or transaction, a backup), {how}"
     )
+
+
+def locked_reason(exc: BaseException) -> str | None:
+    """A sweep trial's failure reason when the store stayed locked: the condition, not MLflow's message, which
+    quotes SQLAlchemy's statement and parameters (hundreds of characters in the trial's table line)."""
+    if not store_locked(exc):
+        return None
+    return f"the tracking store stayed locked by another process for over {LOCK_WAIT_S:.0f} s (database is locked)"

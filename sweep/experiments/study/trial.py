@@ -30,6 +30,7 @@ from sweep.results.study import KILLED_OUTCOME
 from sweep.run.loop import RunRecords, StopRun
 from sweep.run.pipeline import RunHooks, RunResult, RunSpec, run_training
 from sweep.run.summary import tau_tags
+from sweep.tracking.busy import locked_reason
 from sweep.tracking.outbox import PENDING, amend_pending, unreachable
 from sweep.tracking.tracker import RunTracker, Store, log_metrics, redact, redact_text, upload_dir
 
@@ -314,7 +315,7 @@ def _mark_killed(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
 
 
 def _tell_failed(ctx: TrialContext, trial, watch: _Watch, spec: RunSpec, wall: float, e: Exception) -> None:
-    reason = redact_text(f"{type(e).__name__}: {' '.join(str(e).split())}")[:500]
+    reason = locked_reason(e) or redact_text(f"{type(e).__name__}: {' '.join(str(e).split())}")[:500]
     part = watch.partial_metrics()
     run_id = child_run_id(ctx.store, ctx.parent_run_id, trial.number)
     if run_id is None:  # failed before run_training opened its run: record one anyway
