@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sweep.commands import python_command
+from sweep.config.amp_keys import refuse_scaler_keys
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import unknown_key
 from sweep.config.schema import RUNS, register
@@ -90,6 +91,7 @@ def precheck(argv: list[str]) -> None:
                 refuse_clip_overrides(cfg.run, job)
                 refuse_pruning_overrides(cfg.run, cfg.study.mode, job)
                 refuse_other_mode_keys(cfg.run, cfg.study.mode, job)
+                refuse_scaler_keys(cfg.run, cfg.amp.dtype, job, overrides)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or e))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sweep.config import validate
 from sweep.config.schema import RUNS
@@ -529,3 +530,35 @@ def test_a_study_key_the_sweeps_mode_would_ignore_is_refused(study, override, ca
     precheck(["+experiment=sweep", other, override])  # the mode that reads it: accepted
     fields = {f"study.{f}" for f in StudyConfig.__dataclass_fields__}
     assert set(ENTANGLE_KEYS) | set(OPTUNA_KEYS) <= fields and not set(ENTANGLE_KEYS) & set(OPTUNA_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "given", "dtype"),
+    [
+        (["+experiment=train", "amp.init_scale=1024"], "amp.init_scale=1024", "bf16"),
+        (["+experiment=calibrate", "amp=fp32", "amp.hysteresis=2"], "amp.hysteresis=2", "fp32"),
+        (["-m", "+experiment=train", "amp.growth_interval=20", "seed=0,1"], "amp.growth_interval=20", "bf16"),
+    ],
+)
+def test_a_loss_scaler_key_of_a_run_that_scales_no_loss_is_refused(argv, given, dtype, capsys):
+    """``+experiment=train amp.init_scale=1024`` trained in bf16 without a word: the engine's scaler is off
+    outside fp16, so the key changed nothing. Kept where an fp16 run reads it: fp16, a sweep or a spike
+    replay (fp16 beside bf16), a multirun over the dtype."""
+    from sweep.__main__ import precheck
+    from sweep.run.build import build_state
+    from sweep.tasks.build import build_task
+
+    cfg = compose_cfg(*[a for a in argv if a != "-m" and "," not in a], "model=linear", "data=synthetic")
+    state = build_state(cfg, build_task(cfg.model, cfg.data, seed=0).model, torch.nn.functional.mse_loss)
+    assert cfg.amp.dtype == dtype and not state.scaler.is_enabled()  # nothing reads the key
+    with pytest.raises(SystemExit) as e:
+        precheck(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {given}: the loss scaler runs under amp.dtype=fp16 only ({dtype} scales no loss), so this "
+        f"{dtype} run would ignore it: drop it, or pass amp.dtype=fp16"
+    )
+    precheck([*argv, "amp.dtype=fp16"])
+    precheck(["+experiment=sweep", given])
+    precheck(["+experiment=spike", given])
+    precheck(["-m", "+experiment=train", given, "amp.dtype=fp16,bf16"])
