@@ -199,9 +199,10 @@ def main(cfg: DictConfig) -> None:
     from sweep.distributed.launch import rank_from_env, torchrun_world
     from sweep.distributed.rank_failure import RankFailed
     from sweep.tracking.busy import locked_line, store_locked
-    from sweep.tracking.tracker import resolve_uri
+    from sweep.tracking.tracker import own_run_lines, resolve_uri
 
     startup_sigint(False)  # from here the app handles Ctrl-C
+    own_run_lines()
     one_line_warnings()
     try:
         hydra_cfg = HydraConfig.get()

@@ -17,7 +17,7 @@ from pathlib import Path
 from sweep.errors import UserError, fail, one_line
 from sweep.offline import stay_offline
 from sweep.tracking.outbox import PENDING, read_pending
-from sweep.tracking.tracker import open_client, redact
+from sweep.tracking.tracker import open_client, own_run_lines, redact
 
 DESCRIPTION = (
     "Send what a run kept while its tracking server was away: its metric values, tags, artifacts and its "
@@ -27,6 +27,7 @@ DESCRIPTION = (
 
 def main(argv: list[str] | None = None) -> int:
     stay_offline()
+    own_run_lines()
     ap = argparse.ArgumentParser(prog="python -m sweep.resend", description=DESCRIPTION)
     ap.add_argument("folder", type=Path, help="the run's local folder named by the warning (holds pending.json)")
     ap.add_argument(

@@ -33,6 +33,12 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
+def own_run_lines() -> None:
+    """For the app's commands, which print their own run line (the ``mlflow ui`` command or the server's run):
+    MLflow's "View run … / View experiment …" lines for an ``mlflow server`` would repeat it, before it."""
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
 def resolve_uri(uri: str | None) -> str:
     """Explicit ``tracking.uri`` > ``$MLFLOW_TRACKING_URI`` > the embedded sqlite store."""
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI

@@ -114,5 +114,7 @@ def test_runs_outlive_their_tracking_server(tmp_path):
         assert sent.returncode == 0, sent.stderr[-2000:]
         _assert_complete_on_server(server.uri, folder.name)
         assert folder.name in sent.stdout and not folder.exists()
+        for out in (res.stdout, sent.stdout):  # the app's own run lines, not MLflow's "🏃 View run …" before them
+            assert "View run" not in out and "View experiment" not in out, out[-2000:]
     finally:
         server.kill()
