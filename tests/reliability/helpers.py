@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.app.helpers import REPO
 
@@ -84,3 +88,17 @@ def kill_between_checkpoints(proc: subprocess.Popen, csv: Path, every: int, leas
     proc.kill()
     proc.communicate(timeout=60)
     return csv_steps(csv)[-1]
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, options: str, why: str) -> Iterator[Path]:
+    """``folder`` as a tmpfs mounted with ``options`` (``size=3m``, ``ro,size=1m``) for the block, unmounted
+    after it: a real full or read-only file system (root ignores permission bits, so chmod proves nothing).
+    Skips with ``why`` without root or mount(8)."""
+    mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip(f"needs root and mount(8) {why}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import os
 import shutil
 import subprocess
 
@@ -18,7 +17,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.app.helpers import TINY
-from tests.reliability.helpers import assert_one_line_error, finish, start_cli
+from tests.reliability.helpers import assert_one_line_error, finish, small_tmpfs, start_cli
 
 STEPS = 1000
 RUN = [
@@ -36,15 +35,7 @@ RUN = [
 def test_a_full_disk_stops_the_run_resumable_in_one_line(tmp_path, store_template):
     mlruns = tmp_path / "mlruns"
     mlruns.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mlruns)], capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip("needs root and mount(8) for a small file system to fill")
-    try:
+    with small_tmpfs(mlruns, "size=3m", "for a small file system to fill"):
         shutil.copyfile(store_template, mlruns / "mlflow.db")
         res = finish(start_cli(*RUN, cwd=tmp_path))
         line = assert_one_line_error(
@@ -71,8 +62,6 @@ def test_a_full_disk_stops_the_run_resumable_in_one_line(tmp_path, store_templat
             assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, STEPS + 1))
         history = [m.step for m in client.get_metric_history(run_id, "loss")]
         assert len(history) == len(set(history))  # no step's metric sent twice
-    finally:
-        subprocess.run(["umount", "-l", str(mlruns)], check=False)
 
 
 @pytest.mark.slow
@@ -88,15 +77,7 @@ def test_a_full_disk_under_hydras_folder_is_one_line_before_anything_runs(tmp_pa
     """Hydra writes its .hydra/ files before the job: on a full disk that was its OSError traceback, exit 1."""
     outputs = tmp_path / "outputs"
     outputs.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(outputs)], capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip("needs root and mount(8) for a small file system to fill")
-    try:
+    with small_tmpfs(outputs, "size=1m", "for a small file system to fill"):
         with open(outputs / "fill", "wb") as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\0" * 65536)
@@ -109,5 +90,3 @@ def test_a_full_disk_under_hydras_folder_is_one_line_before_anything_runs(tmp_pa
         )
         assert sorted(p.name for p in outputs.iterdir()) == ["fill"]
         assert not (tmp_path / "m.db").exists()  # refused before any run started
-    finally:
-        subprocess.run(["umount", "-l", str(outputs)], check=False)
