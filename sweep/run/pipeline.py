@@ -137,10 +137,11 @@ def run_training(
                 raise nothing
             status = "FINISHED"
         except Exception as e:  # a full disk or a store locked for LOCK_WAIT_S: KILLED if resumable
-            if disk_full(e) is None and not store_locked(e):
+            full = disk_full(e)
+            if full is None and not store_locked(e):
                 raise
             status = "KILLED" if checkpoint_path(store.uri, tracker.run_id).exists() else "FAILED"
-            if disk_full(e) is None:
+            if full is None:
                 raise  # the CLI's one line (sweep.tracking.busy)
             raise full_disk_error(e, reserve, resumable=status == "KILLED") from None
         finally:

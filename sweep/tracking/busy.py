@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 LOCK_WAIT_S = 20.0  # mlflow.store.db.utils sets PRAGMA busy_timeout = 20000 on each session
+_HELD = f"stayed locked by another process for over {LOCK_WAIT_S:.0f} s"  # what both lines say of the store
 _quiet = False
 
 
@@ -44,8 +45,8 @@ def locked_line(store: str, run: str | None) -> str:
         "spike": "re-run the same command",
     }.get(run or "", "continue with the same command plus resume=true (or re-run it if no checkpoint was written)")
     return (
-        f"the tracking store {store} stayed locked by another process for over {LOCK_WAIT_S:.0f} s "
-        f"(sqlite: database is locked), so the run stopped; steps.csv and the last checkpoint are kept: once "
+        f"the tracking store {store} {_HELD} (sqlite: database is locked), so the run stopped; steps.csv and "
+        "the last checkpoint are kept: once "
         f"nothing else holds the store (an open `sqlite3` shell or transaction, a backup), {how}"
     )
 
@@ -55,4 +56,4 @@ def locked_reason(exc: BaseException) -> str | None:
     quotes SQLAlchemy's statement and parameters (hundreds of characters in the trial's table line)."""
     if not store_locked(exc):
         return None
-    return f"the tracking store stayed locked by another process for over {LOCK_WAIT_S:.0f} s (database is locked)"
+    return f"the tracking store {_HELD} (database is locked)"

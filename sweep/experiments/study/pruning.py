@@ -80,6 +80,7 @@ class BandPruner(optuna.pruners.BasePruner):
         self, inner: optuna.pruners.BasePruner, band: Sequence[float], steps: int, below_after: int | None
     ) -> None:
         self.inner, self.band, self.steps, self.below_after = inner, tuple(band), steps, below_after
+        self._feasible = False  # the study has a feasible trial (read from the storage until it has)
 
     def verdict(self, trial: optuna.trial.FrozenTrial) -> str | None:
         counts = trial.user_attrs.get(CLIP_COUNTS)
@@ -97,7 +98,7 @@ class BandPruner(optuna.pruners.BasePruner):
     def has_feasible(self, study: optuna.Study) -> bool:
         """A COMPLETE trial whose constraints all hold (its clipping ratio ended in the band); once true,
         it stays true for the study, so it is read from the storage until then only."""
-        if not getattr(self, "_feasible", False):
+        if not self._feasible:
             done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             self._feasible = any(t.constraints and all(v <= 0 for v in t.constraints.values()) for t in done)
         return self._feasible
