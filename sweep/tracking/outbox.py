@@ -14,12 +14,15 @@ artifacts in the run's local folder and one line names the command that sends th
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from sweep.commands import python_command
+from sweep.secrets import redact, redact_text
 
 PENDING = "pending.json"
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -40,6 +43,19 @@ def unreachable(exc: BaseException) -> bool:
         or "Max retries exceeded" in text
         or "failed with error code 5" in text
     )
+
+
+def away_reason(exc: BaseException) -> str:
+    """Why a send failed, in a few words: the socket's error (``connection refused``), a time-out with the
+    limit it hit, the HTTP status; else the start of the message, cut between words."""
+    text = redact_text(" ".join(str(exc).split()))
+    if errno := re.search(r"\[Errno -?\d+\] ([^\"')]+)", text):
+        return errno.group(1).strip().lower()
+    if "timed out" in text.lower():
+        return f"no answer within MLFLOW_HTTP_REQUEST_TIMEOUT={os.environ.get('MLFLOW_HTTP_REQUEST_TIMEOUT')} s"
+    if code := re.search(r"error code (5\d\d)", text):
+        return f"HTTP {code.group(1)}"
+    return text if len(text) <= 120 else text[:120].rsplit(" ", 1)[0] + " …"
 
 
 def _say(line: str) -> None:
@@ -113,10 +129,10 @@ class Outbox:
     def _away(self, exc: BaseException) -> None:
         if self.away_since is None:
             self.away_since = time.monotonic()
-            reason = " ".join(str(exc).split())[:120]
+            server = redact(self.client.tracking_uri)
             self.say(
-                f"warning: the tracking server stopped answering ({reason}); training goes on: steps.csv "
-                f"keeps every step, metrics are kept and sent when it answers"
+                f"warning: the tracking server {server} stopped answering ({away_reason(exc)}); training goes on: "
+                "steps.csv keeps every step, metrics are kept and sent when it answers"
             )
         self.next_try = time.monotonic() + self.backoff
         self.backoff = min(60.0, self.backoff * 2)

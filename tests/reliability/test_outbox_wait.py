@@ -58,3 +58,27 @@ def test_a_server_still_away_is_never_said_to_answer_again(tmp_path, monkeypatch
     assert not [line for line in said if "answers again" in line], said
     assert [line for line in said if "stopped answering" in line] == said[:1]
     assert "did not answer by the end of the run" in said[-1]
+
+
+def test_the_away_line_says_why_in_a_few_words(monkeypatch):
+    """A refused connection, a server that accepts but never answers: the warning names the server and says
+    which in a few words, not urllib3's exception text cut mid-token (``HTTPConnectionPool(host='127.0)``)."""
+    import socket
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    said: list[str] = []
+    O.Outbox(MlflowClient(DEAD), "run0", say=said.append).send(metrics=[Metric("loss", 1.0, 1000, 1)])
+    with socket.socket() as mute:  # listens (the kernel completes the connection), never reads nor answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        uri = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        O.Outbox(MlflowClient(uri), "run0", say=said.append).send(metrics=[Metric("loss", 1.0, 1000, 1)])
+    assert said == [
+        f"warning: the tracking server {server} stopped answering ({why}); training goes on: steps.csv keeps "
+        "every step, metrics are kept and sent when it answers"
+        for server, why in [
+            (DEAD, "connection refused"),
+            (uri, "no answer within MLFLOW_HTTP_REQUEST_TIMEOUT=1 s"),
+        ]
+    ]
