@@ -11,6 +11,7 @@ from clipamp_engine.forensics import StepForensics
 from sweep.config.schema import Config, OptimConfig, forensics_on
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
+from sweep.run.faults import FaultInjector
 
 
 def fused_supported(params: list[torch.Tensor]) -> bool:
@@ -127,6 +128,12 @@ def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: in
         )
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def build_faulted_state(cfg: Config, model: torch.nn.Module, loss_fn) -> tuple[AmpTrainState, FaultInjector]:
+    """``build_state`` with the faults ``cfg.faults`` injects into ``model`` (its hooks) and ``loss_fn``."""
+    faults = FaultInjector(cfg.faults, model, loss_fn)
+    return build_state(cfg, model, faults.loss_fn if faults.active else loss_fn), faults
 
 
 def model_device(model: torch.nn.Module) -> str:

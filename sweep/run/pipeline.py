@@ -26,7 +26,7 @@ from sweep.config.schema import Config
 from sweep.distributed.launch import Launch
 from sweep.errors import UserError, one_line
 from sweep.run.artifacts import logged_params, write_data_artifacts
-from sweep.run.build import build_clip_policy, build_optimizer, build_state
+from sweep.run.build import build_faulted_state
 from sweep.run.calibration import calibration_metrics
 from sweep.run.checkpoint import (
     checkpoint_path,
@@ -102,13 +102,13 @@ def run_training(
     torch.manual_seed(cfg.seed)
     task = spec.task or build_task(cfg.model, cfg.data, seed=cfg.seed, device=cfg.device)
     task = dataclasses.replace(task, model=launch.wrap(task.model, cfg.device))  # train_batches stay global
-    build_clip_policy(cfg, task.model, build_optimizer(cfg.optim, task.model))  # refused options: before a run opens
+    state, faults = build_faulted_state(cfg, task.model, task.loss_fn)  # a refused option: before a run opens
     with StopRequest(launch.any) as stop:  # one signal-safe path: opening, the loop and the end-of-run phase
         tracker, ckpt, lock = open_run_on_ranks(cfg, store, spec, task, launch)
         reserve = SpaceReserve(checkpoint_path(store.uri, tracker.run_id).with_name("space.reserve") if lock else None)
         status = "KILLED" if ckpt is not None else "FAILED"  # a resume that cannot start leaves the run KILLED
         try:
-            run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch)
+            run = _ActiveRun.start(cfg, tracker, task, hooks, ckpt, store.uri, launch, state, faults)
             status = "FAILED"
             try:
                 run.loop(stop)
@@ -258,14 +258,14 @@ class _ActiveRun:
         ckpt: dict | None,
         uri: str,
         launch: Launch,
+        state: Any,
+        faults: FaultInjector,
     ) -> _ActiveRun:
-        """Build the engine (restored from ``ckpt`` when resuming) and open the CSV (rank 0)."""
+        """Restore the engine ``state`` from ``ckpt`` when resuming, and open the CSV (rank 0)."""
         csv_path = tracker.artifact_path("steps.csv") if launch.is_main else None
         hooks.announce(f"steps.csv: {csv_path}")
         tracker.announce, tracker.reconnect_s = hooks.announce, cfg.tracking.reconnect_s
         start = ckpt["step"] if ckpt else 0
-        faults = FaultInjector(cfg.faults, task.model, task.loss_fn)
-        state = build_state(cfg, task.model, faults.loss_fn if faults.active else task.loss_fn)
         tracker.set_tags(
             {"pipeline": state.pipeline, "ranks": str(launch.world)}
         )  # update path (clipamp_engine.fused); ranks
