@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from sweep.config.keys import given
 from sweep.config.schema import AmpConfig
 from sweep.errors import UserError
 
@@ -19,12 +20,11 @@ def refuse_scaler_keys(run: str | None, dtype: str, job: list[str], overrides: l
     and the fix. ``job``: the run's overrides; ``overrides``: the command's (a ``-m`` sweep of the dtype)."""
     if run not in ("train", "calibrate") or dtype == "fp16":
         return
-    if any(a.lstrip("+~").partition("=")[0] in ("amp", "amp.dtype") and "," in a for a in overrides):
+    if any(key in ("amp", "amp.dtype") and "," in value for _, key, value in given(overrides)):
         return  # -m amp.dtype=fp16,bf16: the key is for the fp16 jobs
-    for arg in job:
-        given = arg.lstrip("+~")
-        if given.partition("=")[0] in SCALER_KEYS:
+    for text, key, _ in given(job):
+        if key in SCALER_KEYS:
             raise UserError(
-                f"{given}: the loss scaler runs under amp.dtype=fp16 only ({dtype} scales no loss), so this "
+                f"{text}: the loss scaler runs under amp.dtype=fp16 only ({dtype} scales no loss), so this "
                 f"{dtype} run would ignore it: drop it, or pass amp.dtype=fp16"
             )

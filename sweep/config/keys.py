@@ -11,10 +11,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 from sweep.config.schema import Config
 from sweep.errors import UserError
+
+
+def given(overrides: list[str]) -> Iterator[tuple[str, str, str]]:
+    """Each command-line override as it was given without Hydra's ``+``/``~`` prefix, its key, its value."""
+    for arg in overrides:
+        text = arg.lstrip("+~")
+        key, _, value = text.partition("=")
+        yield text, key, value
 
 
 def _fields(cls: type) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from sweep.config.keys import given
 from sweep.config.schema import StudyConfig
 from sweep.errors import UserError
 
@@ -26,18 +27,16 @@ def refuse_other_mode_keys(run: str | None, mode: str, overrides: list[str]) -> 
     """A command-line ``study.*`` key the sweep's mode would ignore: one line naming it and the fix."""
     if run != "sweep":
         return
-    for arg in overrides:
-        given = arg.lstrip("+~")
-        key = given.partition("=")[0]
+    for text, key, _ in given(overrides):
         if mode == "entangle" and key in OPTUNA_KEYS:
             hint = "; amp.dtype= sets its precision" if key == "study.dtypes" else ""
             raise UserError(
-                f"{given}: study=entangle runs a fixed grid (optim.lr × study.lr_factors by τ ∈ none and "
+                f"{text}: study=entangle runs a fixed grid (optim.lr × study.lr_factors by τ ∈ none and "
                 f"study.entangle_quantiles of its own calibration window), not an Optuna study, so it would be "
                 f"ignored{hint}: drop it, or pass study=pareto or study=constrained"
             )
         if mode != "entangle" and key in ENTANGLE_KEYS:
             raise UserError(
-                f"{given}: only study=entangle (the LR check) reads it, so study={mode} would ignore it: drop it, "
+                f"{text}: only study=entangle (the LR check) reads it, so study={mode} would ignore it: drop it, "
                 "or pass study=entangle"
             )

@@ -20,6 +20,7 @@ from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
+from sweep.config.keys import given
 from sweep.config.schema import CALIBRATED, FAULTS, RUNS, CalibrateConfig, ClipConfig, Config, forensics_on
 from sweep.config.validate_spike import check_spike
 from sweep.distributed.launch import forensics_refusal
@@ -185,12 +186,11 @@ def refuse_clip_overrides(run: str | None, overrides: list[str]) -> None:
     ``clip=calibrated`` names what the run trains with."""
     if run != "calibrate":
         return
-    for arg in overrides:
-        key, _, value = arg.lstrip("+~").partition("=")
+    for text, key, value in given(overrides):
         if key.removeprefix("clip.") in _CALIBRATE_KEYS:
             continue  # clip.quantile=…: check_clip names the calibrate.* key it meant
         if (key == "clip" and value != "calibrated") or key.startswith("clip."):
-            raise _ignored_in_calibrate(arg.lstrip("+~"))
+            raise _ignored_in_calibrate(text)
 
 
 _CALIBRATE_KEYS = {f.name for f in dataclasses.fields(CalibrateConfig)}
@@ -212,12 +212,11 @@ def refuse_pruning_overrides(run: str | None, mode: str, overrides: list[str]) -
     multi-objective study cannot report; ``study=entangle``: a fixed grid), which would be ignored."""
     if run != "sweep" or mode == "constrained":
         return
-    for arg in overrides:
-        given = arg.lstrip("+~")
-        if given.partition("=")[0] in PRUNING_KEYS and given != "study.pruner=none":  # none: what it does
+    for text, key, _ in given(overrides):
+        if key in PRUNING_KEYS and text != "study.pruner=none":  # none: what it does
             why = "a multi-objective study cannot prune" if mode == "pareto" else "it runs every cell of its grid"
             raise UserError(
-                f"{given}: study={mode} prunes no trial ({why}), so it would be ignored: drop it, or pass "
+                f"{text}: study={mode} prunes no trial ({why}), so it would be ignored: drop it, or pass "
                 "study=constrained, whose trials are pruned"
             )
 
