@@ -1,4 +1,5 @@
-"""Shared test helpers: compose the real conf/ tree, tiny task sizes, run the CLI in a subprocess."""
+"""Shared test helpers: compose the real conf/ tree, tiny task sizes, run the CLI in a subprocess (or in this
+process, without an interpreter's start-up)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,39 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300) 
     return subprocess.run(
         [sys.executable, "-m", "sweep", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_cli_here(*args: str, cwd: Path, capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """What ``python -m sweep ARGS`` in ``cwd`` exits with and prints, as ``run_cli`` returns it, from the same
+    entry point (``sweep.__main__.cli``: the precheck, Hydra's ``main``, its exit lines) run in this process: no
+    interpreter start-up, which is most of a refused command's seconds. What the app sets for its process (the
+    environment, the SIGINT handler, the form of warnings, Hydra's global state) is restored after it."""
+    import signal
+    import warnings
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    import sweep.__main__ as entry
+    import sweep.app  # noqa: F401  imported first: its import-time settings are this process's, not the run's
+
+    environ, sigint, form = dict(os.environ), signal.getsignal(signal.SIGINT), warnings.formatwarning
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["sweep", *args])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    capsys.readouterr()
+    try:
+        entry.cli()
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        signal.signal(signal.SIGINT, sigint)
+        warnings.formatwarning = form
+        GlobalHydra.instance().clear()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["sweep", *args], status, out, err)
 
 
 def store_in(folder: Path, template: Path) -> str:

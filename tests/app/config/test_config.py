@@ -11,7 +11,7 @@ from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from sweep.run.build import build_clip_policy
 from sweep.run.faults import FAULTS
-from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli
+from tests.app.helpers import EXPERIMENTS, compose_cfg, run_cli, run_cli_here
 
 
 def test_every_experiment_file_is_a_known_run():
@@ -223,16 +223,30 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
 ]
 
 
+#: One mistake refused at each stage (the precheck, validation, the task's build, the store), run as a new process.
+IN_A_PROCESS = ("no experiment chosen", "clip.max_norm=-1.0 must", "Error locating target", "is unreachable")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[m[:40] for _, m in BAD_INPUTS])
-def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(tmp_path, args, message):
+@pytest.mark.parametrize(
+    ("args", "message", "process"),
+    [(a, m, m.startswith(IN_A_PROCESS)) for a, m in BAD_INPUTS],
+    ids=[m[:40] for _, m in BAD_INPUTS],
+)
+def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(
+    tmp_path, args, message, process, capsys, monkeypatch
+):
+    """Every mistake through the CLI's entry point in this process (``run_cli_here``: seconds less each); one per
+    stage as ``python -m sweep`` in a new process instead, with the exit status Python gives."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blocker").write_text("a file where a folder should be")
     args = [a.replace("EMPTY", str(tmp_path / "empty.txt")).replace("BLOCKED", str(tmp_path / "blocker")) for a in args]
     extra = ["progress=false", "calibrate.window=2"] + (
         [] if any(a.startswith("steps=") for a in args) else ["steps=5"]
     )
-    res = run_cli(*(extra if args else []), *args, cwd=tmp_path)
+    argv = [*(extra if args else []), *args]
+    here = {"capsys": capsys, "monkeypatch": monkeypatch}
+    res = run_cli(*argv, cwd=tmp_path) if process else run_cli_here(*argv, cwd=tmp_path, **here)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], res.stderr
