@@ -25,7 +25,7 @@ from tests.reliability.helpers import finish, start_cli
 
 pytestmark = pytest.mark.slow  # real servers, real runs
 
-STEPS = 600
+STEPS = 300
 RUN = [
     "+experiment=train",
     *TINY,
