@@ -93,7 +93,7 @@ def precheck(argv: list[str]) -> None:
                 refuse_other_mode_keys(cfg.run, cfg.study.mode, job)
                 refuse_scaler_keys(cfg.run, cfg.amp.dtype, job, overrides)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
-        fail(_user_line(_unknown_override(e) or e))
+        fail(_user_line(_unknown_override(e) or _not_a_list(e, overrides) or e))
 
 
 def _jobs(overrides: list[str]) -> list[list[str]]:
@@ -141,6 +141,35 @@ def _unknown_override(e: Exception) -> Exception | None:
             f"overridden; NAME one of {', '.join(RUNS)})"
         )
     return unknown_key(found.group(1)) if found else None
+
+
+def _not_a_list(e: Exception, overrides: list[str]) -> UserError | None:
+    """OmegaConf's "Error merging override K=V: Invalid value assigned: float is not a ListConfig, list or tuple"
+    for a list-valued key given a scalar (or a list holding one where a list belongs): the key's shape and its
+    default as a command line writes it, read from the config composed without that override."""
+    from hydra import compose, initialize_config_dir
+
+    found = re.fullmatch(r"Error merging override ([\w.]+)=(.*)", str(e))
+    if not found or not re.match(r"Invalid value assigned: \w+ is not a ListConfig", str(e.__cause__)):
+        return None
+    key, given = found.groups()
+    others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
+    others = (_jobs(others) or [others])[0]  # a -m sweep: its first job
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            default = OmegaConf.to_container(OmegaConf.select(compose(config_name="config", overrides=others), key))
+    except Exception:  # the others do not compose alone: the shape without the default
+        default = None
+    nested = " of lists" if isinstance(default, list) and default and isinstance(default[0], list) else ""
+    example = f": pass e.g. '{key}={_written(default)}' (its default)" if isinstance(default, list) else ""
+    return UserError(f"{key}={given}: {key} is a list{nested}{example}")
+
+
+def _written(value) -> str:
+    """``value`` as a Hydra override writes it: ``[[0.0,2.0],[100.0,1.0]]``, ``[fp16,bf16]``."""
+    if isinstance(value, list):
+        return "[" + ",".join(_written(v) for v in value) + "]"
+    return str(value)
 
 
 def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:

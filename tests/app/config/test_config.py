@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from sweep.config import validate
 from sweep.config.schema import RUNS
@@ -258,6 +259,33 @@ def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(
         client = MlflowClient(f"sqlite:///{db}")
         exps = [e.experiment_id for e in client.search_experiments()]
         assert not client.search_runs(exps, filter_string="attributes.status = 'RUNNING'")
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "default"),
+    [
+        (["+experiment=calibrate", "calibrate.target_clip=0.05"], "calibrate.target_clip", "[0.01,0.05]"),
+        (["+experiment=train", "clip=staged", "clip.stages=[[1,2],3]"], "clip.stages", "[[0.0,2.0],[100.0,1.0]]"),
+        (["-m", "+experiment=sweep", "study.dtypes=fp16", "seed=0,1"], "study.dtypes", "[fp16,bf16]"),
+    ],
+)
+def test_a_list_key_given_a_scalar_names_its_shape_and_a_default_that_composes(argv, key, default, capsys):
+    """``calibrate.target_clip=0.05`` was OmegaConf's "Error merging override …: Invalid value assigned: float is
+    not a ListConfig, list or tuple."; the line now says the key is a list and gives one, its default, to paste."""
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(argv)
+    assert e.value.code == 2
+    given = next(a for a in argv if a.startswith(f"{key}="))
+    shape = "a list of lists" if default.startswith("[[") else "a list"
+    line = capsys.readouterr().err.strip()
+    assert line == f"error: {given}: {key} is {shape}: pass e.g. '{key}={default}' (its default)"
+    job = [a for a in argv if a not in (given, "-m") and "," not in a]
+    pasted = OmegaConf.select(OmegaConf.structured(compose_cfg(*job, f"{key}={default}")), key)
+    assert OmegaConf.to_container(pasted) == OmegaConf.to_container(
+        OmegaConf.select(OmegaConf.structured(compose_cfg(*job)), key)
+    )
 
 
 @pytest.mark.parametrize("key", ["study.target_clip_low", "+study.target_clip_high"])
