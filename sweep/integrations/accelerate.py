@@ -65,7 +65,7 @@ class ClipampAccelerate:
         apply: bool = False,
         csv_path: str | Path | None = None,
         tracking: str | None = "auto",
-        experiment: str = "clipamp",
+        experiment: str | None = None,
         run_name: str | None = None,
         skip_nonfinite: bool | None = None,
         verbose: bool = True,

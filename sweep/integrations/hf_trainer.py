@@ -105,9 +105,10 @@ class ClipampCallback(TrainerCallback, ExportableState):
         apply: clip at the calibrated τ once the window closes (else keep ``args.max_grad_norm``:
             the run is unchanged).
         csv_path: where ``steps.csv`` goes without MLflow (default ``<output_dir>/clipamp/steps.csv``).
-        tracking: ``"auto"``: an MLflow run (a child of the active run, if any) in
-            ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlruns/mlflow.db``; a tracking URI; ``None``: CSV only.
-        experiment, run_name: the MLflow experiment and run name.
+        tracking: ``"auto"``: an MLflow run (a child of the active run, if any: ``report_to="mlflow"``'s)
+            in ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlruns/mlflow.db``; a tracking URI; ``None``: CSV only.
+        experiment: the MLflow experiment (``None``: the active run's when nested under one, else ``clipamp``).
+        run_name: the MLflow run name.
         skip_nonfinite: refuse an update whose gradient norm is inf/NaN (default: ``apply``).
         verbose: print the CSV path, the recommendation and the verdict.
         **calibrate: overrides of the runner's calibration (``window``, ``start``, ``quantile``,
@@ -121,7 +122,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
         apply: bool = False,
         csv_path: str | Path | None = None,
         tracking: str | None = "auto",
-        experiment: str = "clipamp",
+        experiment: str | None = None,
         run_name: str | None = None,
         skip_nonfinite: bool | None = None,
         verbose: bool = True,

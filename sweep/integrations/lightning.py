@@ -86,7 +86,7 @@ class ClipampCallback(pl.Callback):
         max_norm: float | None = None,
         csv_path: str | Path | None = None,
         tracking: str | None = "auto",
-        experiment: str = "clipamp",
+        experiment: str | None = None,
         run_name: str | None = None,
         skip_nonfinite: bool | None = None,
         verbose: bool = True,

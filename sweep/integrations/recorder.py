@@ -86,7 +86,8 @@ class StepRecorder:
         csv_path: ``steps.csv`` when there is no MLflow run.
         tracking: ``"auto"`` (``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlruns/mlflow.db``, a child of the
             active run if any), a tracking URI, or ``None`` (CSV only).
-        experiment, run_name: the MLflow experiment and run name.
+        experiment: the MLflow experiment (``None``: the active run's when nested under one, else ``clipamp``).
+        run_name: the MLflow run name.
         skip_nonfinite: drop a non-finite gradient so that the optimizer step changes nothing
             (default: ``apply``; off, the host's run is left as it is).
         verbose: print the CSV path, each window's recommendation and the verdicts.
@@ -99,7 +100,7 @@ class StepRecorder:
         calibrate: dict[str, Any] | None = None,
         csv_path: str | Path | None = None,
         tracking: str | None = "auto",
-        experiment: str = "clipamp",
+        experiment: str | None = None,
         run_name: str | None = None,
         skip_nonfinite: bool | None = None,
         verbose: bool = True,

@@ -41,6 +41,9 @@ Recorder = Any
 
 _FLOAT, _ITEMS = "__float__", "__items__"
 
+#: The experiment of a run that nests under no active run, unless ``experiment=`` names one.
+DEFAULT_EXPERIMENT = "clipamp"
+
 
 class ResumeWarning(UserWarning):
     """A resume whose records cannot continue those of the checkpoint's run (they start afresh)."""
@@ -106,10 +109,12 @@ def checkpoint_state(recorder: Recorder) -> dict[str, Any]:
     return to_json(dict(sorted(state.items())))  # keys in order: plain JSON at the top level
 
 
-def open_store(tracking: str, experiment: str):
+def open_store(tracking: str, experiment: str | None):
     """The MLflow store ``tracking`` names (``"auto"``: the active run's, else ``$MLFLOW_TRACKING_URI`` or
     the default sqlite store), the id of the active run to nest under (``"auto"`` only), and the store's
-    label: its URI with a relative sqlite path made absolute and passwords hidden (how a checkpoint names it)."""
+    label: its URI with a relative sqlite path made absolute and passwords hidden (how a checkpoint names it).
+    The run goes into ``experiment``; ``None``: the active run's experiment when it nests under one (MLflow's
+    UI shows a child under its parent only within one experiment), else ``clipamp``."""
     import mlflow
 
     from ..secrets import redact
@@ -117,7 +122,11 @@ def open_store(tracking: str, experiment: str):
     from ..tracking.tracker import Store
 
     active = mlflow.active_run() if tracking == "auto" else None
-    store = Store.open(mlflow.get_tracking_uri() if active else None if tracking == "auto" else tracking, experiment)
+    uri = mlflow.get_tracking_uri() if active else None if tracking == "auto" else tracking
+    if active and experiment is None:
+        store = Store.beside(uri, active.info.experiment_id)
+    else:
+        store = Store.open(uri, DEFAULT_EXPERIMENT if experiment is None else experiment)
     return store, active.info.run_id if active else None, redact(anchored(store.uri, Path.cwd()))
 
 

@@ -137,6 +137,13 @@ class Store:
         tags = {"overrides": redact_text(" ".join(overrides or [])), "tracking_uri": redact(uri)}
         return cls(client, ensure_experiment(client, experiment, uri), uri, tags)
 
+    @classmethod
+    def beside(cls, uri: str | None, experiment_id: str) -> Store:
+        """``uri``'s store and an experiment that exists and that clipamp did not make (an active run's):
+        its tags are left as they are (no UI tags: the user's experiment looks as it did)."""
+        uri = resolve_uri(uri)
+        return cls(open_client(uri), experiment_id, uri, {"overrides": "", "tracking_uri": redact(uri)})
+
 
 class RunTracker:
     """One MLflow run: params, buffered per-step metrics, summary metrics and artifacts.
