@@ -22,6 +22,9 @@ called) is closed when the process exits (``atexit``): the ``steps.csv`` with ev
 the buffered per-step metrics sent, and the MLflow run ended as FAILED (an error), or KILLED
 (Ctrl-C, or an exit without one), rather than left RUNNING.
 
+Beside the ``steps.csv`` it writes ``steps.clipamp.yaml`` (``sweep.run.csv_settings``): the calibration
+options and the run's length, so that ``python -m sweep.recommend steps.csv`` replays this calibration.
+
 A host that saves checkpoints keeps ``checkpoint_state()`` in each and, resuming from one, hands it back
 as ``begin(resume=…)``: the calibration, the ``steps.csv`` and the MLflow run go on from it
 (``sweep.integrations.resume``).
@@ -52,6 +55,7 @@ from clipamp_engine.records import SkipLog, StepLog
 from ..errors import one_line
 from ..run.artifacts import json_text
 from ..run.calibration import calibration_payload
+from ..run.csv_settings import write_settings
 from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
 from .resume import checkpoint_state, new_run, open_store
@@ -164,15 +168,19 @@ class StepRecorder:
         _OPEN.add(self)
         if resume is not None:
             restore(self, resume, path=path, main_process=main_process, run_name=name, tags=tags, params=params)
-            return self._take_over()
-        if not main_process:
-            return
-        if self.tracking is not None:
-            store, parent, self.store_label = open_store(self.tracking, self.experiment)
-            self.tracker = new_run(store, parent, name, tags, params)
-            path = self.tracker.artifact_path("steps.csv")
-        self.writer = StepCSVWriter(path, COLUMNS)
-        self.say(f"steps.csv: {path}")
+            self._take_over()
+        elif main_process:
+            if self.tracking is not None:
+                store, parent, self.store_label = open_store(self.tracking, self.experiment)
+                self.tracker = new_run(store, parent, name, tags, params)
+                path = self.tracker.artifact_path("steps.csv")
+            self.writer = StepCSVWriter(path, COLUMNS)
+            self.say(f"steps.csv: {path}")
+        if self.writer is not None:  # beside the CSV: what `python -m sweep.recommend steps.csv` replays
+            options, total = self.calibration_options(), self.policy.total_steps
+            write_settings(
+                self.writer.path, run=tags.get("run", "host"), options=options, total_steps=total, apply=self.apply
+            )
 
     def _take_over(self) -> None:
         """This resumed recorder continues the run (or CSV) of another of this process that an exception left

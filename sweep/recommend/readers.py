@@ -27,7 +27,7 @@ from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
-from sweep.recommend.run_config import csv_run_params, no_config_note, own_settings
+from sweep.recommend.run_config import csv_run, own_settings
 from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
@@ -317,15 +317,12 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
         lrs = by_step(lr_steps[lr_steps.notna()], lr_values[lr_steps.notna()], np.asarray(steps))
     pre = "clipamp records grad_l2_pre_clip before clipping" if ours and name == "grad_l2_pre_clip" else None
     extra["lightning"] = lightning_marks(cols, path.parent) if step_name is not None else None
-    params, config = csv_run_params(path)  # the app's config.yaml beside its steps.csv
-    extra["settings"], extra["notes"] = own_settings(params, f"the run of {config}") if config else ({}, [])
-    extra["settings_from"] = f"the run's config {config} (calibrate.*)" if config else None
+    extra |= csv_run(path, ours)  # the app's config.yaml beside its steps.csv, an integration's steps.clipamp.yaml
     series = make_series(
         f"{path} (CSV)", name, np.asarray(steps), values.to_numpy(), lrs, pre_clip=pre, lr_name=lr_name, **extra
     )
     if step_name is None:
         series.notes.append(f"no step column ({' / '.join(STEP_NAMES)}): row n is step n")
-    series.notes += [no_config_note(path)] if ours and config is None else []
     return series
 
 

@@ -149,7 +149,8 @@ def record(step: int, lr: float, norm: float, taken: bool, tau: float | None, to
 
 def replay(series: NormSeries, options: Options) -> CalibratedClip:
     """The ``CalibratedClip`` of a run of ``series.total_steps`` (else ``series.steps[-1]``) steps that saw
-    ``series``'s norms: the window placed as the live run placed it, with the run's end in view.
+    ``series``'s norms: the window placed as the live run placed it, with the run's end in view (none for an
+    ``open_ended`` series, whose run knew no end).
 
     Without an LR in the logs every record's LR is NaN: the placement sees no warm-up, and says so.
 
@@ -167,7 +168,7 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
             options.validate,
             tuple(options.target_clip),
             options.confidence,
-            total_steps=max(series.total_steps or 0, int(series.steps[-1])),
+            total_steps=None if series.open_ended else max(series.total_steps or 0, int(series.steps[-1])),
         )
     except ValueError as e:
         raise UserError(as_flags(str(e))) from None

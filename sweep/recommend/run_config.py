@@ -1,9 +1,12 @@
 """The calibration settings of the run that wrote a CSV, from the config it left beside it.
 
 A clipamp app run writes ``steps.csv`` next to ``config.yaml`` (its resolved config, an MLflow artifact);
-a Hydra output folder holds ``.hydra/config.yaml``. Their ``calibrate`` section is what the run
-calibrated with, read as the run's ``calibrate.*`` params are (``run_settings``), so that
-``python -m sweep.recommend steps.csv`` and ``runs:/ID`` of one run give the same τ.
+a Hydra output folder holds ``.hydra/config.yaml``; a trainer integration (``ClipampCallback``,
+``ClipampAccelerate``) writes ``steps.clipamp.yaml`` next to its ``steps.csv`` (``sweep.run.csv_settings``:
+named after the CSV, so that it never takes a user's file's name), with the run's length as its
+calibration knew it (``total_steps``). Their ``calibrate`` section is what the run calibrated with,
+read as the run's ``calibrate.*`` params are (``run_settings``), so that ``python -m sweep.recommend
+steps.csv`` and ``runs:/ID`` of one run give the same τ, and an integration's CSV the τ it printed.
 """
 
 from __future__ import annotations
@@ -14,16 +17,23 @@ from typing import Any
 import yaml
 
 from sweep.recommend.replay import run_settings
+from sweep.run.csv_settings import SETTINGS_NAME
 
-#: Where, relative to the CSV's folder, a run's config is looked for, in order.
-CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
+#: Where, relative to the CSV's folder, a run's config is looked for, in order (``{stem}``: the CSV's
+#: name without its suffix): the integration's settings named after the CSV first, as the most specific.
+CONFIG_NAMES = (SETTINGS_NAME, "config.yaml", ".hydra/config.yaml")
+
+
+def config_names(csv_path: Path) -> list[str]:
+    """``CONFIG_NAMES`` for ``csv_path``: ``steps.clipamp.yaml``, ``config.yaml``, ``.hydra/config.yaml``."""
+    return [name.format(stem=Path(csv_path).stem) for name in CONFIG_NAMES]
 
 
 def csv_run_params(csv_path: Path) -> tuple[dict[str, str], Path | None]:
     """The first config beside ``csv_path`` with a ``calibrate`` section as the params its run logged (``run``,
-    ``clip.mode``, ``calibrate.*``), and that config's path; ``({}, None)`` when there is none (or it is not
-    readable YAML)."""
-    for name in CONFIG_NAMES:
+    ``clip.mode``, ``calibrate.*``, and ``total_steps`` where it says), and that config's path; ``({}, None)``
+    when there is none (or it is not readable YAML)."""
+    for name in config_names(csv_path):
         path = Path(csv_path).parent / name
         try:
             cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
@@ -33,8 +43,28 @@ def csv_run_params(csv_path: Path) -> tuple[dict[str, str], Path | None]:
         if isinstance(section, dict):
             clip = cfg.get("clip") if isinstance(cfg.get("clip"), dict) else {}
             params = {"run": str(cfg.get("run")), "clip.mode": str(clip.get("mode"))}
+            params |= {"total_steps": str(cfg["total_steps"])} if "total_steps" in cfg else {}
             return {**params, **{f"calibrate.{k}": str(v) for k, v in section.items()}}, path
     return {}, None
+
+
+def csv_run(csv_path: Path, ours: bool) -> dict[str, Any]:
+    """The ``NormSeries`` fields the config beside ``csv_path`` gives: ``settings`` (with a note where they are
+    not the run's choice), ``settings_from``, and the run's length where it says (``total_steps``, or
+    ``open_ended`` where its calibration knew none); for a clipamp CSV (``ours``) without one, a note that
+    the settings are this command's defaults."""
+    params, config = csv_run_params(csv_path)
+    if config is None:
+        return {"settings": {}, "notes": [no_config_note(csv_path)] if ours else [], "settings_from": None}
+    settings, notes = own_settings(params, f"the run of {config}")
+    out = {"settings": settings, "notes": notes, "settings_from": f"the run's config {config} (calibrate.*)"}
+    length = params.get("total_steps") if settings else None
+    if length == "None":  # the live calibration placed its window with no end in view: so does the replay
+        out["open_ended"] = True
+        notes.append(f"the run's length was unknown to its calibration ({config}: total_steps: null): none assumed")
+    elif length is not None and length.isdigit() and int(length) > 0:
+        out["total_steps"] = int(length)  # the live run placed its window for that length, a log cut short too
+    return out
 
 
 def own_settings(params: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
@@ -53,8 +83,9 @@ def own_settings(params: dict[str, str], where: str) -> tuple[dict[str, Any], li
 
 def no_config_note(csv_path: Path) -> str:
     """Said of a clipamp CSV with no run config beside it: whose calibration settings the report uses."""
+    *first, last = config_names(csv_path)
     return (
-        f"no run config ({' or '.join(CONFIG_NAMES)}) beside {csv_path.name}: the calibration settings are "
+        f"no run config ({', '.join(first)} or {last}) beside {csv_path.name}: the calibration settings are "
         "this command's defaults and options, not necessarily the run's; pass the run's calibrate.* as options "
         "(--window W --start S …) or read its MLflow run (runs:/ID), which carries them"
     )

@@ -54,6 +54,8 @@ class NormSeries:
     ``total_steps``: the run's planned length where the log says (a Trainer state's ``max_steps``), which a
     checkpoint taken mid-run logs past its last step (``None``: the log's last step). ``post``: the norm after
     clipping (clipamp's MLflow ``grad_l2_post_clip``), which tells the diagnosis the steps the run clipped.
+    ``open_ended``: the run's calibration knew no length (a trainer integration given none, as its
+    ``steps.clipamp.yaml`` says): the window is placed with no end in view, as the run placed it.
     """
 
     source: str
@@ -72,6 +74,7 @@ class NormSeries:
     settings_from: str | None = "the run's calibrate.* params"
     total_steps: int | None = None
     post: np.ndarray | None = None
+    open_ended: bool = False
 
     @property
     def interval(self) -> int:

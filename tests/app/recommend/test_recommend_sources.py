@@ -273,7 +273,10 @@ def test_an_app_runs_steps_csv_is_read_with_the_config_beside_it(tmp_path, store
     alone.write_bytes(path.read_bytes())
     bare = _recommend([str(alone)])
     assert bare.options.window == 200 and not [n for n in bare.notes if "calibration settings read from" in n]
-    assert any("no run config (config.yaml or .hydra/config.yaml) beside steps.csv" in n for n in bare.notes)
+    assert any(
+        "no run config (steps.clipamp.yaml, config.yaml or .hydra/config.yaml) beside steps.csv" in n
+        for n in bare.notes
+    )
     assert cli.main([str(alone)]) == 0
     assert "the calibration settings are this command's defaults and options" in capsys.readouterr().out
 
