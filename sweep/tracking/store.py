@@ -170,6 +170,25 @@ def warn_orphans(db: Path) -> None:
         )
 
 
+def warn_far_artifacts(name: str, location: str, db: Path) -> None:
+    """One line when experiment ``name`` of the sqlite store ``db`` keeps its artifacts on a local path outside
+    ``db``'s folder: a copied or moved store (MLflow records the absolute path it was created with), whose new
+    runs would write their ``steps.csv`` and checkpoints' artifacts into the old folder."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    if not location.startswith("file:"):
+        return
+    path, home = Path(local_file_uri_to_path(location)), db.parent.resolve()
+    if path == home or home in path.parents:
+        return
+    print(
+        f"warning: experiment {name!r} of {db} keeps its artifacts in {path}, outside {home} (MLflow records the "
+        f"path a store was created with; a copied or moved store keeps the old one): this run's artifacts go "
+        f"there; to keep them beside this store, pass tracking.experiment=ANOTHER_NAME",
+        file=sys.stderr,
+    )
+
+
 def create_store(db: Path) -> None:
     """Run MLflow's migrations on a temporary file, then rename it into place (a kill leaves no half store).
     Silently: MLflow's "Creating initial MLflow database tables" INFO lines are not the app's output."""

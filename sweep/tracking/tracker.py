@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sweep.errors import UserError
 from sweep.secrets import redact, redact_text  # re-exported: callers import them from here
 from sweep.tracking.outbox import MAX_BATCH, PENDING, Outbox  # MAX_BATCH re-exported
-from sweep.tracking.store import DEFAULT_URI, anchored, open_client, sqlite_path
+from sweep.tracking.store import DEFAULT_URI, anchored, open_client, sqlite_path, warn_far_artifacts
 from sweep.tracking.ui import experiment_ui_tags
 
 if TYPE_CHECKING:
@@ -54,11 +54,13 @@ def ensure_experiment(client, name: str, uri: str) -> str:
             f"with `MLFLOW_TRACKING_URI={redact(uri)} mlflow experiments restore --experiment-id "
             f"{exp.experiment_id}` or pass tracking.experiment=ANOTHER_NAME"
         )
+    db = sqlite_path(uri)
     if exp is not None:
         for key, value in experiment_ui_tags(exp.tags).items():
             client.set_experiment_tag(exp.experiment_id, key, value)
+        if db is not None:
+            warn_far_artifacts(name, exp.artifact_location, db)
         return exp.experiment_id
-    db = sqlite_path(uri)
     location = None
     if db is not None:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
