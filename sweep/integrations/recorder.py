@@ -162,7 +162,7 @@ class StepRecorder:
         cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
         self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
         self.records, self._announced, self.step = RunRecords(), 0, 0
-        tags, params = tags or {}, params or {}
+        tags, params = tags or {}, {**(params or {}), "total_steps": total_steps}  # as the calibration knows it
         name = self.run_name or f"{tags.get('run', 'host')}-{tags.get('model', 'model')}"
         path = Path(self.csv_path) if self.csv_path else default_csv
         _OPEN.add(self)

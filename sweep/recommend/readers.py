@@ -27,7 +27,7 @@ from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
-from sweep.recommend.run_config import csv_run, own_settings
+from sweep.recommend.run_config import csv_run, own_settings, run_length
 from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
@@ -365,6 +365,8 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
         extra["post"] = by_step([m.step for m in post], [m.value for m in post], steps)
     extra["lightning"] = lightning_marks(keys)  # Lightning's MLFlowLogger logs at global_step too
     extra["settings"], extra["notes"] = own_settings(run.data.params, where)  # the app's, the integrations'
+    if extra["settings"]:  # an integration's run: its length as its calibration knew it
+        extra |= run_length(run.data.params, extra["notes"], f"{where}: param total_steps None")
     pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
     return make_series(
         f"{where} in {uri} (MLflow)", name, steps, norms, lrs, pre_clip=pre.get(name), lr_name=lr_name, **extra

@@ -58,13 +58,20 @@ def csv_run(csv_path: Path, ours: bool) -> dict[str, Any]:
         return {"settings": {}, "notes": [no_config_note(csv_path)] if ours else [], "settings_from": None}
     settings, notes = own_settings(params, f"the run of {config}")
     out = {"settings": settings, "notes": notes, "settings_from": f"the run's config {config} (calibrate.*)"}
-    length = params.get("total_steps") if settings else None
-    if length == "None":  # the live calibration placed its window with no end in view: so does the replay
-        out["open_ended"] = True
-        notes.append(f"the run's length was unknown to its calibration ({config}: total_steps: null): none assumed")
-    elif length is not None and length.isdigit() and int(length) > 0:
-        out["total_steps"] = int(length)  # the live run placed its window for that length, a log cut short too
-    return out
+    return out | (run_length(params, notes, f"{config}: total_steps: null") if settings else {})
+
+
+def run_length(params: dict[str, str], notes: list[str], where: str) -> dict[str, Any]:
+    """The run's length as its calibration knew it, from an integration's ``total_steps`` (its settings file's, or
+    its MLflow run's param): ``{"total_steps": N}`` (the live run placed its window for N steps, a log cut short
+    too), ``{"open_ended": True}`` with a note in ``notes`` (it knew none: neither does the replay), or ``{}``."""
+    length = params.get("total_steps")
+    if length == "None":
+        notes.append(f"the run's length was unknown to its calibration ({where}): none assumed")
+        return {"open_ended": True}
+    if length is not None and length.isdigit() and int(length) > 0:
+        return {"total_steps": int(length)}
+    return {}
 
 
 def own_settings(params: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:

@@ -89,8 +89,9 @@ def test_the_hf_callbacks_csv_gives_its_tau_and_leaves_a_users_config_alone(tmp_
     assert recommend(csv).options.window == 12
 
 
-def through_accelerate(csv, *, total_steps, steps=STEPS, **calibrate):
-    """``ClipampAccelerate`` in an accelerate loop (fp32, no accumulation) on the chosen norms: its τ."""
+def through_accelerate(csv, *, total_steps, steps=STEPS, tracking=None, **calibrate):
+    """``ClipampAccelerate`` in an accelerate loop (fp32, no accumulation) on the chosen norms: its τ (and with
+    ``tracking``, its MLflow run id)."""
     accelerate = pytest.importorskip("accelerate")
     from accelerate import Accelerator
 
@@ -102,7 +103,7 @@ def through_accelerate(csv, *, total_steps, steps=STEPS, **calibrate):
     opt = torch.optim.SGD(model.parameters(), lr=lr(1))
     model, opt = accelerator.prepare(model, opt)
     clipamp = ClipampAccelerate(
-        accelerator, total_steps=total_steps, tracking=None, csv_path=csv, verbose=False, **calibrate
+        accelerator, total_steps=total_steps, tracking=tracking, csv_path=csv, verbose=False, **calibrate
     )
     for step in range(1, steps + 1):
         for group in opt.param_groups:
@@ -111,8 +112,9 @@ def through_accelerate(csv, *, total_steps, steps=STEPS, **calibrate):
         clipamp.clip_grad_norm_(model.parameters(), 10.0)
         opt.step()
         clipamp.step_end(0.0)
+    run_id = clipamp.recorder.tracker.run_id if tracking else None
     clipamp.end()
-    return clipamp.recorder.tau
+    return (clipamp.recorder.tau, run_id) if tracking else clipamp.recorder.tau
 
 
 @pytest.mark.parametrize("total_steps", [STEPS, 2 * STEPS, None])
@@ -124,6 +126,16 @@ def test_accelerates_csv_gives_its_tau_whatever_it_knew_of_the_runs_length(tmp_p
     tau = through_accelerate(csv, total_steps=total_steps, window=10, validate=30, quantile=0.8)
     assert (tmp_path / "config.yaml").read_bytes() == USER_CONFIG
     assert_same_tau(csv, tau)
+
+
+@pytest.mark.parametrize("total_steps", [2 * STEPS, None])
+def test_its_mlflow_run_gives_its_tau_whatever_it_knew_of_the_runs_length(tmp_path, store, total_steps):
+    """``runs:/ID`` of the same runs: the run's length as its calibration knew it is a param (``total_steps``)."""
+    tau, run_id = through_accelerate(
+        tmp_path / "steps.csv", total_steps=total_steps, tracking=store, window=10, validate=30, quantile=0.8
+    )
+    assert MlflowClient(store).get_run(run_id).data.params["total_steps"] == str(total_steps)
+    assert recommend(f"runs:/{run_id}", "--tracking-uri", store).tau == tau
 
 
 def test_a_resumed_run_keeps_its_settings_beside_its_csv(tmp_path):
