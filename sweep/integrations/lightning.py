@@ -37,6 +37,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
   (``gradient_clip_algorithm="norm"``).
 - Run length (where ``start="auto"`` places the window): ``trainer.estimated_stepping_batches``,
   ``max_steps`` or ``max_epochs``, whichever ends the fit first; unknown (``None``) without either.
+  Under a ``GradientAccumulationScheduler`` each epoch's steps at that epoch's accumulation (Lightning's
+  estimate takes the factor in force when the fit starts, 1, for every epoch).
 - Skips: under ``16-mixed`` the precision plugin's GradScaler skips ``optimizer.step()`` on an
   inf/NaN gradient and backs its scale off; a step after which the scale is lower is recorded
   skipped (``nonfinite_grad``), ``scaler_scale`` being the scale it ran at (1.0 without a scaler).
@@ -60,10 +62,28 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from ..tracking.tracker import ended_as
 from .recorder import StepRecorder
 from .resume import warn_fresh
+
+
+def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
+    return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+
+
+def planned_steps(trainer: pl.Trainer) -> float:
+    """The optimizer steps the fit will take: ``max_steps`` and ``max_epochs`` both counted (the smaller); inf
+    without a limit, ``max_steps`` (-1: none) when an IterableDataset's epoch has no length. Under a
+    ``GradientAccumulationScheduler`` each epoch at its own factor: Lightning's ``estimated_stepping_batches``
+    takes the one in force now (1 when the fit starts) for every epoch."""
+    total = trainer.estimated_stepping_batches
+    schedule, batches, epochs = accumulation_schedule(trainer), trainer.num_training_batches, trainer.max_epochs
+    if schedule is None or epochs is None or epochs == -1 or not math.isfinite(batches):
+        return total  # no schedule, or a length Lightning takes from max_steps alone
+    steps = sum(math.ceil(batches / schedule.get_accumulate_grad_batches(e)) for e in range(max(epochs, 1)))
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
 
 
 class ClipampCallback(pl.Callback):
@@ -164,9 +184,8 @@ class ClipampCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Open the record (after Lightning restored a checkpoint's callback states, whatever the strategy)."""
         tau = self.max_norm if self.max_norm is not None else self._user_clip
-        # the steps the fit will take, max_steps and max_epochs both counted (the smaller); inf without a limit,
-        # max_steps (-1: none) when an IterableDataset's epoch has no length
-        total = trainer.estimated_stepping_batches
+        schedule = accumulation_schedule(trainer)
+        total = planned_steps(trainer)
         resume, self._resume = self._resume, None
         if resume is not None and resume.get("step") == 0:  # saved before any step (the Tuner's lr_find restores one)
             resume = None
@@ -189,7 +208,7 @@ class ClipampCallback(pl.Callback):
                 **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
                 "apply": self.apply,
                 "gradient_clip_val": tau,
-                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "accumulate_grad_batches": schedule.scheduling if schedule else trainer.accumulate_grad_batches,
             },
         )
         self._loss, self._losses, self._recording = None, 0, True

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
 
 from sweep.integrations.lightning import ClipampCallback  # noqa: E402
 
@@ -70,6 +71,61 @@ def test_a_step_the_epoch_end_cuts_short_records_the_mean_of_its_micro_batches(t
     assert [len(v) for _, v in sorted(module.losses.items())] == [3, 3, 3, 1] * 2
     df = pd.read_csv(tmp_path / "steps.csv")
     assert df["loss"].tolist() == pytest.approx(means(module), rel=1e-6)
+
+
+class Clipping(Tiny):
+    """Notes each optimizer step's gradient norm (before Lightning's clip) and the τ Lightning clips it at."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms: list[float] = []
+        self.taus: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        self.taus.append(gradient_clip_val)
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+ACCUMULATIONS = {  # the accumulation (callbacks, Trainer argument), batches an epoch, each step's micro-batches
+    "scheduler": (lambda: [GradientAccumulationScheduler({0: 1, 2: 3})], {}, 6, [1] * 12 + [3] * 4),
+    "epoch_end": (list, dict(accumulate_grad_batches=3), 7, [3, 3, 1] * 4),
+}
+
+
+@pytest.mark.parametrize("how", ACCUMULATIONS)
+def test_accumulation_that_changes_or_ends_an_epoch_short_is_recorded_step_by_step(tmp_path, how):
+    """4 epochs with ``GradientAccumulationScheduler({0: 1, 2: 3})`` (6 batches an epoch: 6+6+2+2 = 16 steps) or
+    ``accumulate_grad_batches=3`` (7 batches an epoch: steps of 3, 3, 1). The calibration is told the steps the
+    fit takes (Lightning's ``estimated_stepping_batches`` says 24 under the scheduler: it counts every epoch at
+    the factor in force when the fit starts, 1), so a window of 4 placed after the transient closes within
+    the fit. One row per optimizer step: its pre-clip norm the module's own (before Lightning's clip), its
+    loss the mean of its micro-batches; the fit is the fit without the callback. ``apply=True``: Lightning
+    clips at ``gradient_clip_val`` up to the window's end, at the calibrated τ after, as the rows say."""
+    accumulation, kw, batches, micro = ACCUMULATIONS[how]
+    kw = dict(kw, max_epochs=4, gradient_clip_val=0.5)
+    ref, ours, applied = Clipping(), Clipping(), Clipping()
+    fit(tmp_path / "ref", ref, batches, accumulation(), **kw)
+    cb = callback(tmp_path / "a", window=4)
+    trainer = fit(tmp_path / "a", ours, batches, [*accumulation(), cb], **kw)
+    steps = len(micro)
+    assert trainer.global_step == steps and cb.policy.total_steps == steps
+    assert [len(v) for _, v in sorted(ours.losses.items())] == micro
+    df = pd.read_csv(tmp_path / "a" / "steps.csv")
+    assert df["step"].tolist() == list(range(1, steps + 1))
+    assert df["grad_l2_pre_clip"].tolist() == pytest.approx(ref.norms, rel=1e-6)
+    assert df["loss"].tolist() == pytest.approx(means(ours), rel=1e-6)
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
+    assert cb.summary is not None and cb.summary.end_step < steps
+    cb = callback(tmp_path / "b", window=4, apply=True)
+    fit(tmp_path / "b", applied, batches, [*accumulation(), cb], **kw)
+    end, tau = cb.summary.end_step, cb.summary.recommended_max_norm
+    assert applied.taus == [0.5] * end + [tau] * (steps - end)
+    df = pd.read_csv(tmp_path / "b" / "steps.csv")
+    assert df["max_norm"].tolist() == pytest.approx(applied.taus)
+    assert df["grad_l2_pre_clip"].tolist() == pytest.approx(applied.norms, rel=1e-6)
 
 
 class ManualAccumulation(Tiny):
