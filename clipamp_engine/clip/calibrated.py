@@ -208,6 +208,21 @@ class CalibratedClip(ClipPolicy):
         window = self.windows.window_at(step)
         return window is not None and step == window[-1]
 
+    def close_early(self) -> bool:
+        """The run stopped inside its first window: summarise the norms that window holds so far (two finite
+        ones at least) and adopt their τ, as its last step would have; whether it did. Once a window closed, an
+        open one is left as it is (the τ in force came from the window before it).
+
+        Raises:
+            CalibrationError: the window's norms are zero (as at the window's end).
+        """
+        if self.summaries or self._calibrator is None or len(self._calibrator.norms) < 2:
+            return False
+        summary = self._calibrator.summary()
+        self._calibrator = None
+        self._adopt(summary)
+        return True
+
     def _adopt(self, summary: CalibrationSummary) -> None:
         tau = summary.recommended_max_norm
         if not tau > 0:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from clipamp_engine.calibration import CalibrationError, NormCalibrator
+from clipamp_engine.calibration import CalibrationError
 from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.csvlog import StepCSVWriter
 from clipamp_engine.norms import clip_coefficient, grads_of
@@ -223,14 +223,16 @@ class StepRecorder:
     def end(self, step: int) -> dict[str, float]:
         """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it
         stands (a later one is dropped: the τ in force came from the window before it)."""
-        open_window = self.policy.state_dict()["calibrator"]
-        if not self.policy.summaries and open_window is not None:
-            seen = NormCalibrator(self.policy.quantile, self.policy.candidates, self.policy.confidence)
-            seen.load_state_dict(open_window)
-            if len(seen.norms) >= 2:
-                self._adopt_partial(seen)
-        if not self.policy.summaries and (open_window is None or len(open_window.get("norms", ())) < 2):
-            self.say(f"no calibration window by step {step}: {no_window(self.policy)}: no recommendation")
+        if not self.policy.summaries:
+            try:
+                closed = self.policy.close_early()
+            except CalibrationError as e:  # the window's norms are zero
+                self.say(f"{e}: no recommendation")
+            else:
+                if closed:
+                    self._announce()
+                else:
+                    self.say(f"no calibration window by step {step}: {no_window(self.policy)}: no recommendation")
         atexit.unregister(self._at_exit)
         _OPEN.discard(self)
         if self.writer is None:
@@ -248,14 +250,6 @@ class StepRecorder:
             self.tracker.artifact_path("quantiles.json").write_text(json_text(payload))
             self.tracker.end("FINISHED")
         return metrics
-
-    def _adopt_partial(self, seen: NormCalibrator) -> None:
-        try:
-            self.policy._adopt(seen.summary())
-        except ValueError as e:  # every step of the window was skipped
-            self.say(f"{e}: no recommendation")
-            return
-        self._announce()
 
     # -- one optimizer step ----------------------------------------------------------------------
     @property

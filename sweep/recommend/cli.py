@@ -20,7 +20,7 @@ from rich.console import Console
 from clipamp_engine.diagnosis import diagnose
 from sweep.errors import UserError, fail, for_commands
 from sweep.recommend.readers import read_series
-from sweep.recommend.replay import RUN_SETTINGS, Options, as_flag, diagnosis_rows, on_grid, replay
+from sweep.recommend.replay import RUN_SETTINGS, Options, as_flag, diagnosis_rows, early_stop, on_grid, replay
 from sweep.recommend.report import Recommendation, caveats, outcome_notes, print_report
 from sweep.recommend.series import NormSeries, post_clip_reason, with_gaps_skipped
 
@@ -139,7 +139,7 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
     grid, moved = on_grid(options, series)
     moved = settings + moved
     n, taken = series.interval, int(series.taken.sum())
-    if taken < max(2, grid.window // n):
+    if taken < (2 if series.settings else max(2, grid.window // n)):  # the run's own: a first window cut short
         every = f" (one every {n} steps)" if n > 1 else ""
         left = len(series.steps) - taken
         default = (
@@ -155,6 +155,8 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
         )
     replayed, gaps = with_gaps_skipped(series)
     clip = replay(replayed, grid)
+    if series.settings and not clip.summaries:  # the run's own settings: its first window, as its end left it
+        moved += early_stop(clip, series)
     if not clip.summaries:
         start = clip.placement.start if clip.placement else "?"
         first = int(series.steps[0])

@@ -184,6 +184,25 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
     return clip
 
 
+def early_stop(clip: CalibratedClip, series: NormSeries) -> list[str]:
+    """A run read with its own settings whose log ends inside its first window: that window's norms so far
+    give τ, as the run's own end gave it (an integration's ``end``, ``CalibratedClip.close_early``); the
+    note that says so (none where it holds fewer than two finite norms)."""
+    open_since = clip.windows.window_at(int(series.steps[-1])) if clip.windows is not None else None
+    try:
+        closed = clip.close_early()
+    except CalibrationError as e:
+        raise UserError(f"{series.source}: {e}") from None
+    if not closed:
+        return []
+    s = clip.summaries[0]
+    window = f" (steps {open_since[0]}–{open_since[-1]})" if open_since is not None else ""
+    return [
+        f"the log ends at step {int(series.steps[-1])}, inside its first window{window}: τ is that window's so far "
+        f"({s.n_finite} norms, steps {s.start_step}–{s.end_step}), as the run's end took it"
+    ]
+
+
 def window_norms(series: NormSeries, start: int, end: int) -> np.ndarray:
     """The finite, taken norms logged in steps ``start``..``end`` (what the window's quantiles are of)."""
     inside = (series.steps >= start) & (series.steps <= end) & series.taken

@@ -188,3 +188,19 @@ def test_a_real_trainers_mlflow_artifact_csv_gives_the_tau_of_the_callback_and_i
     run = MlflowClient(store).get_run(cb.recorder.tracker.run_id)
     assert_same_tau(Path(run.info.artifact_uri.removeprefix("file://")) / "steps.csv", cb.recorder.tau)
     assert recommend(f"runs:/{run.info.run_id}", "--tracking-uri", store).tau == cb.recorder.tau
+
+
+@pytest.mark.parametrize("tracking", [None, "store"])
+def test_a_run_stopped_inside_its_first_window_gives_the_tau_its_end_took(tmp_path, request, tracking):
+    """An early stop inside the first window: the integration's end summarises the window so far; recommend on
+    its CSV (and its MLflow run) does the same, with a note, instead of "no calibration window closed"."""
+    uri = request.getfixturevalue("store") if tracking else None
+    out = through_accelerate(
+        tmp_path / "steps.csv", total_steps=STEPS, steps=20, tracking=uri, window=30, start=5, quantile=0.9
+    )
+    tau, run_id = out if tracking else (out, None)
+    assert tau is not None
+    source = f"runs:/{run_id}" if tracking else tmp_path / "steps.csv"
+    rec = recommend(source, *(["--tracking-uri", uri] if tracking else []))
+    assert rec.tau == tau
+    assert any("inside its first window (steps 6–35): τ is that window's so far (15 norms" in n for n in rec.notes)
