@@ -137,15 +137,10 @@ def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, consol
             f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}"
         )
     clipped = "" if result.windows else f"clipped {pct(m['clip_ratio'])}, "  # else: the validation line says it
-    per_example = [
-        r["dp_clip_fraction"] for r in result.records.taken() if math.isfinite(r.get("dp_clip_fraction", math.nan))
-    ]
-    if per_example:  # clip=dpsgd bounds each example's gradient; the batch's is never clipped (clip_ratio 0)
-        clipped = f"examples clipped {pct(sum(per_example) / len(per_example))} (mean dp_clip_fraction), "
-    updates = [r for r in result.records.taken() if math.isfinite(r.get("update_l2_pre_clip", math.nan))]
-    if updates:  # clip=update bounds the optimizer's update; the gradient is never clipped (clip_ratio 0)
-        share = sum(r["update_l2_post_clip"] < r["update_l2_pre_clip"] for r in updates) / len(updates)
-        clipped = f"updates clipped {pct(share)} (update_l2_post_clip < update_l2_pre_clip), "
+    if result.records.taken() and "dp_clip_fraction" in result.records.taken()[0]:  # clip=dpsgd: each example's
+        clipped = f"examples clipped {pct(m['clip_ratio'])} (mean dp_clip_fraction), "
+    elif result.records.taken() and "update_l2_pre_clip" in result.records.taken()[0]:  # clip=update: the update
+        clipped = f"updates clipped {pct(m['clip_ratio'])} (update_l2_post_clip < update_l2_pre_clip), "
     taken = len(result.records.final_losses())
     over = (
         "the last 10 taken steps" if taken == 10 else f"all {taken} taken steps" if taken > 1 else f"{taken} taken step"

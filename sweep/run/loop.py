@@ -31,6 +31,20 @@ STEP_METRICS = ("loss", "grad_l2_pre_clip", "grad_l2_post_clip", "lr", "scaler_s
 ROLLING = 50
 
 
+def clipped_share(taken: list[dict[str, Any]]) -> float:
+    """What share of ``taken`` rows' clipping bound: their gradients (``clipped``); under ``clip=update``, their
+    optimizer updates (``update_l2_post_clip < update_l2_pre_clip``: the gradient itself is never clipped);
+    under ``clip=dpsgd``, their examples (the mean ``dp_clip_fraction``: each example's gradient is clipped, the
+    batch's never). NaN with no row."""
+    fractions = [f for r in taken if math.isfinite(f := r.get("dp_clip_fraction", math.nan))]
+    if fractions:
+        return sum(fractions) / len(fractions)
+    updates = [r for r in taken if math.isfinite(r.get("update_l2_pre_clip", math.nan))]
+    if updates:
+        return sum(r["update_l2_post_clip"] < r["update_l2_pre_clip"] for r in updates) / len(updates)
+    return sum(bool(r["clipped"]) for r in taken) / len(taken) if taken else math.nan
+
+
 @dataclass
 class RunRecords:
     """Rows of one run kept in memory for summaries and plots (small: one dict per step)."""
@@ -45,8 +59,9 @@ class RunRecords:
         return [r for r in self.rows if not r["skipped"] and (phase is None or r["phase"] == phase)]
 
     def clip_ratio(self, phase: str | None = None) -> float:
-        taken = self.taken(phase)
-        return sum(bool(r["clipped"]) for r in taken) / len(taken) if taken else math.nan
+        """The share of taken steps whose gradient was clipped (``clipped_share``: of updates or examples
+        under a policy that clips those)."""
+        return clipped_share(self.taken(phase))
 
     def step_metrics(self, index: int = -1) -> dict[str, float | None]:
         """Row ``index``'s (default: the latest) per-step MLflow metrics: ``STEP_METRICS`` and
@@ -54,10 +69,8 @@ class RunRecords:
         were clipped (NaN, hence not sent, when all were skipped)."""
         end = index % len(self.rows) + 1
         row = self.rows[end - 1]
-        recent = [bool(r["clipped"]) for r in self.rows[max(0, end - ROLLING) : end] if not r["skipped"]]
-        return {k: row[k] for k in STEP_METRICS} | {
-            "clip_ratio_rolling": sum(recent) / len(recent) if recent else math.nan
-        }
+        recent = [r for r in self.rows[max(0, end - ROLLING) : end] if not r["skipped"]]
+        return {k: row[k] for k in STEP_METRICS} | {"clip_ratio_rolling": clipped_share(recent)}
 
     def skip_ratio(self) -> float:
         return sum(bool(r["skipped"]) for r in self.rows) / len(self.rows) if self.rows else math.nan

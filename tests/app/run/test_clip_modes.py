@@ -7,6 +7,7 @@ import shutil
 
 import pandas as pd
 import pytest
+from mlflow import MlflowClient
 
 from clipamp_engine.clip import CLIP_MODES
 from sweep import app
@@ -75,22 +76,29 @@ def test_update_mode_says_how_many_updates_it_clipped(uri, capsys, rho):
         "+experiment=train", "clip=update", f"clip.max_update_norm={rho}", "model=linear", "data=synthetic",
         "steps=4", "progress=false", "tracking.plots=false", f"tracking.uri={uri}",
     )  # fmt: skip
-    df = pd.read_csv(app.run(cfg).csv_path)
+    result = app.run(cfg)
+    df = pd.read_csv(result.csv_path)
     share = (df["update_l2_pre_clip"] > rho).mean()  # the reference: updates over ρ
     assert share == (1.0 if rho < 1 else 0.0)
     out = " ".join(capsys.readouterr().out.split())
     assert f"updates clipped {share:.1%} (update_l2_post_clip < update_l2_pre_clip)" in out
+    # and clip_ratio, which sweep.report's clipped column, report.md and the experiment's description show
+    assert MlflowClient(uri).get_run(result.run_id).data.metrics["clip_ratio"] == share
+    assert df["max_norm"].isna().all()  # the gradient itself is never clipped
 
 
 def test_dpsgd_mode_records_clip_fraction_and_refuses_fp16(uri, capsys):
     cfg = compose_cfg(
         "+experiment=train", "clip=dpsgd", *TINY, "steps=3", "clip.noise_multiplier=0.0", f"tracking.uri={uri}"
     )
-    df = pd.read_csv(app.run(cfg).csv_path)
+    result = app.run(cfg)
+    df = pd.read_csv(result.csv_path)
     assert df["dp_clip_fraction"].between(0, 1).all()
     # the summary line says how many examples were clipped (it said "clipped 0.0%": the batch is never clipped)
     share = f"{df['dp_clip_fraction'].mean():.1%}"
     assert f"examples clipped {share} (mean dp_clip_fraction)" in " ".join(capsys.readouterr().out.split())
+    clip_ratio = MlflowClient(uri).get_run(result.run_id).data.metrics["clip_ratio"]  # so does the table's column
+    assert clip_ratio == pytest.approx(df["dp_clip_fraction"].mean(), abs=1e-12) and clip_ratio > 0
     bad = compose_cfg("+experiment=train", "clip=dpsgd", *TINY, "steps=3", "amp.dtype=fp16", f"tracking.uri={uri}")
     with pytest.raises(ValueError, match="needs accumulation_steps=1 and dtype bf16 or fp32"):
         app.run(bad)
