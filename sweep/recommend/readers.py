@@ -27,6 +27,7 @@ from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
+from sweep.recommend.folders import csv_in
 from sweep.recommend.run_config import csv_run, own_settings, run_length
 from sweep.recommend.series import NormSeries, lightning_marks, make_series
 
@@ -69,7 +70,7 @@ def read_series(
             return read_trainer_state(checkpoints[-1], norm=norm, lr=lr)
         if next(p.rglob("*tfevents*"), None) is not None:
             return read_tensorboard(p, norm=norm, lr=lr)
-        raise UserError(f"{path}: a folder with no trainer_state.json, checkpoint-N/ or TensorBoard event file")
+        return read_csv(csv_in(p), norm=norm, lr=lr, step=step)  # Lightning's CSVLogger folder version_N/
     if "tfevents" in p.name:
         return read_tensorboard(p, norm=norm, lr=lr)
     if p.suffix == ".json":

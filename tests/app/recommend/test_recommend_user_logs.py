@@ -1,0 +1,40 @@
+"""``python -m sweep.recommend`` on the logs users point it at as their tools leave them: a Lightning
+``CSVLogger`` folder, a loop's own CSV with gaps."""
+
+from __future__ import annotations
+
+import pytest
+
+from sweep.errors import UserError
+from tests.app.recommend.test_recommend import main, numpy_tau, parse, trace, write_csv
+
+
+def _lightning_csv(folder, steps, lr, norms):
+    """A ``CSVLogger`` metrics.csv: Lightning's epoch and grad_2.0_norm_total, logged at global_step = step − 1."""
+    folder.mkdir(parents=True)
+    (folder / "hparams.yaml").write_text("{}\n")
+    columns = {"epoch": [0] * len(steps), "grad_2.0_norm_total": norms, "lr-AdamW": lr, "step": steps - 1}
+    return write_csv(folder / "metrics.csv", columns)
+
+
+def test_a_csvlogger_folder_is_read_as_its_metrics_csv(tmp_path, capsys):
+    steps, lr, norms = trace()
+    csv = _lightning_csv(tmp_path / "lightning_logs" / "version_0", steps, lr, norms)
+    args = ["--start", "60", "--window", "120"]
+    rec = parse([str(csv.parent), *args])
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, 61, 180), rel=1e-12, abs=0)
+    assert rec.tau == parse([str(csv), *args]).tau
+
+
+def test_a_folder_of_several_csv_runs_names_each_and_each_named_path_runs(tmp_path, capsys):
+    steps, lr, norms = trace()
+    for version in ("version_0", "version_1"):
+        _lightning_csv(tmp_path / "lightning_logs" / version, steps, lr, norms)
+    with pytest.raises(UserError) as e:
+        parse([str(tmp_path / "lightning_logs")])
+    message = str(e.value)
+    assert "\n" not in message and "pass one of them" in message
+    named = [w for w in message.split() if w.endswith("metrics.csv")]
+    assert named == [str(tmp_path / "lightning_logs" / v / "metrics.csv") for v in ("version_0", "version_1")]
+    for path in named:  # the paths the message names, pasted
+        assert main([path]) == 0
