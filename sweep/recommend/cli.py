@@ -174,7 +174,10 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
             f"{gaps} step(s) of the logging grid hold no value: counted as skipped, as a run counts a refused step"
         )
     notes = caveats(series, grid) + moved + outcome_notes(clip, grid)
-    rows = diagnosis_rows(series if series.rows is not None else replayed)  # a grid step with no value: skipped
+    # a grid step with no value is a refused step in clipamp's MLflow runs, which store no non-finite norm; in
+    # another log (a CSV, TensorBoard, a Trainer state) it is a step not logged, nothing to diagnose
+    refused = series.rows is None and series.name == "grad_l2_pre_clip"
+    rows = diagnosis_rows(replayed if refused else series)
     return Recommendation(series, grid, clip, diagnose(rows), notes)
 
 

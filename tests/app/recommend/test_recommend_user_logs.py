@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from clipamp_engine.diagnosis import diagnose
 from sweep.errors import UserError
 from tests.app.recommend.test_recommend import main, numpy_tau, parse, trace, write_csv
 
@@ -38,3 +39,18 @@ def test_a_folder_of_several_csv_runs_names_each_and_each_named_path_runs(tmp_pa
     assert named == [str(tmp_path / "lightning_logs" / v / "metrics.csv") for v in ("version_0", "version_1")]
     for path in named:  # the paths the message names, pasted
         assert main([path]) == 0
+
+
+def test_steps_a_csv_does_not_log_are_not_diagnosed_as_non_finite(tmp_path, capsys):
+    steps, lr, norms = trace()
+    logged = (steps < 301) | (steps > 350)  # rows lost (a crash, a filter): no value, not a NaN
+    path = write_csv(tmp_path / "log.csv", {"step": steps[logged], "lr": lr[logged], "grad_norm": norms[logged]})
+    rec = parse([str(path), "--start", "60", "--window", "120"])
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, 61, 180), rel=1e-12, abs=0)
+    rows = [
+        {"step": int(s), "lr": float(r), "grad_l2_pre_clip": float(x), "skipped": False}
+        for s, r, x in zip(steps, lr, norms)
+    ]
+    expected = [f.kind for f in diagnose([r for r, kept in zip(rows, logged) if kept])]
+    assert [f.kind for f in rec.findings] == expected
+    assert "nonfinite" not in expected
