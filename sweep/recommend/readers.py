@@ -246,7 +246,7 @@ def read_tensorboard(path: Path, *, norm: str | None = None, lr: str | None = No
         lrs = np.r_[lrs[before], p["lrs"]]
     lr_names = [p["lr_name"] for p in pieces if p["lr_name"]]
     lr_name = lr_names[0] if lr_names else None
-    pre = HF_PRE_CLIP if name == "train/grad_norm" else None
+    pre = HF_PRE_CLIP if name == "train/grad_norm" and "train/epoch" in hits[0][2] else None  # HF's callback's
     source = f"{pieces[0]['run']} (TensorBoard)" if len(pieces) == 1 else f"{path} (TensorBoard, resumed run)"
     marks = [lightning_marks(names, run if run.is_dir() else run.parent) for run, _, names, _ in hits]
     lightning = next((m for m in marks if m), None)
@@ -368,7 +368,8 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     extra["settings"], extra["notes"] = own_settings(run.data.params, where)  # the app's, the integrations'
     if extra["settings"]:  # an integration's run: its length as its calibration knew it
         extra |= run_length(run.data.params, extra["notes"], f"{where}: param total_steps None")
-    pre = {"grad_norm": HF_PRE_CLIP, "grad_l2_pre_clip": "clipamp records grad_l2_pre_clip before clipping"}
+    pre = {"grad_norm": HF_PRE_CLIP if "logging_steps" in run.data.params else None}  # Trainer logs its arguments
+    pre["grad_l2_pre_clip"] = "clipamp records grad_l2_pre_clip before clipping"
     return make_series(
         f"{where} in {uri} (MLflow)", name, steps, norms, lrs, pre_clip=pre.get(name), lr_name=lr_name, **extra
     )

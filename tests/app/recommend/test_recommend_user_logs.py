@@ -54,3 +54,39 @@ def test_steps_a_csv_does_not_log_are_not_diagnosed_as_non_finite(tmp_path, caps
     expected = [f.kind for f in diagnose([r for r, kept in zip(rows, logged) if kept])]
     assert [f.kind for f in rec.findings] == expected
     assert "nonfinite" not in expected
+
+
+HF_NOTE = "Trainer logs grad_norm before clipping"
+
+
+@pytest.mark.parametrize("trainer", [False, True])
+def test_only_a_trainers_tensorboard_log_is_said_to_be_the_trainers(tmp_path, trainer):
+    """A loop of one's own logging train/grad_norm with SummaryWriter is not told that Trainer logged it (nor
+    spared the running-mean caution); HF's callback's log (its train/epoch beside it) is."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps, lr, norms = trace()
+    with SummaryWriter(str(tmp_path / "run")) as writer:
+        for s, x in zip(steps, norms):
+            writer.add_scalar("train/grad_norm", x, s)
+            if trainer:
+                writer.add_scalar("train/epoch", s / len(steps), s)
+    rec = parse([str(tmp_path / "run")])
+    assert (HF_NOTE in (rec.series.pre_clip or "")) is trainer
+    w = rec.clip.summaries[0]
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, w.start_step, w.end_step), rel=1e-6)  # float32 events
+
+
+@pytest.mark.parametrize("trainer", [False, True])
+def test_only_a_trainers_mlflow_run_is_said_to_be_the_trainers(store, trainer):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    steps, lr, norms = trace()
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("own"))
+    params = [Param("logging_steps", "1"), Param("max_grad_norm", "1e9")] if trainer else []
+    metrics = [Metric("grad_norm", float(x), 0, int(s)) for s, x in zip(steps, norms)]
+    client.log_batch(run.info.run_id, metrics=metrics, params=params)
+    rec = parse([f"runs:/{run.info.run_id}", "--tracking-uri", store])
+    assert (HF_NOTE in (rec.series.pre_clip or "")) is trainer
