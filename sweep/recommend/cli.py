@@ -20,7 +20,16 @@ from rich.console import Console
 from clipamp_engine.diagnosis import diagnose
 from sweep.errors import UserError, fail, for_commands
 from sweep.recommend.readers import read_series
-from sweep.recommend.replay import RUN_SETTINGS, Options, as_flag, diagnosis_rows, early_stop, on_grid, replay
+from sweep.recommend.replay import (
+    RUN_SETTINGS,
+    Options,
+    as_flag,
+    diagnosis_rows,
+    early_stop,
+    lone_norm_window,
+    on_grid,
+    replay,
+)
 from sweep.recommend.report import Recommendation, caveats, outcome_notes, print_report
 from sweep.recommend.series import NormSeries, post_clip_reason, with_gaps_skipped
 
@@ -155,6 +164,7 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
         )
     replayed, gaps = with_gaps_skipped(series)
     clip = replay(replayed, grid)
+    moved += lone_norm_window(clip, replayed.steps)
     if series.settings and not clip.summaries:  # the run's own settings: its first window, as its end left it
         moved += early_stop(clip, series)
     if not clip.summaries:

@@ -230,3 +230,27 @@ def diagnosis_rows(series: NormSeries) -> list[dict[str, Any]]:
         }
         for s, lr, x, k, t, p in zip(series.steps, lrs, series.norms, skipped, tau, post)
     ]
+
+
+def lone_norm_window(clip: CalibratedClip, steps: np.ndarray) -> list[str]:
+    """A later window cut by the log's end that holds one logged norm: dropped, with the note that says so.
+
+    The run drops a window the end cuts to one step, since a quantile of one norm says nothing
+    (``CalibrationWindows``); a 1-in-N log's cut window can span steps enough for the run and still hold one
+    norm (steps 598–600 of a log every 3 steps), whose "τ" would be that norm. The first window is never
+    dropped: what the log holds of it is said where it is cut (``outcome_notes``).
+    """
+    if len(clip.summaries) < 2 or clip.summaries[-1].n_finite >= 2:
+        return []
+    span = clip.windows.window_at(clip.summaries[-1].end_step)
+    if span is None:
+        return []
+    logged = int(((steps >= span[0]) & (steps <= span[-1])).sum())  # ``steps``: the replayed log's
+    if len(span) == clip.window or logged >= 2:  # a whole window, or one of a non-finite norm: the run's too
+        return []
+    clip.summaries.pop()
+    clip.validation.pop()
+    return [
+        f"the last window (steps {span[0]}–{span[-1]}, cut by the log's end) holds one logged norm: not summarised, "
+        f"as a quantile of one norm says nothing; τ in force at the end is the window before's"
+    ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from clipamp_engine.diagnosis import diagnose
@@ -90,3 +91,27 @@ def test_only_a_trainers_mlflow_run_is_said_to_be_the_trainers(store, trainer):
     client.log_batch(run.info.run_id, metrics=metrics, params=params)
     rec = parse([f"runs:/{run.info.run_id}", "--tracking-uri", store])
     assert (HF_NOTE in (rec.series.pre_clip or "")) is trainer
+
+
+def test_a_sparse_logs_last_window_of_one_norm_gives_no_tau(tmp_path):
+    """Logged every 3 steps to step 600, windows of 99 every 99 from step 103: the last (598–696) is cut to
+    598–600, three steps of the run (which keeps it) but one norm of the log: no τ is read from one norm."""
+    steps, lr, norms = trace(600)
+    every3 = steps % 3 == 0
+    path = write_csv(tmp_path / "log.csv", {"step": steps[every3], "lr": lr[every3], "grad_norm": norms[every3]})
+    rec = parse([str(path), "--window", "99", "--every", "99", "--start", "102", "--quantile", "0.9"])
+    spans = [(w.start_step, w.end_step, w.n_finite) for w in rec.clip.summaries]
+    assert spans == [(s + 2, s + 98, 33) for s in (103, 202, 301, 400, 499)]
+    x, s = norms[every3], steps[every3]
+    assert rec.clip.tau == pytest.approx(numpy_tau(s, x, 499, 597, 0.9), rel=1e-12)
+    assert any("the last window (steps 598–600, cut by the log's end) holds one logged norm" in n for n in rec.notes)
+
+
+def test_a_last_window_with_steps_logged_as_nan_is_kept_as_the_run_keeps_it(tmp_path):
+    steps, lr, norms = trace(600)
+    norms[[598, 599]] = np.nan  # steps 599 and 600 logged, not finite: the run's window 598–600 has one norm
+    path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms})
+    rec = parse([str(path), "--window", "99", "--every", "99", "--start", "102", "--quantile", "0.9"])
+    last = rec.clip.summaries[-1]
+    assert (last.start_step, last.end_step, last.n_finite) == (598, 600, 1)
+    assert rec.clip.tau == norms[597]
