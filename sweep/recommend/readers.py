@@ -29,7 +29,7 @@ from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
 from sweep.recommend.folders import csv_in
 from sweep.recommend.run_config import csv_run, own_settings, run_length
-from sweep.recommend.series import NormSeries, lightning_marks, make_series
+from sweep.recommend.series import NormSeries, lightning_marks, make_series, text_cells
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
 #: Lightning's ``grad_norm(module, norm_type=2)`` utility (logged from ``on_before_optimizer_step``).
@@ -297,11 +297,10 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     lr_rows = df[df[lr_name].str.strip() != ""] if lr_name and step_name else None  # LearningRateMonitor's own rows
     df = df[logged].reset_index(drop=True)
     values = pd.to_numeric(df[name], errors="coerce")
-    if values.isna().all() and len(df):
-        raise UserError(f"{path}: column {name!r} holds no number: pass --norm COLUMN")
     steps = np.arange(1, len(df) + 1) if step_name is None else pd.to_numeric(df[step_name], errors="coerce")
     if step_name is not None and steps.isna().any():
         raise UserError(f"{path}: column {step_name!r} has a value that is not a step number: pass --step-column NAME")
+    text = text_cells(str(path), name, df[name], values, steps)  # tensor(0.69), a stray word: said, not skipped
     ours = tuple(cols[:8]) == CANONICAL_COLUMNS
     extra = {}
     if ours:
@@ -324,6 +323,7 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     )
     if step_name is None:
         series.notes.append(f"no step column ({' / '.join(STEP_NAMES)}): row n is step n")
+    series.notes += text
     return series
 
 

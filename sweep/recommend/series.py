@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from clipamp_engine.calibration import CONFIDENCE, DEFAULT_QUANTILE, min_window, quantile_label
 from sweep.errors import UserError
@@ -285,3 +286,23 @@ def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
         notes=list(series.notes),
     )
     return filled, len(missing)
+
+
+#: Cells a log writes for a missing or non-finite value (``pd.to_numeric`` reads them as NaN): not text.
+NAN_SPELLINGS = {"nan", "-nan", "+nan", "none", "null", "na", "n/a"}
+
+
+def text_cells(source: str, name: str, cells: pd.Series, values: pd.Series, steps) -> list[str]:
+    """Cells of the norm column that are text, not numbers (``tensor(0.69)``, a stray word): an error naming
+    one when the column holds no number, else a note (they are read as skipped steps, as a logged ``nan`` is)."""
+    text = values.isna() & ~cells.str.strip().str.lower().isin(NAN_SPELLINGS)
+    if not text.any():
+        return []
+    i = int(np.flatnonzero(text.to_numpy())[0])
+    example = f"{cells.iloc[i].strip()!r} at step {int(np.asarray(steps)[i])}"
+    if values.isna().all():
+        raise UserError(
+            f"{source}: column {name!r} holds no number (e.g. {example}): log the norm as a number (float(norm), "
+            "norm.item()), or pass --norm COLUMN of another column"
+        )
+    return [f"{int(text.sum())} cell(s) of {name!r} are text, not numbers (e.g. {example}): read as skipped steps"]

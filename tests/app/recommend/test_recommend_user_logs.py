@@ -115,3 +115,25 @@ def test_a_last_window_with_steps_logged_as_nan_is_kept_as_the_run_keeps_it(tmp_
     last = rec.clip.summaries[-1]
     assert (last.start_step, last.end_step, last.n_finite) == (598, 600, 1)
     assert rec.clip.tau == norms[597]
+
+
+def test_text_in_the_norm_column_is_said_naming_a_cell(tmp_path):
+    """A stray word was read as NaN without a word (then diagnosed "likely overflow"); a column of logged
+    tensors said "holds no number: pass --norm COLUMN", the wrong fix: both now name a cell."""
+    steps, lr, norms = trace()
+    cells = [repr(float(v)) for v in norms]
+    cells[99], cells[150] = "bad", "nan"  # a word, and a logged NaN (a skipped step, as documented)
+    csv = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": cells})
+    rec = parse([str(csv), "--start", "60", "--window", "120"])
+    assert "1 cell(s) of 'grad_norm' are text, not numbers (e.g. 'bad' at step 100): read as skipped steps" in rec.notes
+    kept = np.ones(len(steps), bool)
+    kept[[99, 150]] = False
+    assert rec.tau == pytest.approx(numpy_tau(steps[kept], norms[kept], 61, 180), rel=1e-12, abs=0)
+
+    tensors = write_csv(tmp_path / "tensors.csv", {"step": steps, "grad_norm": [f"tensor({v:.4f})" for v in norms]})
+    with pytest.raises(UserError) as e:
+        parse([str(tensors)])
+    assert str(e.value) == (
+        f"{tensors}: column 'grad_norm' holds no number (e.g. 'tensor({norms[0]:.4f})' at step 1): log the norm as "
+        "a number (float(norm), norm.item()), or pass --norm COLUMN of another column"
+    )
