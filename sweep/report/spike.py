@@ -30,12 +30,17 @@ def model_size(arm: Arm) -> str:
     return f"{count_text(sum(p.numel() for p in arm.task.model.parameters()))} params"
 
 
+def tolerance_text(tolerance: float) -> str:
+    """``spike.recovery_tolerance`` as a percentage with the digits it has (0.025: 2.5%, not 2%)."""
+    return f"{tolerance * 100:.4g}%"
+
+
 def table_title(cfg: Config) -> str:
     s = cfg.spike
     return (
         f"One corrupted batch at step {s.at_step}: ‖g‖ = {s.factor:g} × the running peak; "
         f"loss excess over each run's unspiked twin at +H steps; recovery = steps to be back "
-        f"within {s.recovery_tolerance:.0%} for good"
+        f"within {tolerance_text(s.recovery_tolerance)} for good"
     )
 
 
@@ -92,7 +97,7 @@ def summary_line(pairs: Pairs, cfg: Config) -> str:
     last = max(s.horizons)
 
     def rec(m: dict[str, float]) -> str:
-        n, tol = int(m["recovery_steps"]), f"{s.recovery_tolerance:.0%}"
+        n, tol = int(m["recovery_steps"]), tolerance_text(s.recovery_tolerance)
         if m["recovered"]:
             return f"back within {tol} for good after {n} step(s)"
         return f"not back within {tol} in {n - 1} steps"
@@ -170,7 +175,7 @@ def _decorate(ax_loss, ax_ex, ax_norm, ax_16, pairs: Pairs, fp16: Pairs, cfg: Co
     ax_loss.set_ylim(lo * 0.85, hi * 1.3)
     ax_loss.set_ylabel("training loss (mean of 5 steps)")
     ax_loss.set_title(f"loss ({cfg.model.name}, {ref.family}): spike = {cfg.spike.factor:g}× the running peak")
-    ax_ex.axhspan(-tol * 100, tol * 100, color="green", alpha=0.08, label=f"±{tol:.0%}")
+    ax_ex.axhspan(-tol * 100, tol * 100, color="green", alpha=0.08, label=f"±{tolerance_text(tol)}")
     ax_ex.set_xlim(window[0], window[-1])
     ax_ex.set_ylabel("loss / twin's loss − 1 (%), same batches")
     ax_ex.set_title("loss excess over the unspiked twin, per step")
