@@ -186,7 +186,7 @@ def check_out(out: str) -> None:
 def save(out: str, runs: pd.DataFrame, sweeps: list) -> None:
     """``out`` as markdown (``.md``: the wide table as printed, and the studies) or CSV (the wide table's
     columns with the store's values; studies beside it as ``.sweeps.csv``)."""
-    if out.endswith(".md"):
+    if out.lower().endswith(".md"):  # REPORT.MD is markdown too
         with open(out, "w") as f:
             f.write(frame_markdown(table(runs, wide=True)))
             for name, sdf, pick, band, mode in sweeps:
@@ -194,7 +194,7 @@ def save(out: str, runs: pd.DataFrame, sweeps: list) -> None:
     else:
         values(runs).to_csv(out, index=False)
         if sweeps:
-            stem = out[:-4] if out.endswith(".csv") else out
+            stem = out[:-4] if out.lower().endswith(".csv") else out
             pd.concat([sdf.assign(study=name) for name, sdf, *_ in sweeps]).to_csv(f"{stem}.sweeps.csv", index=False)
             print(f"saved {stem}.sweeps.csv")
     print(f"saved {out}")

@@ -128,6 +128,14 @@ def test_out_csv_holds_the_stores_values_and_md_the_table(runs, capsys, tmp_path
     assert md[0].startswith("| run | run_id | kind |") and "| 81.2% |" in md[3]  # train-gpt-bf16, newest-but-one
 
 
+@pytest.mark.parametrize("name", ["RUNS.MD", "runs.Md"])
+def test_out_md_in_capitals_is_markdown_too(runs, capsys, tmp_path, name):
+    store, _ = runs
+    _report(capsys, "--tracking-uri", store, "--out", str(tmp_path / name))
+    md = (tmp_path / name).read_text().splitlines()
+    assert md[0].startswith("| run | run_id | kind |") and "| 81.2% |" in md[3]  # not the CSV's first line
+
+
 @pytest.mark.parametrize("before", [None, "sqlite:////elsewhere/mlflow.db"])
 def test_reading_runs_leaves_the_tracking_uri_of_later_runs_alone(runs, monkeypatch, before):
     """``mlflow.search_runs`` needs MLflow's global URI, whose setter also exports $MLFLOW_TRACKING_URI:
