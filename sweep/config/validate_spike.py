@@ -65,9 +65,17 @@ HF_FP16_EXAMPLE = (
 def _check_fp16_overrides(cfg: Config) -> None:
     """Under ``model=hf``, refuse fp16 overrides that would silently leave the model at full size
     (the default ones shrink the built-in GPT: ``model.d_model``...; a pretrained model has a fixed size)."""
-    if not cfg.spike.fp16 or cfg.model.name != "hf":
+    if not cfg.spike.fp16:
         return
     keys = [o.split("=", 1)[0].lstrip("+~") for o in cfg.spike.fp16_overrides]
+    shared = [k for k in keys if k == "steps" or k.startswith("spike.")]
+    if shared:  # the table and figure read every arm at the same steps (the fp16 pair's too)
+        raise UserError(
+            f"spike.fp16_overrides sets {', '.join(shared)}, which the fp16 pair shares with the other runs "
+            "(one table and figure over the same steps): set it for the whole replay instead, e.g. steps=300"
+        )
+    if cfg.model.name != "hf":
+        return
     models = [k for k in keys if k.startswith("model.")]
     inert = [k for k in models if k.split(".")[1] not in HF_MODEL_KEYS]
     if cfg.model.pretrained:

@@ -230,6 +230,9 @@ def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():
         (["spike.figure_out=fig.pdf"], "the figure is a PNG; pass a file name ending in .png"),  # PNG bytes in .pdf
         (["spike.factor=0"], "spike.factor=0.0 must be > 0"),
         (["data=synthetic", "model=linear"], "spike needs byte data"),
+        # the fp16 pair ran 100 steps beside 300-step arms: every run trained, then an IndexError in the figure
+        (['spike.fp16_overrides=["steps=200"]'], "spike.fp16_overrides sets steps, which the fp16 pair shares"),
+        (['spike.fp16_overrides=["spike.at_step=120"]'], "sets spike.at_step, which the fp16 pair shares"),
     ],
 )
 def test_bad_spike_configs_are_one_line_user_errors(overrides, message):
