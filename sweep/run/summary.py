@@ -2,7 +2,8 @@
 
 Quantiles are over finite pre-clip norms; skipped steps are counted, not mixed in. With
 ``clip=calibrated`` they are the first calibration window's (``CalibratedClip.summaries``), and
-the clipping ratio is that of the steps after the windows.
+the clipping ratio is that of every taken step after the first window (a later window's steps
+included: they clip at the τ in force).
 """
 
 from __future__ import annotations

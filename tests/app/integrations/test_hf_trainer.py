@@ -57,18 +57,9 @@ def dataset(n: int = 64) -> Dataset:
 
 def args_for(tmp_path, steps: int, **kw) -> TrainingArguments:
     """Two micro-batches of 4 per step, a log line per step, on the CPU, nothing saved."""
-    return TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=steps,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        **kw,
-    )
+    defaults = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "logging_steps": 1}
+    defaults |= {"report_to": [], "use_cpu": True, "save_strategy": "no", "disable_tqdm": True}
+    return TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, **(defaults | kw))
 
 
 def trainer(tmp_path, callbacks, *, steps: int, max_grad_norm: float, seed: int = 0, **kw) -> Trainer:

@@ -113,36 +113,12 @@ def test_accelerates_mlflow_tracker_is_the_parent_in_its_experiment(tmp_path, ur
 @pytest.mark.slow  # a transformers.Trainer
 def test_a_trainer_reporting_to_mlflow_is_the_parent_in_its_experiment(tmp_path, uri, monkeypatch):
     pytest.importorskip("transformers")
-    from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
-
     from sweep.integrations.hf_trainer import ClipampCallback
+    from tests.app.integrations.test_hf_trainer import trainer
 
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mine")
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    ids = torch.randint(0, 32, (16, 8))
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=STEPS,
-        per_device_train_batch_size=2,
-        use_cpu=True,
-        save_strategy="no",
-        report_to=["mlflow"],
-        disable_tqdm=True,
-    )
     cb = ClipampCallback(window=3, start=0, verbose=False)
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    Trainer(model=AutoModelForCausalLM.from_config(config), args=args, train_dataset=ds, callbacks=[cb]).train()
+    trainer(tmp_path, [cb], steps=STEPS, max_grad_norm=1.0, report_to=["mlflow"]).train()
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("mine")
     runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
