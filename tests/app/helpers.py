@@ -65,7 +65,9 @@ def run_cli_here(*args: str, cwd: Path, capsys, monkeypatch) -> subprocess.Compl
     """What ``python -m sweep ARGS`` in ``cwd`` exits with and prints, as ``run_cli`` returns it, from the same
     entry point (``sweep.__main__.cli``: the precheck, Hydra's ``main``, its exit lines) run in this process: no
     interpreter start-up, which is most of a refused command's seconds. What the app sets for its process (the
-    environment, the SIGINT handler, the form of warnings, Hydra's global state) is restored after it."""
+    environment, the SIGINT handler, the form of warnings, Hydra's global state, and the logging Hydra's
+    ``disabled`` config turns off: every existing logger, the root's level) is restored after it."""
+    import logging
     import signal
     import warnings
 
@@ -75,6 +77,9 @@ def run_cli_here(*args: str, cwd: Path, capsys, monkeypatch) -> subprocess.Compl
     import sweep.app  # noqa: F401  imported first: its import-time settings are this process's, not the run's
 
     environ, sigint, form = dict(os.environ), signal.getsignal(signal.SIGINT), warnings.formatwarning
+    known = logging.root.manager.loggerDict.values()
+    loggers = [logging.getLogger(), *(x for x in known if isinstance(x, logging.Logger))]
+    logged = [(x, x.disabled, x.level, list(x.handlers), x.propagate) for x in loggers]
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", ["sweep", *args])
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -90,6 +95,9 @@ def run_cli_here(*args: str, cwd: Path, capsys, monkeypatch) -> subprocess.Compl
         signal.signal(signal.SIGINT, sigint)
         warnings.formatwarning = form
         GlobalHydra.instance().clear()
+        for x, disabled, level, handlers, propagate in logged:
+            x.disabled, x.handlers, x.propagate = disabled, handlers, propagate
+            x.setLevel(level)  # and clears the loggers' level caches
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["sweep", *args], status, out, err)
 
