@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from sweep.commands import python_command
 from sweep.config.amp_keys import refuse_scaler_keys
 from sweep.config.convert import refuse_renamed, to_config
-from sweep.config.keys import unknown_key
+from sweep.config.keys import given, unknown_key
 from sweep.config.schema import RUNS, register
 from sweep.config.study_keys import refuse_other_mode_keys
 from sweep.config.validate import refuse_clip_overrides, refuse_pruning_overrides
@@ -152,8 +152,8 @@ def _not_a_list(e: Exception, overrides: list[str]) -> UserError | None:
     found = re.fullmatch(r"Error merging override ([\w.]+)=(.*)", str(e))
     if not found or not re.match(r"Invalid value assigned: \w+ is not a ListConfig", str(e.__cause__)):
         return None
-    key, given = found.groups()
-    others = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
+    key, value = found.groups()
+    others = [o for o, (_, k, _) in zip(overrides, given(overrides)) if k != key]
     others = (_jobs(others) or [others])[0]  # a -m sweep: its first job
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -162,7 +162,7 @@ def _not_a_list(e: Exception, overrides: list[str]) -> UserError | None:
         default = None
     nested = " of lists" if isinstance(default, list) and default and isinstance(default[0], list) else ""
     example = f": pass e.g. '{key}={_written(default)}' (its default)" if isinstance(default, list) else ""
-    return UserError(f"{key}={given}: {key} is a list{nested}{example}")
+    return UserError(f"{key}={value}: {key} is a list{nested}{example}")
 
 
 def _written(value) -> str:

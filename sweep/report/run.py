@@ -137,9 +137,10 @@ def print_run_summary(result: RunResult, *, uri: str, experiment_id: str, consol
             f"(Quantile_{w.quantile:g}); clipping ratio realised after the window: {pct(m['clip_ratio'])}"
         )
     clipped = "" if result.windows else f"clipped {pct(m['clip_ratio'])}, "  # else: the validation line says it
-    if result.records.taken() and "dp_clip_fraction" in result.records.taken()[0]:  # clip=dpsgd: each example's
+    first = result.records.rows[0] if result.records.rows else {}  # the policy's columns are on every row
+    if "dp_clip_fraction" in first:  # clip=dpsgd: each example's
         clipped = f"examples clipped {pct(m['clip_ratio'])} (mean dp_clip_fraction), "
-    elif result.records.taken() and "update_l2_pre_clip" in result.records.taken()[0]:  # clip=update: the update
+    elif "update_l2_pre_clip" in first:  # clip=update: the update
         clipped = f"updates clipped {pct(m['clip_ratio'])} (update_l2_post_clip < update_l2_pre_clip), "
     taken = len(result.records.final_losses())
     over = (
