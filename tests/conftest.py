@@ -3,6 +3,13 @@ dead pid (see helpers.py for the rest)."""
 
 from __future__ import annotations
 
+import os
+
+# One torch intra-op thread for the suite and every process it starts (the CLI, torchrun's ranks), unless
+# the caller set OMP_NUM_THREADS: its models are tiny, and with two pytest workers and their children on
+# two cores, threads spinning at their barriers burn most of the CPU. Set before torch is first imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import signal
 import subprocess
 import sys
