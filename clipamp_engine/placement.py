@@ -91,6 +91,7 @@ class StartDetector:
         self._lr_seen = False  # a finite LR in any record so far: else the norms alone place the window
         self._norms: deque[float] = deque(maxlen=span)
         self._medians: deque[float] = deque(maxlen=patience)
+        self._median_steps: deque[int] = deque(maxlen=patience)  # the step of each median: a sparse log's span
 
     def update(self, step: int, lr: float, norm: float, skipped: bool = False) -> Placement | None:
         """Read one record; return the placement on the step it is decided (then keep returning it)."""
@@ -106,6 +107,7 @@ class StartDetector:
             self._norms.append(norm)
             if len(self._norms) == self.span:
                 self._medians.append(statistics.median(self._norms))
+                self._median_steps.append(step)
         if len(self._medians) == self.patience and self._in_band():
             m = self._medians[-1]
             self.placement = Placement(
@@ -114,9 +116,9 @@ class StartDetector:
                 step,
                 m,
                 "auto",
-                f"{self._warmup_text()}; the rolling median of "
-                f"{self.span} norms varied by at most {self.band:.0%} over the {self.patience} steps to step {step} "
-                f"(median {m:.3g}): the window starts at step {step + 1}",
+                f"{self._warmup_text()}; the rolling median of {self.span} norms varied by at most {self.band:.0%} "
+                f"over its last {self.patience} values ({self._span_text(step)}, median {m:.3g}): "
+                f"the window starts at step {step + 1}",
             )
         elif self.latest is not None and step + 1 >= self.latest:
             self.placement = self._deadline(step)
@@ -129,6 +131,12 @@ class StartDetector:
                 f"{self.warmup_end}"
             )
         return f"LR warm-up over at step {self.warmup_end} (the LR stopped rising)"
+
+    def _span_text(self, step: int) -> str:
+        """The steps the last ``patience`` medians were taken at: as many steps as medians only where every step
+        logged a finite norm (a log every N steps, or skipped steps, spread them wider)."""
+        first = self._median_steps[0] if len(self._median_steps) == self.patience else None
+        return f"steps {first}–{step}" if first is not None else f"to step {step}"  # a state saved before the steps
 
     def _in_band(self) -> bool:
         lo, hi = min(self._medians), max(self._medians)
@@ -160,6 +168,7 @@ class StartDetector:
             "lr_seen": self._lr_seen,
             "norms": list(self._norms),
             "medians": list(self._medians),
+            "median_steps": list(self._median_steps),
             "latest": self.latest,
             "placement": self.placement.as_dict() if self.placement else None,
         }
@@ -169,6 +178,7 @@ class StartDetector:
         self._lr_seen = state.get("lr_seen", True)  # a state saved before the flag: its run had an LR
         self._norms = deque(state["norms"], maxlen=self.span)
         self._medians = deque(state["medians"], maxlen=self.patience)
+        self._median_steps = deque(state.get("median_steps", ()), maxlen=self.patience)
         self.placement = Placement(**state["placement"]) if state["placement"] else None
 
 

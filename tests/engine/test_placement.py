@@ -112,3 +112,15 @@ def test_records_without_an_lr_are_placed_by_the_norms_and_say_so():
         if b.update(s, math.nan, n) is not None:
             break
     assert b.placement == unknown
+
+
+def test_the_reason_names_the_steps_the_medians_span_not_their_count():
+    """A norm every 3rd step: the 20 medians in band span 58 steps, not 20; every step: 20 steps."""
+    trace, _ = _trace(seed=5)
+    dense = auto_window_start(trace)
+    first = dense.settled_at - 19
+    assert f"over its last 20 values (steps {first}–{dense.settled_at}," in dense.reason
+    sparse = auto_window_start(trace[2::3])  # steps 3, 6, 9, …
+    first = sparse.settled_at - 3 * 19
+    assert f"over its last 20 values (steps {first}–{sparse.settled_at}," in sparse.reason
+    assert "20 steps" not in sparse.reason
