@@ -300,9 +300,9 @@ def read_csv(path: Path, *, norm: str | None = None, lr: str | None = None, step
     steps = np.arange(1, len(df) + 1) if step_name is None else pd.to_numeric(df[step_name], errors="coerce")
     if step_name is not None and steps.isna().any():
         raise UserError(f"{path}: column {step_name!r} has a value that is not a step number: pass --step-column NAME")
-    text = text_cells(str(path), name, df[name], values, steps)  # tensor(0.69), a stray word: said, not skipped
+    extra: dict = {}
+    text, extra["unreadable"] = text_cells(str(path), name, df[name], values, steps)  # tensor(0.69), a stray word
     ours = tuple(cols[:8]) == CANONICAL_COLUMNS
-    extra = {}
     if ours:
         extra["skipped"] = df["skipped"].astype(str).str.strip().str.lower().isin(["true", "1", "yes"]).to_numpy()
         with open(path, newline="", encoding="utf-8") as f:

@@ -211,9 +211,11 @@ def window_norms(series: NormSeries, start: int, end: int) -> np.ndarray:
 
 def diagnosis_rows(series: NormSeries) -> list[dict[str, Any]]:
     """The rows ``clipamp_engine.diagnosis.diagnose`` reads: the log's own (clipamp's CSV), else built from
-    the series with the run's τ where the logs carry it."""
+    the series with the run's τ where the logs carry it. A step whose logged norm is text is left out: the cell
+    says nothing of the gradient, so it is no non-finite step."""
+    unreadable = series.unreadable if series.unreadable is not None else np.zeros(len(series.steps), dtype=bool)
     if series.rows is not None:
-        return series.rows
+        return [r for r, bad in zip(series.rows, unreadable) if not bad]
     lrs = series.lrs if series.lrs is not None else np.full(len(series.steps), np.nan)
     tau = series.max_norm if series.max_norm is not None else np.full(len(series.steps), np.nan)
     post = series.post if series.post is not None else np.full(len(series.steps), np.nan)
@@ -228,7 +230,8 @@ def diagnosis_rows(series: NormSeries) -> list[dict[str, Any]]:
             "max_norm": float(t) if math.isfinite(t) else None,
             "grad_l2_post_clip": float(p),
         }
-        for s, lr, x, k, t, p in zip(series.steps, lrs, series.norms, skipped, tau, post)
+        for s, lr, x, k, t, p, bad in zip(series.steps, lrs, series.norms, skipped, tau, post, unreadable)
+        if not bad
     ]
 
 

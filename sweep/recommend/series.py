@@ -57,6 +57,8 @@ class NormSeries:
     clipping (clipamp's MLflow ``grad_l2_post_clip``), which tells the diagnosis the steps the run clipped.
     ``open_ended``: the run's calibration knew no length (a trainer integration given none, as its
     ``steps.clipamp.yaml`` says): the window is placed with no end in view, as the run placed it.
+    ``unreadable``: steps whose logged norm is text, not a number (``None``: none is): skipped by the
+    calibration, left out of the diagnosis, since the cell says nothing about the gradient.
     """
 
     source: str
@@ -76,6 +78,7 @@ class NormSeries:
     total_steps: int | None = None
     post: np.ndarray | None = None
     open_ended: bool = False
+    unreadable: np.ndarray | None = None
 
     @property
     def interval(self) -> int:
@@ -93,6 +96,9 @@ class NormSeries:
         return ok if self.skipped is None else ok & ~self.skipped
 
 
+_MASKS = ("skipped", "unreadable")
+
+
 def make_series(
     source: str, name: str, steps, norms, lrs=None, *, lightning: str | None = None, **extra: Any
 ) -> NormSeries:
@@ -106,7 +112,7 @@ def make_series(
     order = np.argsort(steps, kind="stable")
     last = np.r_[steps[order][1:] != steps[order][:-1], True]  # the last of each run of equal steps
     keep = order[last]
-    arrays = {"lrs": lrs, **{k: extra.pop(k, None) for k in ("max_norm", "skipped", "tokens", "post")}}
+    arrays = {"lrs": lrs, **{k: extra.pop(k, None) for k in ("max_norm", "skipped", "tokens", "post", "unreadable")}}
     kept = {k: None if v is None else np.asarray(v)[keep] for k, v in arrays.items()}
     rows = extra.pop("rows", None)
     series = NormSeries(
@@ -115,7 +121,7 @@ def make_series(
         steps[keep],
         np.asarray(norms, dtype=np.float64)[keep],
         rows=None if rows is None else [rows[i] for i in keep],
-        **{k: v.astype(bool if k == "skipped" else np.float64) if v is not None else None for k, v in kept.items()},
+        **{k: None if v is None else v.astype(bool if k in _MASKS else np.float64) for k, v in kept.items()},
         **extra,
     )
     if len(keep) < len(steps):
@@ -282,6 +288,7 @@ def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
         max_norm=merged(series.max_norm, gap),
         post=merged(series.post, gap),
         skipped=merged(skipped, np.ones(len(missing), dtype=bool)),
+        unreadable=merged(series.unreadable, np.zeros(len(missing), dtype=bool)),
         rows=None,
         notes=list(series.notes),
     )
@@ -292,12 +299,13 @@ def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
 NAN_SPELLINGS = {"nan", "-nan", "+nan", "none", "null", "na", "n/a"}
 
 
-def text_cells(source: str, name: str, cells: pd.Series, values: pd.Series, steps) -> list[str]:
+def text_cells(source: str, name: str, cells: pd.Series, values: pd.Series, steps) -> tuple[list[str], np.ndarray]:
     """Cells of the norm column that are text, not numbers (``tensor(0.69)``, a stray word): an error naming
-    one when the column holds no number, else a note (they are read as skipped steps, as a logged ``nan`` is)."""
+    one when the column holds no number, else a note (the calibration reads them as skipped steps, as a logged
+    ``nan`` is; the diagnosis leaves them out: a cell of text is no overflow), and their mask."""
     text = values.isna() & ~cells.str.strip().str.lower().isin(NAN_SPELLINGS)
     if not text.any():
-        return []
+        return [], text.to_numpy()
     i = int(np.flatnonzero(text.to_numpy())[0])
     example = f"{cells.iloc[i].strip()!r} at step {int(np.asarray(steps)[i])}"
     if values.isna().all():
@@ -305,4 +313,7 @@ def text_cells(source: str, name: str, cells: pd.Series, values: pd.Series, step
             f"{source}: column {name!r} holds no number (e.g. {example}): log the norm as a number (float(norm), "
             "norm.item()), or pass --norm COLUMN of another column"
         )
-    return [f"{int(text.sum())} cell(s) of {name!r} are text, not numbers (e.g. {example}): read as skipped steps"]
+    return [
+        f"{int(text.sum())} cell(s) of {name!r} are text, not numbers (e.g. {example}): read as skipped steps, "
+        "left out of the diagnosis (they say nothing of the gradient)"
+    ], text.to_numpy()

@@ -125,10 +125,18 @@ def test_text_in_the_norm_column_is_said_naming_a_cell(tmp_path):
     cells[99], cells[150] = "bad", "nan"  # a word, and a logged NaN (a skipped step, as documented)
     csv = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": cells})
     rec = parse([str(csv), "--start", "60", "--window", "120"])
-    assert "1 cell(s) of 'grad_norm' are text, not numbers (e.g. 'bad' at step 100): read as skipped steps" in rec.notes
+    said = "1 cell(s) of 'grad_norm' are text, not numbers (e.g. 'bad' at step 100): read as skipped steps, left out"
+    assert any(n.startswith(said) for n in rec.notes)
+    # the diagnosis counts the logged NaN, not the word: an unreadable cell is no overflow
+    nonfinite = [f for f in rec.findings if f.kind == "nonfinite"]
+    assert [f.steps for f in nonfinite] == [[151]] and nonfinite[0].evidence["count"] == 1
     kept = np.ones(len(steps), bool)
     kept[[99, 150]] = False
     assert rec.tau == pytest.approx(numpy_tau(steps[kept], norms[kept], 61, 180), rel=1e-12, abs=0)
+
+    cells[150] = "abc"
+    words = parse([str(write_csv(tmp_path / "words.csv", {"step": steps, "lr": lr, "grad_norm": cells}))])
+    assert not [f for f in words.findings if f.kind == "nonfinite"]
 
     tensors = write_csv(tmp_path / "tensors.csv", {"step": steps, "grad_norm": [f"tensor({v:.4f})" for v in norms]})
     with pytest.raises(UserError) as e:
