@@ -287,6 +287,7 @@ def with_gaps_skipped(series: NormSeries) -> tuple[NormSeries, int]:
         lrs=merged(series.lrs, gap),
         max_norm=merged(series.max_norm, gap),
         post=merged(series.post, gap),
+        tokens=merged(series.tokens, gap),
         skipped=merged(skipped, np.ones(len(missing), dtype=bool)),
         unreadable=merged(series.unreadable, np.zeros(len(missing), dtype=bool)),
         rows=None,

@@ -403,6 +403,25 @@ def test_a_gap_at_the_windows_end_is_a_skipped_step_and_a_cut_window_says_so(tmp
     assert any("no logged step after the window" in n for n in cut.notes)
 
 
+def test_a_gap_in_a_log_with_token_counts_keeps_each_count_at_its_step(tmp_path):
+    """A CSV with token_count and a step of its grid not logged: the counts stay on their steps (the window's
+    ‖g‖·√N_tok quantiles are numpy's over those steps) and every step after the window is validated."""
+    steps, lr, norms = trace()
+    tokens = 1 + (steps * 7919) % 4096  # a count per step, so that one shifted by a step shows
+    logged = steps != 150
+    path = write_csv(
+        tmp_path / "log.csv",
+        {"step": steps, "lr": lr, "grad_norm": norms, "token_count": tokens},
+        keep=lambda r: r[0] != 150,
+    )
+    rec = parse([str(path), "--start", "100"])
+    w = rec.clip.summaries[0]
+    assert (w.start_step, w.end_step, w.n_finite, w.n_skipped) == (101, 200, 99, 1)
+    inside = logged & (steps >= 101) & (steps <= 200)
+    assert w.token_quantiles["p95"] == pytest.approx(np.quantile(norms[inside] * np.sqrt(tokens[inside]), 0.95))
+    assert rec.clip.checks()[0].steps == int((steps > 200).sum())  # to the log's last step
+
+
 def test_console_script_runs_the_same_cli(tmp_path, monkeypatch, capsys):
     import importlib
     import tomllib
