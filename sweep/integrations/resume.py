@@ -114,7 +114,9 @@ def open_store(tracking: str, experiment: str | None):
     the default sqlite store), the id of the active run to nest under (``"auto"`` only), and the store's
     label: its URI with a relative sqlite path made absolute and passwords hidden (how a checkpoint names it).
     The run goes into ``experiment``; ``None``: the active run's experiment when it nests under one (MLflow's
-    UI shows a child under its parent only within one experiment), else ``clipamp``."""
+    UI shows a child under its parent only within one experiment), else ``clipamp``. Only ``clipamp``, and an
+    experiment this creates, get the tags that open the MLflow UI on clipamp's columns (``sweep.tracking.ui``):
+    one the user named that exists keeps its own, as an active run's does (``Store.beside``)."""
     import mlflow
 
     from ..secrets import redact
@@ -126,7 +128,11 @@ def open_store(tracking: str, experiment: str | None):
     if active and experiment is None:
         store = Store.beside(uri, active.info.experiment_id)
     else:
-        store = Store.open(uri, DEFAULT_EXPERIMENT if experiment is None else experiment)
+        store = Store.open(
+            uri,
+            DEFAULT_EXPERIMENT if experiment is None else experiment,
+            retag=experiment in (None, DEFAULT_EXPERIMENT),
+        )
     return store, active.info.run_id if active else None, redact(anchored(store.uri, Path.cwd()))
 
 

@@ -19,11 +19,13 @@ from sweep.tracking.tracker import ensure_experiment, open_client, resolve_uri
 
 def open_store(tracking_uri: str | None, experiment: str) -> tuple[object, str]:
     """The client on the store ``--tracking-uri`` (else ``$MLFLOW_TRACKING_URI``, else the default store)
-    names and the id of ``experiment`` there (created if missing); an unreachable store or a deleted
-    experiment is a ``UserError`` (``open_client``, ``ensure_experiment``), before anything is printed."""
+    names and the id of ``experiment`` there (created if missing, with the tags that open the MLflow UI on
+    clipamp's columns; ``clipamp`` gets them, another that exists is the user's and keeps its own); an
+    unreachable store or a deleted experiment is a ``UserError`` (``open_client``, ``ensure_experiment``),
+    before anything is printed."""
     uri = resolve_uri(tracking_uri)
     client = open_client(uri)
-    return client, ensure_experiment(client, experiment, uri)
+    return client, ensure_experiment(client, experiment, uri, retag=experiment == "clipamp")
 
 
 def log_recommendation(client, experiment_id: str, rec: Recommendation) -> str:

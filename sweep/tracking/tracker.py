@@ -44,9 +44,10 @@ def resolve_uri(uri: str | None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
-def ensure_experiment(client, name: str, uri: str) -> str:
+def ensure_experiment(client, name: str, uri: str, *, retag: bool = True) -> str:
     """Experiment id for ``name``; a new one on sqlite keeps artifacts beside the database. Either way it
-    carries the tags that open the MLflow UI on its training runs (``sweep.tracking.ui``)."""
+    carries the tags that open the MLflow UI on its training runs (``sweep.tracking.ui``); ``retag=False``: an
+    existing one keeps its own (a user's experiment, named to an integration), only a new one gets them."""
     exp = client.get_experiment_by_name(name)
     if exp is not None and exp.lifecycle_stage == "deleted":
         raise UserError(
@@ -56,7 +57,7 @@ def ensure_experiment(client, name: str, uri: str) -> str:
         )
     db = sqlite_path(uri)
     if exp is not None:
-        for key, value in experiment_ui_tags(exp.tags).items():
+        for key, value in experiment_ui_tags(exp.tags).items() if retag else ():
             client.set_experiment_tag(exp.experiment_id, key, value)
         if db is not None:
             warn_far_artifacts(name, exp.artifact_location, db)
@@ -128,8 +129,9 @@ class Store:
     tags: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, uri: str | None, experiment: str, overrides: list[str] | None = None) -> Store:
-        """Resolve ``uri`` (see ``resolve_uri``), check it, create the experiment if needed."""
+    def open(cls, uri: str | None, experiment: str, overrides: list[str] | None = None, *, retag: bool = True) -> Store:
+        """Resolve ``uri`` (see ``resolve_uri``), check it, create the experiment if needed (``retag``:
+        ``ensure_experiment``'s)."""
         uri = resolve_uri(uri)
         if not experiment.strip():
             raise UserError(
@@ -137,7 +139,7 @@ class Store:
             )
         client = open_client(uri)
         tags = {"overrides": redact_text(" ".join(overrides or [])), "tracking_uri": redact(uri)}
-        return cls(client, ensure_experiment(client, experiment, uri), uri, tags)
+        return cls(client, ensure_experiment(client, experiment, uri, retag=retag), uri, tags)
 
     @classmethod
     def beside(cls, uri: str | None, experiment_id: str) -> Store:

@@ -64,6 +64,20 @@ def test_an_explicit_experiment_is_honoured_under_an_active_run(tmp_path, uri):
     assert {KIND_TAG, VIEW_TAG} <= set(MlflowClient(uri).get_experiment_by_name("x").tags)  # clipamp's own
 
 
+def test_a_users_experiment_named_explicitly_keeps_its_own_tags(tmp_path, uri):
+    """experiment="mine" that exists is the user's (its description, a GenAI kind): no clipamp UI tags are
+    written over it, with or without an active run; one clipamp creates gets them."""
+    own = {"mlflow.note.content": "my project", KIND_TAG: "genai_development", "team": "a"}
+    mine = MlflowClient(uri).create_experiment("mine", tags=own)
+    rec = record(tmp_path, experiment="mine")
+    assert where(uri, rec.tracker.run_id) == ("mine", None)
+    with mlflow.start_run(experiment_id=MlflowClient(uri).create_experiment("parent")):
+        record(tmp_path / "nested", experiment="mine")
+    assert MlflowClient(uri).get_experiment(mine).tags == own
+    record(tmp_path / "new", experiment="new")
+    assert {KIND_TAG, VIEW_TAG} <= set(MlflowClient(uri).get_experiment_by_name("new").tags)
+
+
 def test_without_an_active_run_the_experiment_is_clipamp(tmp_path, uri):
     rec = record(tmp_path)
     assert where(uri, rec.tracker.run_id) == ("clipamp", None)

@@ -268,6 +268,8 @@ def test_mlflow_run_and_track(store, tmp_path, capsys):
     names = {a.path for a in client.list_artifacts(logged.info.run_id)}
     assert names == {"report.md", "quantiles.json"} and f"MLflow run {logged.info.run_id}" in out
     client.delete_experiment(client.get_experiment_by_name("rec").experiment_id)
+    assert main([*argv[:-1], "hf"]) == 0 and capsys.readouterr()  # into the user's own experiment: tags kept
+    assert client.get_experiment_by_name("hf").tags == {}
     assert "--experiment 'rec' was deleted" in _error(capsys, argv)  # before any report is printed
     typo = tmp_path / "typo" / "mlflow.db"  # a mistyped store is said, not created
     message = _error(capsys, [f"runs:/{run.info.run_id}", "--tracking-uri", f"sqlite:///{typo}"])
