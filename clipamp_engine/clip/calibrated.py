@@ -279,8 +279,11 @@ class CalibratedClip(ClipPolicy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; an undecided ``auto`` start keeps its deadline for this policy's ``total_steps``
+        (a resume that changed the run's length: the latest start that leaves room in the run it now is)."""
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
+            self.detector.latest = self._latest_start()
         self.placement = Placement(**state["placement"]) if state.get("placement") else self.placement
         self.windows = self._windows()
         self._calibrator = None

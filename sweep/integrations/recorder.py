@@ -55,7 +55,7 @@ from clipamp_engine.records import SkipLog, StepLog
 from ..errors import one_line
 from ..run.artifacts import json_text
 from ..run.calibration import calibration_payload
-from ..run.csv_settings import write_settings
+from ..run.csv_settings import length_tags, write_settings
 from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
 from .resume import checkpoint_state, new_run, open_store
@@ -128,6 +128,7 @@ class StepRecorder:
         self.store_label: str | None = None  # the MLflow store's URI as a checkpoint names it
         self.user_tau: float | None = None
         self.step = 0  # the last step recorded
+        self.lengths: list[list] = []  # [[after_step, total_steps], …]: the run's length as the calibration knew it
         self._announced = 0
         self.columns = COLUMNS
 
@@ -162,6 +163,7 @@ class StepRecorder:
         cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
         self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
         self.records, self._announced, self.step = RunRecords(), 0, 0
+        self.lengths = [[0, total_steps]]  # a resume continues the checkpoint's
         tags, params = tags or {}, {**(params or {}), "total_steps": total_steps}  # as the calibration knows it
         name = self.run_name or f"{tags.get('run', 'host')}-{tags.get('model', 'model')}"
         path = Path(self.csv_path) if self.csv_path else default_csv
@@ -169,6 +171,8 @@ class StepRecorder:
         if resume is not None:
             restore(self, resume, path=path, main_process=main_process, run_name=name, tags=tags, params=params)
             self._take_over()
+            if self.tracker is not None and len(self.lengths) > 1:  # its param total_steps is the first length
+                self.tracker.set_tags(length_tags(self.lengths))
         elif main_process:
             if self.tracking is not None:
                 store, parent, self.store_label = open_store(self.tracking, self.experiment)
@@ -177,9 +181,12 @@ class StepRecorder:
             self.writer = StepCSVWriter(path, COLUMNS)
             self.say(f"steps.csv: {path}")
         if self.writer is not None:  # beside the CSV: what `python -m sweep.recommend steps.csv` replays
-            options, total = self.calibration_options(), self.policy.total_steps
             write_settings(
-                self.writer.path, run=tags.get("run", "host"), options=options, total_steps=total, apply=self.apply
+                self.writer.path,
+                run=tags.get("run", "host"),
+                options=self.calibration_options(),
+                lengths=self.lengths,
+                apply=self.apply,
             )
 
     def _take_over(self) -> None:

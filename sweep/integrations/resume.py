@@ -105,6 +105,7 @@ def checkpoint_state(recorder: Recorder) -> dict[str, Any]:
         "csv": str(writer.path.absolute()) if writer is not None else None,
         "run_id": tracker.run_id if tracker is not None else None,
         "tracking_uri": recorder.store_label if tracker is not None else None,
+        "lengths": recorder.lengths,
     }
     return to_json(dict(sorted(state.items())))  # keys in order: plain JSON at the top level
 
@@ -168,6 +169,7 @@ def resume(
         )
     recorder.policy.load_state_dict(state["policy"])
     recorder._announced, recorder.step = int(state["announced"]), step
+    recorder.lengths = resumed_lengths(state.get("lengths"), step, recorder.policy.total_steps)
     if not main_process:
         return
     tracker, lost = None, None
@@ -196,6 +198,15 @@ def resume(
             tracker.add_step(row["step"], recorder.records.step_metrics(i))
         tracker.flush()
     recorder.say(f"steps.csv: {path} (resumed at step {step})")
+
+
+def resumed_lengths(saved: list | None, step: int, total_steps: int | None) -> list[list]:
+    """The run's length as its calibration knew it, ``[[after_step, total_steps], …]`` (from step ``after_step`` + 1
+    on), after a resume at ``step`` for a run of ``total_steps``: the checkpoint's up to ``step`` (a length set after
+    it belongs to the steps the resume drops), then ``total_steps`` where it changed (a new ``max_steps``). A
+    checkpoint saved without them: the run's length is taken as this one's throughout."""
+    kept = [[int(a), n] for a, n in saved or [] if int(a) < step] or [[0, total_steps]]
+    return kept if kept[-1][1] == total_steps else [*kept, [step, total_steps]]
 
 
 def _reopen(store, label: str, state: dict[str, Any]):

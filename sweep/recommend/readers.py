@@ -28,7 +28,7 @@ from sweep.commands import python_command
 from sweep.errors import UserError, one_line
 from sweep.recommend.events import event_files, framing_problem, not_resumed, span
 from sweep.recommend.folders import csv_in
-from sweep.recommend.run_config import csv_run, own_settings, run_length
+from sweep.recommend.run_config import csv_run, own_settings, run_length, run_params
 from sweep.recommend.series import NormSeries, lightning_marks, make_series, text_cells
 
 #: Default norm names, in order: clipamp, Hugging Face (trainer_state, MLflow), HF's TensorBoard callback,
@@ -367,7 +367,8 @@ def read_mlflow(run_id: str, *, norm: str | None = None, lr: str | None = None, 
     extra["lightning"] = lightning_marks(keys)  # Lightning's MLFlowLogger logs at global_step too
     extra["settings"], extra["notes"] = own_settings(run.data.params, where)  # the app's, the integrations'
     if extra["settings"]:  # an integration's run: its length as its calibration knew it
-        extra |= run_length(run.data.params, extra["notes"], f"{where}: param total_steps None")
+        params = run_params(run.data.params, run.data.tags)  # with a resume's change of length
+        extra |= run_length(params, extra["notes"], f"{where}: param total_steps None")
     pre = {"grad_norm": HF_PRE_CLIP if "logging_steps" in run.data.params else None}  # Trainer logs its arguments
     pre["grad_l2_pre_clip"] = "clipamp records grad_l2_pre_clip before clipping"
     return make_series(

@@ -152,13 +152,37 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
     ``series``'s norms: the window placed as the live run placed it, with the run's end in view (none for an
     ``open_ended`` series, whose run knew no end).
 
+    A run resumed with another length (``series.earlier_lengths``) is replayed as it ran: the policy of each
+    length continues from the one before, as a resume restores it (``CalibratedClip.load_state_dict``).
+
     Without an LR in the logs every record's LR is NaN: the placement sees no warm-up, and says so.
 
     Raises:
         UserError: an option ``CalibratedClip`` refuses, or a window it cannot summarise.
     """
+    final = None if series.open_ended else max(series.total_steps or 0, int(series.steps[-1]))
+    lengths = [*series.earlier_lengths, (math.inf, final)]
+    clip = _policy(options, lengths[0][1])
+    lrs = _lrs(series)
+    lrs = np.full(len(series.steps), math.nan) if lrs is None else lrs  # no LR: the placement says so
+    tokens = np.full(len(series.steps), math.nan) if series.tokens is None else series.tokens
     try:
-        clip = CalibratedClip(
+        logged = zip(series.steps.tolist(), lrs.tolist(), series.norms.tolist(), series.taken, tokens.tolist())
+        for step, lr, norm, taken, count in logged:
+            while step > lengths[0][0]:  # resumed after that step for a run of another length
+                lengths.pop(0)
+                resumed = _policy(options, lengths[0][1])
+                resumed.load_state_dict(clip.state_dict())
+                clip = resumed
+            clip.observe(record(step, lr, norm, bool(taken), clip.threshold, count))
+    except CalibrationError as e:
+        raise UserError(f"{series.source}: {e}") from None
+    return clip
+
+
+def _policy(options: Options, total_steps: int | None) -> CalibratedClip:
+    try:
+        return CalibratedClip(
             options.window,
             options.every,
             options.quantile,
@@ -168,20 +192,10 @@ def replay(series: NormSeries, options: Options) -> CalibratedClip:
             options.validate,
             tuple(options.target_clip),
             options.confidence,
-            total_steps=None if series.open_ended else max(series.total_steps or 0, int(series.steps[-1])),
+            total_steps=total_steps,
         )
     except ValueError as e:
         raise UserError(as_flags(str(e))) from None
-    lrs = _lrs(series)
-    lrs = np.full(len(series.steps), math.nan) if lrs is None else lrs  # no LR: the placement says so
-    tokens = np.full(len(series.steps), math.nan) if series.tokens is None else series.tokens
-    try:
-        logged = zip(series.steps.tolist(), lrs.tolist(), series.norms.tolist(), series.taken, tokens.tolist())
-        for step, lr, norm, taken, count in logged:
-            clip.observe(record(step, lr, norm, bool(taken), clip.threshold, count))
-    except CalibrationError as e:
-        raise UserError(f"{series.source}: {e}") from None
-    return clip
 
 
 def early_stop(clip: CalibratedClip, series: NormSeries) -> list[str]:

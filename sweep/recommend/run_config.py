@@ -11,13 +11,14 @@ steps.csv`` and ``runs:/ID`` of one run give the same τ, and an integration's C
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from sweep.recommend.replay import run_settings
-from sweep.run.csv_settings import SETTINGS_NAME
+from sweep.run.csv_settings import SETTINGS_NAME, lengths_from_tags
 
 #: Where, relative to the CSV's folder, a run's config is looked for, in order (``{stem}``: the CSV's
 #: name without its suffix): the integration's settings named after the CSV first, as the most specific.
@@ -44,6 +45,7 @@ def csv_run_params(csv_path: Path) -> tuple[dict[str, str], Path | None]:
             clip = cfg.get("clip") if isinstance(cfg.get("clip"), dict) else {}
             params = {"run": str(cfg.get("run")), "clip.mode": str(clip.get("mode"))}
             params |= {"total_steps": str(cfg["total_steps"])} if "total_steps" in cfg else {}
+            params |= {"earlier_lengths": str(cfg["earlier_lengths"])} if "earlier_lengths" in cfg else {}
             return {**params, **{f"calibrate.{k}": str(v) for k, v in section.items()}}, path
     return {}, None
 
@@ -61,17 +63,59 @@ def csv_run(csv_path: Path, ours: bool) -> dict[str, Any]:
     return out | (run_length(params, notes, f"{config}: total_steps: null") if settings else {})
 
 
+def _earlier(entries: Any) -> list[tuple[int, int | None]]:
+    """A settings file's ``earlier_lengths`` as ``(through_step, total_steps)`` pairs; an entry of another shape
+    is left out."""
+    out = []
+    for e in entries if isinstance(entries, list) else []:
+        step, total = (e.get("through_step"), e.get("total_steps")) if isinstance(e, dict) else (None, None)
+        if isinstance(step, int) and step > 0 and (total is None or isinstance(total, int) and total > 0):
+            out.append((step, total))
+    return out
+
+
+def _literal(text: str | None) -> Any:
+    try:
+        return ast.literal_eval(text) if text else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def run_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
+    """An integration's MLflow run's params with its length as a resume that changed it left it in the run's tags
+    (``sweep.run.csv_settings.LENGTH_TAGS``: its param ``total_steps`` is the length it started with)."""
+    return params | lengths_from_tags(tags)
+
+
 def run_length(params: dict[str, str], notes: list[str], where: str) -> dict[str, Any]:
     """The run's length as its calibration knew it, from an integration's ``total_steps`` (its settings file's, or
     its MLflow run's param): ``{"total_steps": N}`` (the live run placed its window for N steps, a log cut short
-    too), ``{"open_ended": True}`` with a note in ``notes`` (it knew none: neither does the replay), or ``{}``."""
-    length = params.get("total_steps")
+    too), ``{"open_ended": True}`` with a note in ``notes`` (it knew none: neither does the replay), or ``{}``;
+    with ``earlier_lengths`` where a resume changed it (the steps calibrated for each earlier length)."""
+    length, out = params.get("total_steps"), {}
+    earlier = _earlier(_literal(params.get("earlier_lengths")))
+    if earlier:
+        out["earlier_lengths"] = earlier
+        firsts, lengths = [1, *(step + 1 for step, _ in earlier)], [n for _, n in earlier] + [_int(length)]
+        ends = [f"–{step}" for step, _ in earlier] + [" on"]
+        parts = [
+            f"{f'a run of {n} steps' if n else 'no run length'} at steps {a}{b}"
+            for a, b, n in zip(firsts, ends, lengths)
+        ]
+        notes.append(
+            f"the run was resumed with another length: its calibration knew {'; '.join(parts)} (earlier_lengths), "
+            "and is replayed so"
+        )
     if length == "None":
         notes.append(f"the run's length was unknown to its calibration ({where}): none assumed")
-        return {"open_ended": True}
+        return out | {"open_ended": True}
     if length is not None and length.isdigit() and int(length) > 0:
-        return {"total_steps": int(length)}
-    return {}
+        return out | {"total_steps": int(length)}
+    return out
 
 
 def own_settings(params: dict[str, str], where: str) -> tuple[dict[str, Any], list[str]]:

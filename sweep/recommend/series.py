@@ -57,6 +57,8 @@ class NormSeries:
     clipping (clipamp's MLflow ``grad_l2_post_clip``), which tells the diagnosis the steps the run clipped.
     ``open_ended``: the run's calibration knew no length (a trainer integration given none, as its
     ``steps.clipamp.yaml`` says): the window is placed with no end in view, as the run placed it.
+    ``earlier_lengths``: ``(through_step, total_steps)`` of each length the run's calibration knew before a resume
+    changed it (Trainer's ``max_steps``), as its settings file lists them.
     ``unreadable``: steps whose logged norm is text, not a number (``None``: none is): skipped by the
     calibration, left out of the diagnosis, since the cell says nothing about the gradient.
     """
@@ -79,6 +81,7 @@ class NormSeries:
     post: np.ndarray | None = None
     open_ended: bool = False
     unreadable: np.ndarray | None = None
+    earlier_lengths: list[tuple[int, int | None]] = field(default_factory=list)
 
     @property
     def interval(self) -> int:

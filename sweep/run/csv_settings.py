@@ -5,8 +5,10 @@ An app run leaves its resolved ``config.yaml`` next to its ``steps.csv``. A trai
 config; it writes ``<csv name>.clipamp.yaml`` next to its CSV instead (``steps.clipamp.yaml``,
 in the MLflow run's artifacts or at ``csv_path``): the ``calibrate`` section it calibrated with,
 in the config's shape (``run``, ``clip.mode``, ``calibrate.*``), and the run's length as its
-calibration knew it (``total_steps``; ``null``: unknown), so that ``python -m sweep.recommend
-steps.csv`` (``sweep.recommend.run_config``) replays that calibration and gives the τ it printed.
+calibration knew it (``total_steps``; ``null``: unknown; a run resumed with another length, Trainer's
+``max_steps``, also lists ``earlier_lengths``: each ``through_step``, the last step calibrated for a run of
+that ``total_steps``), so that ``python -m sweep.recommend steps.csv`` (``sweep.recommend.run_config``)
+replays that calibration and gives the τ it printed.
 
 The name comes from the CSV's own, so it is never that of a file a user keeps beside a CSV (a
 ``config.yaml``, a Hydra ``.hydra/``) and two CSVs in one folder each get their own. The file is
@@ -41,10 +43,11 @@ def _plain(value: Any) -> Any:
 
 
 def write_settings(
-    csv_path: str | Path, *, run: str, options: dict[str, Any], total_steps: int | None, apply: bool
+    csv_path: str | Path, *, run: str, options: dict[str, Any], lengths: list[list], apply: bool
 ) -> Path | None:
     """Write the settings of the run recording to ``csv_path`` beside it and return their path; ``None``
-    (with a warning) where a file of that name exists that clipamp did not write."""
+    (with a warning) where a file of that name exists that clipamp did not write. ``lengths``: the run's length
+    as its calibration knew it, ``[[after_step, total_steps], …]`` (``StepRecorder.lengths``)."""
     path = settings_path(csv_path)
     if path.exists() and not _ours(path):
         warnings.warn(
@@ -58,15 +61,46 @@ def write_settings(
         "written_by": MARK,
         "run": run,
         "clip": {"mode": "calibrated", "apply": bool(apply)},  # calibrated: recommended, applied with apply
-        "total_steps": None if total_steps is None else int(total_steps),
+        "total_steps": _length(lengths[-1][1]),
         "calibrate": {k: _plain(v) for k, v in options.items()},
     }
+    if len(lengths) > 1:  # resumed with another length: the last step calibrated for each earlier one
+        body["earlier_lengths"] = earlier_lengths(lengths)
     head = (
         f"# The calibration settings of the run that wrote {Path(csv_path).name} (a clipamp trainer integration),\n"
         f"# read by `python -m sweep.recommend {Path(csv_path).name}`; rewritten by each run that writes it.\n"
     )
     path.write_text(head + yaml.safe_dump(body, sort_keys=False), encoding="utf-8")
     return path
+
+
+def _length(total_steps: int | None) -> int | None:
+    return None if total_steps is None else int(total_steps)
+
+
+def earlier_lengths(lengths: list[list]) -> list[dict[str, int | None]]:
+    """``[[after_step, total_steps], …]`` (``StepRecorder.lengths``) as the settings file lists the lengths before
+    the last: each ``through_step``, the last step calibrated for a run of that ``total_steps``."""
+    ends = [after for after, _ in lengths[1:]]
+    return [{"through_step": int(e), "total_steps": _length(n)} for e, (_, n) in zip(ends, lengths)]
+
+
+#: An integration's MLflow run whose resume changed its length (its param ``total_steps`` is the first length,
+#: and params cannot change): these tags, read as the params they name, give the lengths as the settings file does.
+LENGTH_TAGS = {"resumed.total_steps": "total_steps", "resumed.earlier_lengths": "earlier_lengths"}
+
+
+def length_tags(lengths: list[list]) -> dict[str, str]:
+    """The ``LENGTH_TAGS`` of a run of ``lengths`` (``StepRecorder.lengths``)."""
+    return {
+        "resumed.total_steps": str(_length(lengths[-1][1])),
+        "resumed.earlier_lengths": str(earlier_lengths(lengths)),
+    }
+
+
+def lengths_from_tags(tags: dict[str, str]) -> dict[str, str]:
+    """A run's ``LENGTH_TAGS`` as the params they stand for (none: ``{}``)."""
+    return {LENGTH_TAGS[k]: v for k, v in tags.items() if k in LENGTH_TAGS}
 
 
 def _ours(path: Path) -> bool:

@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -165,6 +166,63 @@ def test_a_resumed_run_keeps_its_settings_beside_its_csv(tmp_path):
     whole.end(STEPS)
     assert rec.tau == whole.tau
     assert_same_tau(csv, rec.tau)
+
+
+@pytest.mark.parametrize(
+    "first, then, saved_at",
+    [
+        (60, 200, 20),  # longer, resumed before the window was placed (the 60-step run's deadline: step 41)
+        (60, 200, 45),  # longer, resumed after the 60-step run's deadline placed it at step 41
+        (200, 40, 25),  # shorter, resumed past the 40-step run's deadline (step 21): placed at once
+    ],
+)
+def test_a_run_resumed_with_another_length_gives_the_tau_it_adopted(tmp_path, first, then, saved_at):
+    """Trainer's resume_from_checkpoint with another max_steps: the settings beside the CSV say which steps were
+    calibrated for which length, and recommend replays them so: its τ, window and quantile are the live run's."""
+    resumed_with_another_length(tmp_path, first, then, saved_at, tracking=None)
+
+
+def test_its_mlflow_run_gives_the_tau_it_adopted_too(tmp_path, store):
+    """The same through MLflow: the run's param total_steps is its first length; its tags give the rest."""
+    rec = resumed_with_another_length(tmp_path, 60, 200, 45, tracking=store)
+    run_id = rec.tracker.run_id
+    assert MlflowClient(store).get_run(run_id).data.params["total_steps"] == "60"
+    assert recommend(f"runs:/{run_id}", "--tracking-uri", store).tau == rec.tau
+
+
+def resumed_with_another_length(tmp_path, first, then, saved_at, tracking):
+    """A recorder run of ``first`` steps, killed 5 steps after its checkpoint at ``saved_at``, resumed for ``then``
+    steps; recommend on its CSV gives the τ, window and quantile it adopted; the resumed recorder."""
+    csv = tmp_path / "steps.csv"
+
+    def recorder():
+        return StepRecorder(calibrate={"window": 10, "quantile": 0.8}, tracking=tracking, csv_path=csv, verbose=False)
+
+    def train(rec, total, upto, resume=None):
+        params = {f"calibrate.{k}": v for k, v in rec.calibration_options().items()}  # as the integrations log them
+        rec.begin(total_steps=total, user_tau=None, default_csv=csv, resume=resume, params=params)
+        p, saved = torch.nn.Parameter(torch.zeros(1)), None
+        for step in range(rec.step + 1, upto + 1):
+            p.grad = torch.tensor([norm(step)])
+            rec.record(step, lr(step), rec.measure([p], step, host_clips=False))
+            saved = json.loads(json.dumps(rec.checkpoint_state())) if step == saved_at else saved
+        return saved
+
+    saved = train(recorder(), first, saved_at + 5)  # killed 5 steps after its checkpoint
+    rec = recorder()
+    train(rec, then, then, resume=saved)
+    rec.end(then)
+    got = recommend(rec.writer.path)
+    live, replayed = rec.policy.summaries[0], got.clip.summaries[0]
+    assert (replayed.start_step, replayed.end_step) == (live.start_step, live.end_step)
+    assert got.tau == rec.tau
+    norms = [norm(s) for s in range(live.start_step, live.end_step + 1)]
+    assert rec.tau == pytest.approx(float(np.quantile(np.float32(norms), 0.8)), rel=1e-6)
+    if saved_at == 20:  # undecided at the checkpoint: placed as a run of `then` steps from the start places it
+        whole = recorder()
+        train(whole, then, then)
+        assert rec.tau == whole.tau and rec.policy.placement == whole.policy.placement
+    return rec
 
 
 def test_a_file_of_that_name_that_is_not_clipamps_is_left_alone(tmp_path):
