@@ -67,7 +67,7 @@ def diagnose(
     Args:
         records: ``StepLog``/``SkipLog`` objects or row dicts, in step order.
         spike_window, spike_factor, spike_min_history: a spike is a finite norm above
-            ``spike_factor`` × the median of the previous ``spike_window`` taken steps (once
+            ``spike_factor`` × the median of the previous ``spike_window`` finite norms of taken steps (once
             ``spike_min_history`` are available).
         growth_min_steps, growth_min_rho, growth_min_ratio: slow growth needs that many
             positive norms, a Spearman rank correlation of norm vs step ≥ ``growth_min_rho``

@@ -134,7 +134,7 @@ def find_spikes(t: Trace, window: int, factor: float, min_history: int) -> Findi
         "window": window,
     }
     message = (
-        f"{len(hits)} norm spike(s) above {factor:g}× the median of the previous {window} steps "
+        f"{len(hits)} norm spike(s) above {factor:g}× the median of the previous {window} finite norms "
         f"(worst {max(ratios):.1f}× at step {steps[int(np.argmax(ratios))]})"
     )
     sources = [t.source[i] for i in rows]

@@ -69,6 +69,20 @@ def test_spikes_and_the_dominant_data_source():
     assert f.evidence["max_ratio"] > 10
 
 
+def test_a_spikes_median_is_of_the_finite_norms_before_it_and_says_so():
+    """A log of every 3rd step (or one with skipped steps): the median is of the 50 finite norms before the spike,
+    which span 150 steps, and the finding says norms, not steps."""
+    norms = _healthy(200, seed=2)
+    norms[151] *= 30
+    rows = _trace(norms, tau=100.0, skipped=[i % 7 == 3 for i in range(200)])
+    for row in rows:
+        row["step"] *= 3
+    f = next(f for f in diagnose(rows) if f.kind == "spikes")
+    finite = [n for i, n in enumerate(norms[:151]) if i % 7 != 3]
+    assert f.steps == [456] and f.evidence["window_medians"] == [float(np.median(finite[-50:]))]
+    assert "above 5× the median of the previous 50 finite norms (worst" in f.message
+
+
 def test_slow_growth():
     rng = np.random.default_rng(1)
     steps = np.arange(600)
