@@ -32,8 +32,8 @@ def config_names(csv_path: Path) -> list[str]:
 
 def csv_run_params(csv_path: Path) -> tuple[dict[str, str], Path | None]:
     """The first config beside ``csv_path`` with a ``calibrate`` section as the params its run logged (``run``,
-    ``clip.mode``, ``calibrate.*``, and ``total_steps`` where it says), and that config's path; ``({}, None)``
-    when there is none (or it is not readable YAML)."""
+    ``clip.mode``, ``calibrate.*``, and ``total_steps`` where it says: an app config's ``steps``), and that
+    config's path; ``({}, None)`` when there is none (or it is not readable YAML)."""
     for name in config_names(csv_path):
         path = Path(csv_path).parent / name
         try:
@@ -44,7 +44,8 @@ def csv_run_params(csv_path: Path) -> tuple[dict[str, str], Path | None]:
         if isinstance(section, dict):
             clip = cfg.get("clip") if isinstance(cfg.get("clip"), dict) else {}
             params = {"run": str(cfg.get("run")), "clip.mode": str(clip.get("mode"))}
-            params |= {"total_steps": str(cfg["total_steps"])} if "total_steps" in cfg else {}
+            length = cfg["total_steps"] if "total_steps" in cfg else cfg.get("steps")  # an integration's, an app run's
+            params |= {"total_steps": str(length)} if "total_steps" in cfg or isinstance(length, int) else {}
             params |= {"earlier_lengths": str(cfg["earlier_lengths"])} if "earlier_lengths" in cfg else {}
             return {**params, **{f"calibrate.{k}": str(v) for k, v in section.items()}}, path
     return {}, None
@@ -86,9 +87,11 @@ def _int(text: str | None) -> int | None:
 
 
 def run_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
-    """An integration's MLflow run's params with its length as a resume that changed it left it in the run's tags
-    (``sweep.run.csv_settings.LENGTH_TAGS``: its param ``total_steps`` is the length it started with)."""
-    return params | lengths_from_tags(tags)
+    """A run's MLflow params with its length as ``run_length`` reads it: an app run's ``steps`` as ``total_steps``,
+    an integration's as a resume that changed it left it in the run's tags (``sweep.run.csv_settings.LENGTH_TAGS``:
+    its param ``total_steps`` is the length it started with)."""
+    app = {"total_steps": params["steps"]} if "total_steps" not in params and "steps" in params else {}
+    return params | app | lengths_from_tags(tags)
 
 
 def run_length(params: dict[str, str], notes: list[str], where: str) -> dict[str, Any]:

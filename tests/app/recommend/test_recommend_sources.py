@@ -281,6 +281,35 @@ def test_an_app_runs_steps_csv_is_read_with_the_config_beside_it(tmp_path, store
     assert "the calibration settings are this command's defaults and options" in capsys.readouterr().out
 
 
+def test_an_app_run_stopped_early_is_replayed_for_the_steps_it_planned(tmp_path, store):
+    """A +experiment=calibrate run of steps=2000 killed at step 400: its window waited for the warm-up (the run had
+    room to), so its steps.csv and runs:/ID place it there too, not at step 1 as a 400-step run must."""
+    from mlflow.entities import Metric, Param
+
+    from sweep.config.convert import as_yaml, flat_params
+    from tests.app.helpers import compose_cfg
+    from tests.app.recommend.test_recommend import write_csv
+
+    steps, lr, norms = trace(400)
+    cfg = compose_cfg("+experiment=calibrate", "steps=2000")
+    cols = [steps, lr, norms, norms, np.ones(400), ["False"] * 400, [""] * 400, np.ones(400)]
+    path = write_csv(tmp_path / "steps.csv", dict(zip(CANONICAL_COLUMNS, cols)))
+    (tmp_path / "config.yaml").write_text(as_yaml(cfg))
+    rec = _recommend([str(path)])
+    s = rec.clip.summaries[0]
+    assert rec.clip.placement.rule == "auto" and s.start_step == rec.clip.placement.start > 50  # after the warm-up
+    assert rec.tau == pytest.approx(numpy_tau(steps, norms, s.start_step, s.end_step, rec.clip.quantile), rel=1e-12)
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("app"))
+    metrics = [Metric("grad_l2_pre_clip", float(x), 0, int(i)) for i, x in zip(steps, norms)]
+    metrics += [Metric("lr", float(v), 0, int(i)) for i, v in zip(steps, lr)]
+    params = [
+        Param(k, str(v)) for k, v in flat_params(cfg).items() if k.startswith("calibrate.") or k in ("run", "steps")
+    ]
+    client.log_batch(run.info.run_id, metrics=metrics, params=params)
+    assert _recommend([f"runs:/{run.info.run_id}", "--tracking-uri", store]).tau == rec.tau
+
+
 @pytest.mark.parametrize(
     ("overrides", "window"),
     [
