@@ -293,7 +293,7 @@ class SpikeConfig:
     peak_window: int = 50  # the running peak is over this many steps before the spike (0: since step 1)
     fixed_max_norm: float = 1.0  # the "common threshold" arm
     horizons: list[int] = field(default_factory=lambda: [1, 5, 20, 100])  # loss_excess_H, steps after
-    recovery_tolerance: float = 0.05  # "recovered": loss within 5% of the unspiked reference to the end
+    recovery_tolerance: float = 0.05  # "recovered": loss within ±5% of the unspiked twin's to the end
     fp16: bool = True  # also run the fp16 variant (reference + calibrated, overflow expected)
     fp16_overrides: list[str] = field(default_factory=lambda: list(FP16_OVERRIDES))  # KEY=VALUE on top
     figure_out: str | None = None  # also copy the parent run's figure here, e.g. docs/spike.png

@@ -40,7 +40,7 @@ def table_title(cfg: Config) -> str:
     return (
         f"One corrupted batch at step {s.at_step}: ‖g‖ = {s.factor:g} × the running peak; "
         f"loss excess over each run's unspiked twin at +H steps; recovery = steps to be back "
-        f"within {tolerance_text(s.recovery_tolerance)} for good"
+        f"within ±{tolerance_text(s.recovery_tolerance)} of it for good"
     )
 
 
@@ -99,8 +99,8 @@ def summary_line(pairs: Pairs, cfg: Config) -> str:
     def rec(m: dict[str, float]) -> str:
         n, tol = int(m["recovery_steps"]), tolerance_text(s.recovery_tolerance)
         if m["recovered"]:
-            return f"back within {tol} for good after {n} step(s)"
-        return f"not back within {tol} in {n - 1} steps"
+            return f"back within ±{tol} for good after {n} step(s)"
+        return f"not back within ±{tol} in {n - 1} steps"
 
     return "; ".join(
         f"{p}: {pct(arm.metrics[f'loss_excess_{last}'], signed=True)} at +{last}, {rec(arm.metrics)}"

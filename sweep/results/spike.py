@@ -35,9 +35,12 @@ def loss_excess(rows: Sequence[dict], ref_rows: Sequence[dict], step: int) -> fl
 
 
 def recovery_steps(excess: Sequence[float], tolerance: float) -> int | None:
-    """First H ≥ 1 from which ``excess[H-1:]`` stays ≤ ``tolerance`` to the end; None if the last is above."""
+    """First H ≥ 1 from which ``|excess[H-1:]|`` stays ≤ ``tolerance`` to the end; None if the last is outside.
+
+    Two-sided: a loss more than ``tolerance`` *below* its twin's is a run the spike sent elsewhere,
+    not one back on its twin's trajectory."""
     h = len(excess) + 1
-    while h > 1 and math.isfinite(excess[h - 2]) and excess[h - 2] <= tolerance:
+    while h > 1 and math.isfinite(excess[h - 2]) and abs(excess[h - 2]) <= tolerance:
         h -= 1
     return h if h <= len(excess) else None
 

@@ -38,7 +38,8 @@ pre-clip norm of the ``spike.peak_window`` steps before the spike (0: since step
 Measurements. ``loss_excess_H = loss / twin's loss − 1`` at step ``at_step + H``, per step and
 unsmoothed: both runs see the identical batch at every step but the spike step, so batch-to-batch
 difficulty cancels (the remaining noise is ≈ ±0.5% on the default task). ``recovery_steps``:
-the first H ≥ 1 from which the excess stays ≤ ``spike.recovery_tolerance`` until the end of the
-run (an arm that drifts out again later has not recovered); an arm still above it at its last
+the first H ≥ 1 from which ``|excess|`` stays ≤ ``spike.recovery_tolerance`` until the end of the
+run (an arm that drifts out again later has not recovered; out *below* its twin too: a loss 8% under
+the twin's is a run the spike sent elsewhere, not one back on its twin); an arm still outside at its last
 step logs the steps it had left + 1 and ``recovered = 0``. The twins log the same metrics (zeros).
 """

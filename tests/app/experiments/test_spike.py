@@ -192,7 +192,7 @@ def test_logged_loss_excess_equals_the_csvs(spiked):
         m = client.get_run(arm.result.run_id).data.metrics
         for h in HORIZONS:
             assert m[f"loss_excess_{h}"] == pytest.approx(excess[h - 1], rel=1e-9, abs=1e-12)
-        above = np.nonzero(excess > cfg.spike.recovery_tolerance)[0]
+        above = np.nonzero(np.abs(excess) > cfg.spike.recovery_tolerance)[0]  # out of the band on either side
         expected = 1 if not len(above) else above[-1] + 2
         assert m["recovery_steps"] == expected and m["recovered"] == float(expected <= len(excess))
 
@@ -202,6 +202,15 @@ def test_recovery_means_staying_within_tolerance_to_the_end():
     assert recovery_steps([0.01, 0.02], 0.05) == 1
     assert recovery_steps([0.01, 0.02, 0.08, 0.01], 0.05) == 4
     assert recovery_steps([0.01, 0.02, 0.08], 0.05) is None
+
+
+def test_recovery_is_two_sided_a_loss_far_below_its_twin_is_not_back():
+    """Within 5% of the twin means |loss / twin − 1| ≤ 5%: the tiny replay's fixed arm dipped to −5.3% at +23
+    and its fp16 arm to −5.8% at +68, and both read 'recovered after 1 step' (one-sided)."""
+    excess = [0.002, 0.01, -0.053, 0.004, 0.01]
+    assert recovery_steps(excess, 0.05) == 4  # back after the dip below, not at +1
+    assert recovery_steps([0.3, 0.01, -0.08], 0.05) is None  # ends 8% below its twin: not back
+    assert recovery_steps([-0.05, 0.05], 0.05) == 1  # the band's edges are inside
 
 
 def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():

@@ -16,6 +16,6 @@ def test_title_and_summary_say_the_tolerance_the_recovery_was_measured_with(tole
     back = SimpleNamespace(metrics={"loss_excess_100": 0.01, "recovery_steps": 3.0, "recovered": 1.0})
     never = SimpleNamespace(metrics={"loss_excess_100": 0.2, "recovery_steps": 101.0, "recovered": 0.0})
     line = summary_line({"fixed": (back, back), "none": (never, never)}, cfg)
-    assert f"within {said} for good" in table_title(cfg)
-    assert f"fixed: +1.0% at +100, back within {said} for good after 3 step(s)" in line
-    assert f"none: +20.0% at +100, not back within {said} in 100 steps" in line
+    assert f"within ±{said} of it for good" in table_title(cfg)
+    assert f"fixed: +1.0% at +100, back within ±{said} for good after 3 step(s)" in line
+    assert f"none: +20.0% at +100, not back within ±{said} in 100 steps" in line
