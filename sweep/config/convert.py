@@ -45,7 +45,18 @@ def to_config(node: Any) -> Config:
         node.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), plain)
     if OmegaConf.is_dict(node):
         refuse_unknown_keys(OmegaConf.to_container(node, resolve=False))  # +clip.maxnorm=1 would be ignored
-    return OmegaConf.to_object(node)
+    cfg = OmegaConf.to_object(node)
+    cfg.resume = resume_value(cfg.resume)
+    return cfg
+
+
+def resume_value(value: str | None) -> str | None:
+    """``resume=`` as the user wrote it. Hydra reads ``true``/``false`` as booleans, which the ``str`` field
+    keeps as ``"True"``/``"False"``: ``true`` becomes ``"true"`` again (what lines echo back as ``resume=true``),
+    ``false`` no resume (``None``, not a run id named ``False``); a run id or ``last`` is kept."""
+    if value is not None and value.lower() in ("true", "false"):
+        return "true" if value.lower() == "true" else None
+    return value
 
 
 def refuse_renamed(overrides: Sequence[str]) -> None:

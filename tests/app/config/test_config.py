@@ -604,3 +604,13 @@ def test_a_loss_scaler_key_of_a_run_that_scales_no_loss_is_refused(argv, given, 
     precheck(["+experiment=sweep", given])
     precheck(["+experiment=spike", given])
     precheck(["-m", "+experiment=train", given, "amp.dtype=fp16,bf16"])
+
+
+@pytest.mark.parametrize(("typed", "kept"), [("true", "true"), ("True", "true"), ("false", None), ("last", "last")])
+def test_resume_is_what_the_user_typed_and_false_means_no_resume(typed, kept):
+    """Hydra reads resume=true/false as booleans, which the str field kept as "True"/"False": a line echoed
+    ``resume=True``, and ``resume=false`` was looked up as a run id named 'False' (a one-line error)."""
+    assert compose_cfg("+experiment=train", f"resume={typed}").resume == kept
+    run_id = "0123456789abcdef0123456789abcdef"
+    assert compose_cfg("+experiment=train", f"resume={run_id}").resume == run_id
+    validate(compose_cfg("+experiment=spike", "resume=false"))  # not a resume: the replay runs

@@ -235,7 +235,7 @@ def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():
             "opens a calibration window at steps 201–220, at or after spike.at_step=150, which would re-calibrate "
             "τ from the spike and its aftermath while the replay measures them",
         ),
-        (["resume=true"], "resume=True: the spike replay is not resumable"),  # was ignored: a new replay started
+        (["resume=true"], "resume=true: the spike replay is not resumable"),  # was ignored: a new replay started
         (["spike.figure_out=fig.pdf"], "the figure is a PNG; pass a file name ending in .png"),  # PNG bytes in .pdf
         (["spike.factor=0"], "spike.factor=0.0 must be > 0"),
         (["data=synthetic", "model=linear"], "spike needs byte data"),
