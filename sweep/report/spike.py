@@ -14,7 +14,7 @@ from rich.table import Table
 from sweep.config.schema import Config, window_ranges
 from sweep.report.format import markdown_table, pct, ui_command
 from sweep.report.plots import legend, plt, save
-from sweep.results.spike import Arm, loss_excess
+from sweep.results.spike import Arm, loss_excess, void_comparison
 from sweep.tasks.build import count_text
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ def table_rows(arms: Sequence[Arm], cfg: Config) -> list[dict[str, Any]]:
     for a in arms:
         m, row = a.metrics, a.rows[cfg.spike.at_step - 1]
         tau = m["tau_at_spike"]
-        rec = int(m["recovery_steps"])
         d = {
             "arm": a.name,
             "dtype": a.family,
@@ -60,12 +59,20 @@ def table_rows(arms: Sequence[Arm], cfg: Config) -> list[dict[str, Any]]:
             "applied": "skipped" if row["skipped"] else f"{row['grad_l2_post_clip']:.3g}",
         }
         d.update({f"+{h}": pct(m[f"loss_excess_{h}"], signed=True) for h in cfg.spike.horizons})
-        d["recovery"] = str(rec) if m["recovered"] else f">{rec - 1}"
+        d["recovery"] = recovery_text(a)
         d["loss ×k"] = f"{m['spike_loss_multiplier']:.3g}"
         d["gap before spike"] = pct(m["pre_spike_gap"], signed=True)
         d["final loss"] = f"{a.result.metrics.get('final_loss', math.nan):.3f}"
         out.append(d)
     return out
+
+
+def recovery_text(arm: Arm) -> str:
+    """The steps to recovery, ``>N`` if it never came, ``void`` if the twin skipped the spike step too."""
+    if void_comparison(arm):
+        return "void"
+    rec = int(arm.metrics["recovery_steps"])
+    return str(rec) if arm.metrics["recovered"] else f">{rec - 1}"
 
 
 def write_spike_table(tracker: RunTracker, rows: list[dict[str, Any]], title: str, fp16_outcome: str) -> None:
@@ -103,7 +110,9 @@ def summary_line(pairs: Pairs, cfg: Config) -> str:
         return f"not back within ±{tol} in {n - 1} steps"
 
     return "; ".join(
-        f"{p}: {pct(arm.metrics[f'loss_excess_{last}'], signed=True)} at +{last}, {rec(arm.metrics)}"
+        f"{p}: void (its unspiked twin skipped step {s.at_step} too, so it tells nothing of the spike)"
+        if void_comparison(arm)
+        else f"{p}: {pct(arm.metrics[f'loss_excess_{last}'], signed=True)} at +{last}, {rec(arm.metrics)}"
         for p, (_, arm) in pairs.items()
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 
 from sweep.config.schema import Config
+from sweep.config.validate_spike import check_spike
+from sweep.errors import UserError
 from sweep.run.pipeline import RunResult
 from sweep.tasks.build import Batch, Task
 
@@ -73,6 +76,9 @@ def arm_metrics(arm: Arm, twin: Arm, main_ref: Arm, cfg: Config) -> dict[str, fl
     rec = recovery_steps(excess, s.recovery_tolerance)
     m["recovery_steps"] = float(rec if rec is not None else len(excess) + 1)
     m["recovered"] = float(rec is not None)
+    m["spike_twin_skipped"] = float(bool(twin.rows[at - 1]["skipped"]))
+    if arm.spiked and m["spike_twin_skipped"]:  # void: both skipped the step, the same run again after it
+        m["recovery_steps"] = m["recovered"] = math.nan
     gap = [loss_excess(arm.rows, main_ref.rows, t) for t in range(max(1, at - GAP_STEPS), at)]
     gap = [g for g in gap if math.isfinite(g)]
     m["pre_spike_gap"] = sum(gap) / len(gap) if gap else math.nan
@@ -91,15 +97,46 @@ def arm_metrics(arm: Arm, twin: Arm, main_ref: Arm, cfg: Config) -> dict[str, fl
     return m
 
 
-def fp16_outcome(arm: Arm, cfg: Config, twin: Arm | None = None) -> tuple[bool, str]:
+def void_comparison(arm: Arm) -> bool:
+    """A spiked arm whose unspiked twin skipped the spike step too: both runs skipped it (the same update,
+    none, and the same scale back-off), so they are the same run again after it and say nothing of the spike."""
+    return arm.spiked and arm.metrics.get("spike_twin_skipped") == 1.0
+
+
+def step_the_twin_took(twin: Arm, cfg: Config) -> int | None:
+    """The ``spike.at_step`` nearest the current one that ``check_spike`` accepts and the twin did not skip.
+    The twin never sees the spike, so its steps do not depend on ``spike.at_step``: it takes that step again."""
+    at = cfg.spike.at_step
+    for n in sorted(range(2, len(twin.rows) + 1), key=lambda n: (abs(n - at), n)):
+        if twin.rows[n - 1]["skipped"]:
+            continue
+        moved = copy.deepcopy(cfg)
+        moved.spike.at_step, moved.spike.figure_out = n, None  # the timing checks only
+        try:
+            check_spike(moved)
+        except UserError:
+            continue
+        return n
+    return None
+
+
+def fp16_outcome(arm: Arm, cfg: Config, twin: Arm | None = None) -> tuple[bool | None, str]:
     """Did the fp16 run survive the spike: skipped + scale backed off (or clipped), then continued finite?
-    ``twin``: the unspiked run; where it overflowed at the same step, the overflow was not the spike's."""
+    ``twin``: the unspiked run; where it overflowed at the same step too, the comparison is void (None):
+    the overflow was not the spike's, so the replay cannot say whether the run survives one."""
     at = cfg.spike.at_step
     row, rows = arm.rows[at - 1], arm.rows
     after = rows[at:]
     taken_after = [r for r in after if not r["skipped"]]
     continued = bool(taken_after) and all(math.isfinite(r["loss"]) for r in taken_after)
     finite = arm.metrics.get("params_finite") == 1.0
+    if twin is not None and twin.rows[at - 1]["skipped"]:
+        n = step_the_twin_took(twin, cfg)
+        return None, (
+            f"void, not counted as survived: its unspiked twin overflowed at step {at} by itself (no spike), so "
+            "both skipped it and are the same run again after it; "
+            + (f"move the spike to a step the twin took, e.g. spike.at_step={n}" if n else "move spike.at_step")
+        )
     if row["skipped"]:
         s0, s1 = row["scaler_scale"], after[0]["scaler_scale"] if after else math.nan
         absorbing = cfg.amp.hysteresis > 1  # DeepSpeed hysteresis may absorb one overflow
@@ -108,11 +145,6 @@ def fp16_outcome(arm: Arm, cfg: Config, twin: Arm | None = None) -> tuple[bool, 
             f"overflow at the spike ({row['skip_reason']}): step skipped, loss scale "
             f"2^{math.log2(s0):g} → 2^{math.log2(s1):g}"
         )
-        if twin is not None and twin.rows[at - 1]["skipped"]:
-            what += (
-                " (the unspiked twin overflowed at this step too: a natural overflow, so this replay does not "
-                "show what the spike alone does; move spike.at_step or lower amp.init_scale)"
-            )
         ok = backed and continued and finite
     else:
         tau = row["max_norm"]
@@ -135,7 +167,7 @@ class SpikeResult:
     fp16: dict[str, tuple[Arm, Arm]]
     table: list[dict[str, Any]]
     figure: Path
-    fp16_ok: bool | None = None
+    fp16_ok: bool | None = None  # None: no fp16 pair, or its comparison is void (``void_comparison``)
     fp16_outcome: str = ""
 
     @property

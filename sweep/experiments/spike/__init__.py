@@ -14,7 +14,8 @@ unspiked twin (the normal batch at ``spike.at_step``) and the spiked run:
   (``spike.fp16_overrides``): ``fp16-reference`` and ``fp16-calibrated``. There the spike
   overflows the loss scale: the step must be skipped, the scale backed off and the run continue
   with finite parameters (or, without overflow, the spike must be clipped); a violation fails
-  the parent run.
+  the parent run. Where the unspiked twin overflowed at that step too, the comparison is void
+  (neither survived nor failed: both skipped it and are the same run after it).
 
 Why a twin per policy: the policies already differ before the spike (clipping at 1.0 through the
 warm-up transient trains a different model than an unclipped calibration window does), so a

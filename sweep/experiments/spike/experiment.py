@@ -155,12 +155,13 @@ def report(
         },
         step=s.at_step,
     )
-    if fp16:
-        parent.set_tags({"fp16_spike": ("survived: " if ok else "FAILED: ") + outcome})
+    if fp16:  # a void outcome (None) says so itself: "void, not counted as survived: …"
+        parent.set_tags({"fp16_spike": {True: "survived: ", False: "FAILED: ", None: ""}[ok] + outcome})
     print_wide(console, rich_table(rows, title))
     console.print(summary_line(pairs, cfg))
     if fp16:
-        console.print(f"fp16 ({model_size(fp16['calibrated'][1])}): " + ("[green]" if ok else "[bold red]") + outcome)
+        color = {True: "[green]", False: "[bold red]", None: "[yellow]"}[ok]
+        console.print(f"fp16 ({model_size(fp16['calibrated'][1])}): {color}{outcome}")
     if s.figure_out:
         dest = Path(s.figure_out)
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -325,30 +325,66 @@ def test_the_last_line_opens_the_runs_as_every_run_does_on_a_server_too():
     )
 
 
-def test_an_overflow_the_unspiked_twin_has_too_is_not_called_the_spikes():
-    """fp16 at a small size can overflow at the spike step on its own: the outcome says the twin skipped too."""
+def _rows_arm(skipped_at: set[int], *, spiked: bool, name: str = "fp16-calibrated"):
+    """A stand-in arm of STEPS steps (loss 1.0; skipped at ``skipped_at``, the scale halving after AT)."""
     from types import SimpleNamespace
 
+    rows = [
+        {
+            "step": s,
+            "skipped": s in skipped_at,
+            "skip_reason": "nonfinite_grad" if s in skipped_at else "",
+            "scaler_scale": 2.0**18 if s <= AT else 2.0**17,
+            "loss": 1.0,
+            "max_norm": 1.0,
+            "grad_l2_pre_clip": math.nan if s in skipped_at else 1.0,
+            "grad_l2_post_clip": math.nan if s in skipped_at else 1.0,
+        }
+        for s in range(1, STEPS + 1)
+    ]
+    return SimpleNamespace(
+        rows=rows,
+        metrics={"params_finite": 1.0},
+        spiked=spiked,
+        name=name,
+        family="fp16",
+        peak=1.0,
+        crafted=SimpleNamespace(k=40.0, natural_norm=0.5),
+        task=SimpleNamespace(model=torch.nn.Linear(1, 1)),
+        result=SimpleNamespace(metrics={"final_loss": 1.0}),
+    )
+
+
+def test_an_overflow_the_unspiked_twin_has_too_is_not_called_the_spikes():
+    """fp16 at a small size can overflow at the spike step on its own: the outcome says the twin skipped too."""
     cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE)
-
-    def arm(skipped_at: set[int]):
-        rows = [
-            {
-                "step": s,
-                "skipped": s in skipped_at,
-                "skip_reason": "nonfinite_grad" if s in skipped_at else "",
-                "scaler_scale": 2.0**18 if s <= AT else 2.0**17,
-                "loss": 1.0,
-                "max_norm": 1.0,
-                "grad_l2_pre_clip": 1.0,
-                "grad_l2_post_clip": 1.0,
-            }
-            for s in range(1, STEPS + 1)
-        ]
-        return SimpleNamespace(rows=rows, metrics={"params_finite": 1.0})
-
-    spiked = arm({AT})
-    ok, alone = fp16_outcome(spiked, cfg, twin=arm(set()))
+    spiked = _rows_arm({AT}, spiked=True)
+    ok, alone = fp16_outcome(spiked, cfg, twin=_rows_arm(set(), spiked=False))
     assert ok and alone.startswith("overflow at the spike (nonfinite_grad): step skipped, loss scale 2^18 → 2^17;")
-    ok, natural = fp16_outcome(spiked, cfg, twin=arm({AT}))
-    assert ok and "(the unspiked twin overflowed at this step too: a natural overflow" in natural
+
+
+def test_a_spike_the_twin_overflowed_at_by_itself_is_void_not_survived():
+    """The twin skipped the spike step too (fp16 at tiny sizes, growth_interval=2, spike.at_step=28): both runs
+    skip it and are the same run after it (every excess +0.0%). It read 'survived' and 'recovery 1'; the
+    comparison is void: verdict None (not survived, not failed), recovery 'void', and a step to move it to."""
+    from sweep.report.spike import summary_line, table_rows
+    from sweep.results.spike import arm_metrics
+
+    cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE)
+    twin, spiked = _rows_arm({AT - 1, AT}, spiked=False), _rows_arm({AT}, spiked=True)
+    spiked.metrics = arm_metrics(spiked, twin, twin, cfg)
+    ok, natural = fp16_outcome(spiked, cfg, twin=twin)
+    assert ok is None
+    assert natural == (
+        f"void, not counted as survived: its unspiked twin overflowed at step {AT} by itself (no spike), so both "
+        f"skipped it and are the same run again after it; move the spike to a step the twin took, e.g. "
+        f"spike.at_step={AT - 2}"  # AT - 1 the twin skipped too; AT + 1 is past steps - 100
+    )
+    assert spiked.metrics["spike_twin_skipped"] == 1.0 and math.isnan(spiked.metrics["recovered"])
+    assert table_rows([spiked], cfg)[0]["recovery"] == "void"
+    assert summary_line({"calibrated": (twin, spiked)}, cfg) == (
+        f"calibrated: void (its unspiked twin skipped step {AT} too, so it tells nothing of the spike)"
+    )
+    taken = _rows_arm(set(), spiked=False)  # the same spiked run beside a twin that took the step: recovered
+    spiked.metrics = arm_metrics(spiked, taken, taken, cfg)
+    assert table_rows([spiked], cfg)[0]["recovery"] == "1" and fp16_outcome(spiked, cfg, twin=taken)[0] is True
