@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sweep.config.schema import Config, window_ranges
+from sweep.config.schema import FAULTS, Config, window_ranges
 from sweep.errors import UserError
 from sweep.paths import write_refusal
 
@@ -46,6 +46,12 @@ def check_spike(cfg: Config) -> None:
             f"(the last horizon is +{last}): raise steps to >= {s.at_step + last} or lower spike.at_step"
         )
     _check_spike_windows(cfg)
+    if hit := [name for name in FAULTS if s.at_step in getattr(cfg.faults, name)]:
+        raise UserError(
+            f"faults.{hit[0]}={list(getattr(cfg.faults, hit[0]))} hits spike.at_step={s.at_step}: the fault would "
+            "act on the unspiked twin's measurement of the corrupted batch (a non-finite norm: its loss scaled by "
+            "0 or nan, no spike) and on the twin itself; put the fault at another step"
+        )
     _check_fp16_overrides(cfg)
     why = write_refusal(Path(s.figure_out), is_file=True) if s.figure_out else None
     if why is not None:  # found now, not after the whole replay

@@ -242,6 +242,9 @@ def test_spike_loss_multiplies_only_the_marked_batch_and_its_micro_batches():
         # the fp16 pair ran 100 steps beside 300-step arms: every run trained, then an IndexError in the figure
         (['spike.fp16_overrides=["steps=200"]'], "spike.fp16_overrides sets steps, which the fp16 pair shares"),
         (['spike.fp16_overrides=["spike.at_step=120"]'], "sets spike.at_step, which the fp16 pair shares"),
+        # the twin's measurement of the blob took the fault: k = 0 (no spike), every arm read 'skipped, recovery 1'
+        (["faults.inf_grad=[150]"], "faults.inf_grad=[150] hits spike.at_step=150: the fault would act on"),
+        (["faults.overflow=[3,150]"], "faults.overflow=[3, 150] hits spike.at_step=150"),
     ],
 )
 def test_bad_spike_configs_are_one_line_user_errors(overrides, message):
