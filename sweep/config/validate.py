@@ -292,8 +292,16 @@ def _shown(value: Any) -> str:
 
 
 def check_study(cfg: Config) -> None:
-    """``+experiment=sweep``: the study's ranges, dtypes, anchor and band."""
+    """``+experiment=sweep``: no ``resume=``, the study's ranges, dtypes, anchor and band."""
     s = cfg.study
+    if cfg.resume:  # its trials would each start afresh, resume= silently dropped
+        how = (
+            "the LR check (study=entangle) is not resumable: re-run the command without resume= to start it again"
+            if s.mode == "entangle"
+            else "a sweep resumes its study when the same command is run again (a trial a signal stopped is "
+            "recovered): re-run the command without resume="
+        )
+        raise UserError(f"resume={cfg.resume}: {how}")
     if not s.dtypes or len(set(s.dtypes)) != len(s.dtypes) or any(d not in DTYPES for d in s.dtypes):
         raise UserError(
             f"study.dtypes={list(s.dtypes)} must be distinct values of {', '.join(DTYPES)}, "

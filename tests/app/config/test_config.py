@@ -162,6 +162,8 @@ def test_keys_under_a_free_form_field_are_the_users_own():
 
 
 BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with steps=5
+    (["+experiment=sweep", "resume=true"], "resume=true: a sweep resumes its study when the same command is run"),
+    (["+experiment=sweep", "study=entangle", "resume=last"], "resume=last: the LR check (study=entangle) is not"),
     (["+experiment=train", "clip.max_norm=-1"], "clip.max_norm=-1.0 must be > 0"),
     (["+experiment=train", "clip.max_norm=0"], "clip.max_norm=0.0 must be > 0"),
     (["+experiment=calibrate", "clip=value"], "clip=value: +experiment=calibrate trains at its calibrated τ"),
