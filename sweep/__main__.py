@@ -186,13 +186,6 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             else f"{what} and the run it was training ended KILLED"
         )
         return f"{head}: {ended}; re-run the same command to start it again"
-    if handled and e.finished is not None:
-        return f"interrupted ({e}) during the end-of-run phase: " + (
-            "it completed first; the run ended FINISHED with its summary and artifacts"
-            if e.finished
-            else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
-            "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
-        )
     if run == "sweep" and getattr(e, "sweep_ended", None):  # every trial ended: only the report was cut
         return (
             f"{head}: every trial this command ran ({e.trials}) finished and its parent run ended {e.sweep_ended}; "
@@ -203,11 +196,15 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             f"{head}: the anchor window's run ended KILLED before any trial ran; re-run the same command to "
             "resume the study (it runs the window again)"
         )
-    if run == "sweep":
-        return f"{head}: " + (
-            "the trial ended KILLED; re-run the same command to resume the study"
-            if handled
-            else "run ended KILLED, steps.csv keeps every completed step; re-run the same command to resume the study"
+    if run == "sweep":  # the parent run has no steps.csv: each trial's run has its own
+        head = f"interrupted ({e})" if getattr(e, "at_boundary", False) else head  # its signal's name
+        return f"{head}: {_sweep_ended(e, handled)}; re-run the same command to resume the study"
+    if handled and e.finished is not None:
+        return f"interrupted ({e}) during the end-of-run phase: " + (
+            "it completed first; the run ended FINISHED with its summary and artifacts"
+            if e.finished
+            else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
+            "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
         )
     if handled:
         return (
@@ -220,6 +217,20 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             "checkpoint"
         )
     return f"{head}: before the first step: no step ran, nothing to resume; re-run the same command"
+
+
+def _sweep_ended(e: KeyboardInterrupt, handled: bool) -> str:
+    """Which runs of a sweep a signal ended: the trial's that was training (a steps.csv), and the parent's."""
+    if getattr(e, "at_boundary", False):  # a phase boundary of the sweep (``honour``): no trial was training
+        return "no trial was training: the sweep's parent run ended KILLED"
+    if handled and e.finished is False:
+        return (
+            "the trial's run ended KILLED in its end-of-run phase (cut short by a second signal: its steps.csv "
+            "keeps every step, its summary is incomplete), the sweep's parent run too"
+        )
+    if handled or getattr(e, "run_ended", None):  # set by the pipeline when it ended a run that had trained
+        return "the trial ended KILLED (its run's steps.csv keeps every completed step), the sweep's parent run too"
+    return "the sweep's parent run ended KILLED"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")  # a path: no pkg:// lookup

@@ -28,8 +28,9 @@ ARGS = [
     "study.dtypes=[bf16]",
     f"study.n_trials={TRIALS}",
 ]
-RESUME = (
-    "interrupted: run ended KILLED, steps.csv keeps every completed step; re-run the same command to resume the study"
+RESUME = (  # before: "…, steps.csv keeps every completed step; …", though no run of the sweep had one yet
+    "interrupted (SIGTERM): no trial was training: the sweep's parent run ended KILLED; re-run the same command to "
+    "resume the study"
 )
 ALL_ENDED = (
     f"interrupted: every trial this command ran ({TRIALS}) finished and its parent run ended {{}}; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 import warnings
 from contextlib import contextmanager
@@ -79,9 +80,12 @@ def run_sweep(cfg: Config, store: Store, console: Console | None = None) -> Swee
 
 
 def honour(stop: StopRequest) -> None:
-    """The sweep's phase boundary: a signal it deferred ends it here (``KeyboardInterrupt``)."""
+    """The sweep's phase boundary: a signal it deferred ends it here (``KeyboardInterrupt``, ``at_boundary``:
+    no trial's run was training, so the CLI's line names only the parent run)."""
     if stop.signum is not None:
-        raise KeyboardInterrupt(f"signal {stop.signum}")
+        e = KeyboardInterrupt(signal.Signals(stop.signum).name)
+        e.at_boundary = True  # type: ignore[attr-defined]
+        raise e
 
 
 @contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import signal
 
 import pytest
 from mlflow import MlflowClient
@@ -84,7 +85,8 @@ def test_ctrl_c_ends_the_child_it_was_training_and_the_parent_killed(store, monk
         ),
         (
             {"run": "sweep", "study": {"mode": "pareto"}},
-            "interrupted (SIGINT at step 7): the trial ended KILLED; re-run the same command to resume the study",
+            "interrupted (SIGINT at step 7): the trial ended KILLED (its run's steps.csv keeps every completed step), "
+            "the sweep's parent run too; re-run the same command to resume the study",
         ),
         (
             {"run": "train"},
@@ -128,3 +130,44 @@ def test_ctrl_c_in_a_sweeps_anchor_window_names_the_window_not_a_trial(store, mo
         "interrupted: the anchor window's run ended KILLED before any trial ran; re-run the same command to "
         "resume the study (it runs the window again)"
     )
+
+
+def test_a_sweep_stopped_at_a_phase_boundary_names_only_its_parent_run():
+    """A signal the sweep took between its phases (``honour``: between trials, while its study opened) ended only
+    the parent run, which has no steps.csv; the line said "run ended KILLED, steps.csv keeps every completed step"."""
+    from types import SimpleNamespace
+
+    from sweep.experiments.study.sweep import honour
+
+    with pytest.raises(KeyboardInterrupt) as e:
+        honour(SimpleNamespace(signum=signal.SIGINT))
+    line = _interrupted_line(e.value, OmegaConf.create({"run": "sweep", "study": {"mode": "pareto"}}))
+    assert line == (
+        "interrupted (SIGINT): no trial was training: the sweep's parent run ended KILLED; re-run the same command "
+        "to resume the study"
+    )
+    assert "steps.csv" not in line
+
+
+@pytest.mark.parametrize(
+    "error, ended",
+    [
+        (  # a second signal inside a trial's loop: the pipeline marks the run it ended
+            KeyboardInterrupt("second signal 2"),
+            "the trial ended KILLED (its run's steps.csv keeps every completed step), the sweep's parent run too",
+        ),
+        (
+            RunInterrupted(2, 6, finished=False),
+            "the trial's run ended KILLED in its end-of-run phase (cut short by a second signal: its steps.csv keeps "
+            "every step, its summary is incomplete), the sweep's parent run too",
+        ),
+    ],
+)
+def test_a_sweep_stopped_inside_a_trial_names_the_trials_steps_csv(error, ended):
+    """Only a trial's run has a steps.csv; the end-of-run case said "re-run without resume=", an option a sweep
+    does not take."""
+    if not isinstance(error, RunInterrupted):
+        error.run_ended = "KILLED"
+    head = f"interrupted ({error})" if isinstance(error, RunInterrupted) else "interrupted"
+    line = _interrupted_line(error, OmegaConf.create({"run": "sweep", "study": {"mode": "constrained"}}))
+    assert line == f"{head}: {ended}; re-run the same command to resume the study"
