@@ -24,6 +24,7 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown, print_wide
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
+from sweep.report.unfinished import fill, legend
 from sweep.run.liveness import DIED, died_line, trial_state
 from sweep.tracking.tracker import open_client, resolve_uri, sqlite_path
 
@@ -139,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         client = open_client(uri)
         found = search(client.tracking_uri, args.experiment, args.last)
+        shown = fill(found, client.tracking_uri, client)  # unfinished runs: what their steps.csv supports
         sweeps = sweeps_tables(client, args.experiment)
     except UserError as e:
         fail(for_commands(str(e)))
-    df = table(found, wide=args.wide)
+    df = table(shown, wide=args.wide)
     print(text(df, width=None if args.wide else WIDTH))
+    for line in legend(shown):
+        print(line)
     console = Console(soft_wrap=True)
     for name, sdf, pick, band, mode in sweeps:
         title = f"Study {name}" + (f" ({mode})" if mode else "")
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(died_line(died))
     if args.out:
         try:
-            save(args.out, found, sweeps)
+            save(args.out, found, sweeps, shown)
         except OSError as e:  # unwritable file, a folder in its place, a full disk
             fail(
                 f"--out {args.out}: cannot write {e.filename or args.out} ({e.strerror or type(e).__name__}); "
@@ -183,12 +187,15 @@ def check_out(out: str) -> None:
         raise UserError(f"--out {out}: not a writable file path: pass e.g. --out report.md in a writable folder")
 
 
-def save(out: str, runs: pd.DataFrame, sweeps: list) -> None:
-    """``out`` as markdown (``.md``: the wide table as printed, and the studies) or CSV (the wide table's
-    columns with the store's values; studies beside it as ``.sweeps.csv``)."""
+def save(out: str, runs: pd.DataFrame, sweeps: list, shown: pd.DataFrame | None = None) -> None:
+    """``out`` as markdown (``.md``: the wide table as printed, ``shown``: with unfinished runs' figures and
+    their legend, and the studies) or CSV (the wide table's columns with the store's values; studies beside
+    it as ``.sweeps.csv``)."""
     if out.lower().endswith(".md"):  # REPORT.MD is markdown too
+        shown = runs if shown is None else shown
         with open(out, "w") as f:
-            f.write(frame_markdown(table(runs, wide=True)))
+            f.write(frame_markdown(table(shown, wide=True)))
+            f.write("".join(f"\n{line.strip()}\n" for line in legend(shown, limit=None)))
             for name, sdf, pick, band, mode in sweeps:
                 f.write("\n" + sweep_markdown(name, sdf, pick, band=band, mode=mode))
     else:

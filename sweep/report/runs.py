@@ -16,6 +16,7 @@ import pandas as pd
 from sweep.commands import python_command
 from sweep.errors import UserError
 from sweep.report.format import fmt, pct
+from sweep.report.unfinished import MARK, OPEN, PARTIAL, WINDOW_OPEN
 
 #: (column title, DataFrame column of ``mlflow.search_runs``, how a cell is shown), narrow table.
 NARROW = [
@@ -42,6 +43,7 @@ WIDE_LAST = [
     ("started", "start_time", lambda v: str(v)[:19]),
 ]
 WIDTH = 100
+WINDOW_TITLES = {"τ rec.", "p50", "p90", "p95", "p99"}  # OPEN while an unfinished run's first window is open
 NUMERIC = {"τ rec.", "p95", "clipped", "skipped", "loss", "eval", "p50", "p90", "p99"}  # right-aligned
 
 
@@ -97,7 +99,13 @@ def table(runs: pd.DataFrame, wide: bool = False) -> pd.DataFrame:
     cols = {
         title: [_cell(v, show) for v in (runs[key] if key in runs else [None] * len(runs))] for title, key, show in spec
     }
-    return pd.DataFrame(cols, columns=[title for title, _, _ in spec])
+    cells = pd.DataFrame(cols, columns=[title for title, _, _ in spec])
+    if PARTIAL in runs:  # an unfinished run's figures come from its steps.csv (``sweep.report.unfinished``)
+        partial, still_open = runs[PARTIAL].to_numpy(bool), runs[WINDOW_OPEN].to_numpy(bool)
+        cells.loc[partial, "run"] = cells.loc[partial, "run"] + MARK
+        for title in WINDOW_TITLES.intersection(cells.columns):
+            cells.loc[still_open & (cells[title] == "—").to_numpy(), title] = OPEN
+    return cells
 
 
 def values(runs: pd.DataFrame) -> pd.DataFrame:
@@ -111,6 +119,12 @@ def values(runs: pd.DataFrame) -> pd.DataFrame:
 SHORTENED = (("τ used", 12), ("run", 18))
 
 
+def _cut(v: str, keep: int) -> str:
+    """``v`` in ``keep`` characters, ending in … (before an unfinished run's ``MARK``, which stays)."""
+    mark = MARK if v.endswith(MARK) else ""
+    return v[: keep - 1 - len(mark)] + "…" + mark
+
+
 def text(cells: pd.DataFrame, width: int | None = WIDTH) -> str:
     """``cells`` as aligned text lines of at most ``width`` characters where ``SHORTENED`` can make them fit
     (``None``: no limit); a table that cannot fit runs wider, every run name still readable."""
@@ -122,7 +136,7 @@ def text(cells: pd.DataFrame, width: int | None = WIDTH) -> str:
         over = sum(widths.values()) + 2 * (len(widths) - 1) - (width or 10**9)
         if over > 0 and column in widths and widths[column] > floor:
             keep = max(floor, widths[column] - over)
-            cells[column] = [v if len(v) <= keep else v[: keep - 1] + "…" for v in cells[column]]
+            cells[column] = [v if len(v) <= keep else _cut(v, keep) for v in cells[column]]
             widths[column] = keep
 
     def line(values) -> str:

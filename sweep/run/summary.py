@@ -9,6 +9,7 @@ included: they clip at the τ in force).
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,10 @@ def tau_tags(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {f"tau.{p}": t for p, t in per_phase.items()} | {"tau_used": " → ".join(condensed)}
 
 
-def read_rows(csv_path: Path) -> list[dict[str, Any]]:
+def read_rows(csv_path: Path, whole_lines: bool = False) -> list[dict[str, Any]]:
     """The rows of a steps CSV with their types back (None for empty cells): a resumed run's records
-    for its summary and plots (the engine's state, calibration included, comes from the checkpoint)."""
+    for its summary and plots (the engine's state, calibration included, comes from the checkpoint).
+    ``whole_lines``: a last line without its newline (a process killed while writing it) is left out."""
 
     def value(v: str) -> Any:
         if v == "":
@@ -96,7 +98,10 @@ def read_rows(csv_path: Path) -> list[dict[str, Any]]:
         return v
 
     with open(csv_path, newline="", encoding="utf-8") as f:
-        rows = [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        text = f.read()
+    if whole_lines:
+        text = text[: text.rfind("\n") + 1]
+    rows = [{k: value(v) for k, v in row.items()} for row in csv.DictReader(io.StringIO(text, newline=""))]
     for row in rows:
         row["skip_reason"] = row["skip_reason"] or ""
         row["lr"] = float(row["lr"])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
@@ -94,13 +96,43 @@ def test_signal_checkpoints_kills_run_and_resume_continues_exactly(tmp_path, sto
     assert resumed["grad_l2_pre_clip"].tolist() == control["grad_l2_pre_clip"].tolist()
 
 
-def test_sigkill_keeps_consecutive_rows_and_resumes_from_last_checkpoint(tmp_path, store):
+def _report_of_killed(store: str, csv: Path, capsys) -> tuple[dict[str, str], dict[str, float], list[str]]:
+    """``sweep.report --wide``'s row of the one (unfinished) run, numpy's figures over its steps.csv's complete
+    rows (quantiles of the taken steps' finite norms, ratios, mean loss of the last 10 taken), the legend."""
+    import io
+
+    from sweep.report import cli
+
+    assert cli.main(["--tracking-uri", store, "--wide"]) == 0
+    head, row, *legend = capsys.readouterr().out.splitlines()
+    cells = dict(zip(re.split(r"\s{2,}", head), re.split(r"\s{2,}", row)))
+    text = csv.read_text()
+    d = pd.read_csv(io.StringIO(text[: text.rfind("\n") + 1]))
+    taken = d[~d["skipped"]]
+    norms = taken["grad_l2_pre_clip"][np.isfinite(taken["grad_l2_pre_clip"])]
+    p50, p95, p99 = np.quantile(norms, [0.5, 0.95, 0.99])
+    loss = taken["loss"][np.isfinite(taken["loss"])].tail(10).mean()
+    expected = {"p50": p50, "p95": p95, "p99": p99, "τ rec.": p95, "clipped": taken["clipped"].mean(), "loss": loss}
+    return cells, expected, legend
+
+
+def test_sigkill_keeps_consecutive_rows_and_resumes_from_last_checkpoint(tmp_path, store, capsys):
     proc, csv = _start(tmp_path, "steps=100000", "checkpoint_every=5")
     _wait_rows(csv, 13)
     proc.kill()
     proc.wait(timeout=60)
     steps = _complete_steps(csv)
     assert steps == list(range(1, steps[-1] + 1)) and len(steps) >= 13
+    # sweep.report: the figures of its steps so far (before: — in every column), the run said dead, resumable
+    cells, expected, legend = _report_of_killed(store, csv, capsys)
+    shown = {k: float(cells[k].rstrip("%")) / (100 if cells[k].endswith("%") else 1) for k in expected}
+    assert shown == pytest.approx(expected, rel=5e-4, abs=5e-4)  # 4 significant digits, one decimal of %
+    assert cells["run"] == "train-gpt-bf16*" and cells["status"] == "RUNNING"
+    run_id = csv.parts[-3]
+    assert legend[1] == (
+        f"  train-gpt-bf16 {run_id[:8]}: RUNNING in the store, but its process is gone (its run.lock is free: "
+        f"killed, e.g. SIGKILL): {len(steps)} of 100000 steps; resumable: its command plus resume={run_id}"
+    )
     res = _cli(tmp_path, f"steps={steps[-1] + 3}", "resume=true")
     assert res.returncode == 0, res.stderr
     resumed_at = int(res.stdout.split(" at step ")[1].split()[0])
