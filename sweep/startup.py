@@ -38,11 +38,15 @@ def startup_sigint(on: bool, line: str | None = None) -> None:
 
 def exit_interruptible(main: Callable[[], int], line: str) -> NoReturn:
     """``sys.exit(main())`` for a tool that only reads (reports, recommendations): Ctrl-C once its
-    imports are done is ``line`` and exit 130, not a traceback."""
+    imports are done is ``line`` and exit 130, not a traceback; a reader of its output that went away
+    (``| head``) ends it quietly, as SIGPIPE ends other tools (exit 141)."""
     startup_sigint(False)
     try:
         code = main()
     except KeyboardInterrupt:
         sys.stderr.write(line + "\n")
         code = 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush writes nowhere
+        code = 128 + signal.SIGPIPE
     sys.exit(code)

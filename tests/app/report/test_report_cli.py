@@ -194,3 +194,24 @@ def test_a_long_tau_history_is_shortened_before_the_run_name():
     assert max(map(len, lines)) <= 100
     assert [_cells(line)[0] for line in lines[1:]] == ["calibrate-gpt-bf16", "train-gpt-bf16"]
     assert _cells(lines[1])[3] == "none/0.8257–…"  # 12 characters
+
+
+def test_a_reading_tool_piped_into_head_ends_quietly():
+    """``python -m sweep.report | head -3``: the rest of the table went to a closed pipe, and the tool ended with
+    a ``BrokenPipeError`` traceback (then "Exception ignored … BrokenPipeError" from the exit's flush)."""
+    import subprocess
+    import sys
+
+    tool = (
+        "from sweep.startup import exit_interruptible\n"
+        "def main():\n"
+        "    for i in range(100_000):\n"
+        "        print('run', i)\n"
+        "    return 0\n"
+        "exit_interruptible(main, 'interrupted')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", tool], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "run 0\n"
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == ""
