@@ -195,7 +195,7 @@ def save(out: str, runs: pd.DataFrame, sweeps: list, shown: pd.DataFrame | None 
         shown = runs if shown is None else shown
         with open(out, "w") as f:
             f.write(frame_markdown(table(shown, wide=True)))
-            f.write("".join(f"\n{line.strip()}\n" for line in legend(shown, limit=None)))
+            f.write("".join(f"\n{line}" for line in legend(shown, limit=None, markdown=True)) + "\n")
             for name, sdf, pick, band, mode in sweeps:
                 f.write("\n" + sweep_markdown(name, sdf, pick, band=band, mode=mode))
     else:

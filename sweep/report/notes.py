@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from sweep.commands import python_command
 from sweep.report.format import fmt, frame_markdown, pct
 from sweep.report.runs import frame, table
+from sweep.report.unfinished import fill, legend
 from sweep.run.summary import tau_tags
 from sweep.tracking.outbox import unreachable
 from sweep.tracking.ui import NOTE_TAG
@@ -55,9 +56,10 @@ def run_note(result: RunResult, report: str) -> str:
 ANCHOR_ROLE = "anchor"
 
 
-def experiment_note(runs) -> str:
+def experiment_note(runs, shown=None) -> str:
     """The newest answer on one line (the newest run with a calibration window, else the newest with a
-    recommended τ, said to have none), then the table of the newest runs. A study's anchor window (tag
+    recommended τ, said to have none), then the table of the newest runs (``shown``: those runs with what
+    ``sweep.report.unfinished.fill`` gives unfinished ones, and its legend). A study's anchor window (tag
     ``sweep_role=anchor``) is the study's own measurement, never the answer."""
     answered = (
         runs[runs["metrics.recommended_max_norm"].notna()] if "metrics.recommended_max_norm" in runs else runs[:0]
@@ -86,8 +88,9 @@ def experiment_note(runs) -> str:
         "τ used: the clipping threshold each phase trained at; τ rec.: the recommended `clip.max_norm`; "
         f"clipped/skipped: share of steps. `{python_command('sweep.report')}` prints the whole table.",
         "",
-        frame_markdown(table(runs.head(TABLE_ROWS))),
+        frame_markdown(table(runs.head(TABLE_ROWS) if shown is None else shown)),
     ]
+    lines += [] if shown is None else legend(shown, limit=None, markdown=True)
     return _fit("\n".join(lines), EXPERIMENT_NOTE_MAX, f"… (`{python_command('sweep.report')}` prints every run)")
 
 
@@ -96,7 +99,8 @@ def write_notes(tracker: RunTracker, result: RunResult, report: str) -> None:
     tracker.set_tags({NOTE_TAG: run_note(result, report)})
     try:
         runs = frame(tracker.client.tracking_uri, tracker.experiment_id)
-        tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(runs))
+        shown = fill(runs.head(TABLE_ROWS), tracker.client.tracking_uri, tracker.client)  # as sweep.report shows them
+        tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(runs, shown))
     except Exception as e:  # a tracking server that is away: the next run refreshes the experiment's
         if not unreachable(e):
             raise

@@ -179,16 +179,20 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def legend(runs: pd.DataFrame, limit: int | None = LEGEND_RUNS) -> list[str]:
-    """What the runs marked ``MARK`` are and how they stand (the ``limit`` newest named), one line each."""
+def legend(runs: pd.DataFrame, limit: int | None = LEGEND_RUNS, markdown: bool = False) -> list[str]:
+    """What the runs marked ``MARK`` are and how they stand (the ``limit`` newest named), one line each
+    (``markdown``: a paragraph and a list)."""
     if PARTIAL not in runs or not runs[PARTIAL].any():
         return []
     part = runs[runs[PARTIAL]]
+    mark, item = ("\\" + MARK, "- ") if markdown else (MARK, "  ")
     lines = [
-        f"{MARK} not finished: figures over the steps its steps.csv holds so far (a finished run's are its summary)"
+        f"{mark} not finished: figures over the steps its steps.csv holds so far (a finished run's are its summary)"
     ]
+    if markdown:
+        lines.append("")
     for _, r in part.head(limit).iterrows():
-        lines.append(f"  {r['tags.mlflow.runName']} {r['run_id'][:8]}: {r[WHY]}")
+        lines.append(f"{item}{r['tags.mlflow.runName']} {r['run_id'][:8]}: {r[WHY]}")
     if limit is not None and len(part) > limit:
         lines.append(f"  … {len(part) - limit} more (--wide --out FILE.md lists every one)")
     return lines

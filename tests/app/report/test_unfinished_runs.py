@@ -129,7 +129,7 @@ def report(store_template, tmp_path_factory):
     head = _cells(lines[0])
     table = {c[0]: dict(zip(head, c)) for c in map(_cells, lines[1:6])}
     rows = {"killed": train, "pruned": pruned, "window": window, "closed": closed}
-    return table, lines[6:], rows, killed
+    return table, lines[6:], rows, killed, store
 
 
 def _number(cell: str) -> float:
@@ -137,7 +137,7 @@ def _number(cell: str) -> float:
 
 
 def test_a_killed_run_shows_what_its_steps_support(report):
-    table, legend, rows, killed = report
+    table, legend, rows, killed, _ = report
     cells = table[f"train-killed{MARK}"]
     expected = _expected(rows["killed"], 0.9)
     assert {k: _number(cells[k]) for k in expected} == pytest.approx(expected, rel=5e-4, abs=5e-4)
@@ -150,7 +150,7 @@ def test_a_killed_run_shows_what_its_steps_support(report):
 
 
 def test_a_run_killed_by_sigkill_is_running_with_its_lock_free(report):
-    table, legend, _, _ = report
+    table, legend, *_ = report
     assert table[f"train-sigkilled{MARK}"]["status"] == "RUNNING"
     line = next(x for x in legend if "train-sigkilled" in x)
     assert "RUNNING in the store, but its process is gone" in line and f"12 of {STEPS} steps" in line
@@ -158,7 +158,7 @@ def test_a_run_killed_by_sigkill_is_running_with_its_lock_free(report):
 
 
 def test_a_pruned_trial_gets_its_quantiles_and_keeps_its_stored_ratios(report):
-    table, legend, rows, _ = report
+    table, legend, rows, *_ = report
     cells = table[f"trial-3-fp16-0.5{MARK}"]
     expected = _expected(rows["pruned"], 0.9)
     assert _number(cells["p95"]) == pytest.approx(expected["p95"], rel=5e-4)
@@ -168,7 +168,7 @@ def test_a_pruned_trial_gets_its_quantiles_and_keeps_its_stored_ratios(report):
 
 
 def test_an_open_calibration_window_says_open_not_a_quantile_of_part_of_it(report):
-    table, legend, rows, _ = report
+    table, legend, rows, *_ = report
     cells = table[f"calibrate-open{MARK}"]
     assert [cells[k] for k in ("τ rec.", "p50", "p95", "p99", "clipped")] == [OPEN] * 4 + ["—"]
     assert cells["τ used"] == "none"
@@ -179,9 +179,25 @@ def test_an_open_calibration_window_says_open_not_a_quantile_of_part_of_it(repor
 
 
 def test_a_closed_window_gives_the_first_windows_logged_figures(report):
-    table, _, rows, _ = report
+    table, _, rows, *_ = report
     cells = table[f"calibrate-closed{MARK}"]
     assert [cells[k] for k in ("τ rec.", "p50", "p90", "p95", "p99")] == ["1.3", "1", "1.8", "1.9", "1.98"]
     after = [r for r in rows["closed"] if r["step"] > 20 and not r["skipped"]]
     assert _number(cells["clipped"]) == pytest.approx(np.mean([r["clipped"] for r in after]), abs=5e-4)
     assert cells["τ used"] == "none → 1.3"
+
+
+def test_the_experiments_note_in_the_mlflow_ui_shows_them_as_sweep_report_does(report):
+    """The experiment's description holds "the table sweep.report prints" (docs/tracking.md): the same cells."""
+    from sweep.report.notes import TABLE_ROWS, experiment_note
+    from sweep.report.runs import frame
+    from sweep.report.unfinished import fill
+
+    table, *_, store = report
+    client = MlflowClient(store)
+    runs = frame(store, client.get_experiment_by_name("clipamp").experiment_id)
+    note = experiment_note(runs, fill(runs.head(TABLE_ROWS), store, client))
+    row = next(line for line in note.splitlines() if line.startswith(f"| train-killed{MARK} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4:9] == [table[f"train-killed{MARK}"][k] for k in ("τ rec.", "p95", "clipped", "skipped", "loss")]
+    assert "\\* not finished: figures over the steps its steps.csv holds so far" in note
