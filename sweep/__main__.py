@@ -212,9 +212,11 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             "same command plus resume=true"
         )
     if getattr(e, "run_ended", None):  # set by the pipeline when it ended a run that had trained
-        return (
-            f"{head}: run ended KILLED, steps.csv keeps every completed step; resume=true continues from the last "
-            "checkpoint"
+        at = getattr(e, "checkpointed", None)  # its latest checkpoint's step (a second signal writes none)
+        return f"{head}: run ended KILLED, steps.csv keeps every completed step; " + (
+            f"resume=true continues from its checkpoint at step {at} (the steps after it run again)"
+            if at is not None
+            else "it wrote no checkpoint (checkpoint_every), so nothing to resume: re-run the same command"
         )
     return f"{head}: before the first step: no step ran, nothing to resume; re-run the same command"
 

@@ -114,7 +114,7 @@ def run_training(
                 run.loop(stop)
             except KeyboardInterrupt as e:
                 status = "KILLED"
-                e.run_ended = status  # a run that trained ended KILLED: the CLI's line says so
+                e.run_ended, e.checkpointed = status, run.checkpointed  # the CLI's line says what is left
                 raise
             except StopRun as e:
                 status = e.status

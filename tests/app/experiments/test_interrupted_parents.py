@@ -171,3 +171,20 @@ def test_a_sweep_stopped_inside_a_trial_names_the_trials_steps_csv(error, ended)
     head = f"interrupted ({error})" if isinstance(error, RunInterrupted) else "interrupted"
     line = _interrupted_line(error, OmegaConf.create({"run": "sweep", "study": {"mode": "constrained"}}))
     assert line == f"{head}: {ended}; re-run the same command to resume the study"
+
+
+@pytest.mark.parametrize(
+    "checkpointed, rest",
+    [
+        (None, "it wrote no checkpoint (checkpoint_every), so nothing to resume: re-run the same command"),
+        (15, "resume=true continues from its checkpoint at step 15 (the steps after it run again)"),
+    ],
+)
+def test_a_run_cut_inside_a_step_names_its_checkpoint_or_that_it_has_none(checkpointed, rest):
+    """A second signal inside a step ends the run at once, without a checkpoint: the line said "resume=true
+    continues from the last checkpoint" though with none written (a run cut before checkpoint_every steps)
+    resume=true then failed with "no run named ... with a checkpoint"."""
+    e = KeyboardInterrupt("second signal 15")
+    e.run_ended, e.checkpointed = "KILLED", checkpointed
+    line = _interrupted_line(e, OmegaConf.create({"run": "train"}))
+    assert line == f"interrupted: run ended KILLED, steps.csv keeps every completed step; {rest}"

@@ -36,8 +36,9 @@ def test_resumed_calibrate_run_equals_an_uninterrupted_one(store):
     cfg = compose_cfg(*RUN, f"tracking.uri={store}")
     s = Store.open(store, cfg.tracking.experiment)
     name = "calibrate-gpt-bf16"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as e:
         run_training(calibrated(cfg), s, RunSpec(name), RunHooks(step=kill_after(17), announce=lambda m: None))
+    assert (e.value.run_ended, e.value.checkpointed) == ("KILLED", 15)  # the exit line names that checkpoint
     resumed = run_single(dataclasses.replace(cfg, resume="true"), s)
     local = (
         Path(store.removeprefix("sqlite:///")).parent / "fresh"
