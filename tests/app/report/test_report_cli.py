@@ -196,6 +196,16 @@ def test_a_long_tau_history_is_shortened_before_the_run_name():
     assert _cells(lines[1])[3] == "none/0.8257–…"  # 12 characters
 
 
+def test_a_shortened_run_name_keeps_its_unfinished_mark():
+    """The ``*`` after an unfinished run's name survives when the name is cut to fit 100 columns."""
+    from sweep.report.runs import text
+
+    long = "trial-12-fp16-0.5-with-a-rather-long-name-of-its-own*"
+    cells = pd.DataFrame({"run": [long], "clip": ["norm"], "τ used": ["x" * 40], "pad": ["y" * 40]})
+    (line,) = text(cells).splitlines()[1:]
+    assert len(line) == 100 and _cells(line)[0] == "trial-12-fp16-0.5-with-a-rather-long…*"  # the mark kept
+
+
 def test_a_reading_tool_piped_into_head_ends_quietly():
     """``python -m sweep.report | head -3``: the rest of the table went to a closed pipe, and the tool ended with
     a ``BrokenPipeError`` traceback (then "Exception ignored … BrokenPipeError" from the exit's flush)."""
