@@ -10,10 +10,11 @@ import os
 import re
 import sys
 
-from sweep.startup import startup_sigint
+from sweep.startup import defer_gc, startup_sigint
 
 if __name__ == "__main__":
     startup_sigint(True)  # first: the imports below take seconds
+    defer_gc()
 
 from pathlib import Path
 

@@ -10,6 +10,7 @@ from sweep.config import Config, forensics_on, validate
 from sweep.config.convert import flat_params
 from sweep.distributed import launch as ranks
 from sweep.experiments.training import run_single
+from sweep.startup import resume_gc
 from sweep.tracking.tracker import open_store
 
 
@@ -18,6 +19,7 @@ def experiment(name: str):
     if name == "sweep":
         from sweep.experiments.study.sweep import run_sweep
 
+        resume_gc()  # its trials may all run in other processes: no first step here to wait for
         return run_sweep
     if name == "spike":
         from sweep.experiments.spike.experiment import run_spike

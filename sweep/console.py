@@ -8,12 +8,13 @@ end in a traceback.
 from __future__ import annotations
 
 from sweep.recommend import STOPPED as RECOMMEND_STOPPED
-from sweep.startup import exit_interruptible, startup_sigint
+from sweep.startup import defer_gc, exit_interruptible, startup_sigint
 
 
 def clipamp() -> None:
     """``clipamp ARGS``: the same CLI as ``python -m sweep ARGS``."""
     startup_sigint(True)
+    defer_gc()
     from sweep.__main__ import cli
 
     cli()

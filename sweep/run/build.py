@@ -12,6 +12,7 @@ from sweep.config.schema import Config, OptimConfig, forensics_on
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from sweep.run.faults import FaultInjector
+from sweep.startup import resume_gc
 
 
 def fused_supported(params: list[torch.Tensor]) -> bool:
@@ -131,9 +132,14 @@ def build_state(cfg: Config, model: torch.nn.Module, loss_fn, *, total_steps: in
 
 
 def build_faulted_state(cfg: Config, model: torch.nn.Module, loss_fn) -> tuple[AmpTrainState, FaultInjector]:
-    """``build_state`` with the faults ``cfg.faults`` injects into ``model`` (its hooks) and ``loss_fn``."""
+    """``build_state`` with the faults ``cfg.faults`` injects into ``model`` (its hooks) and ``loss_fn``.
+
+    The end of a run's start-up: the model, its data and the optimizer are built (torch's optimizer
+    imports ``torch._dynamo``), so the garbage collector's full collections come back on (``resume_gc``)."""
     faults = FaultInjector(cfg.faults, model, loss_fn)
-    return build_state(cfg, model, faults.loss_fn if faults.active else loss_fn), faults
+    state = build_state(cfg, model, faults.loss_fn if faults.active else loss_fn)
+    resume_gc()
+    return state, faults
 
 
 def model_device(model: torch.nn.Module) -> str:
