@@ -18,7 +18,8 @@ loss (``band_verdict``):
 Otherwise the inner pruner decides on the training loss, reported as the mean over each
 ``study.report_every`` steps (one value per window of batches; every trial sees the same batches):
 
-- ``wilcoxon`` (default): Optuna's ``WilcoxonPruner``: a one-sided Wilcoxon signed-rank test of the
+- ``wilcoxon`` (default): Optuna's ``WilcoxonPruner`` (its p-value computed without SciPy's 2**n calls on
+  tied windows: ``sweep.experiments.study.wilcoxon``): a one-sided Wilcoxon signed-rank test of the
   trial's windows against the same windows of the study's best trial (``study.best_trial``: the best
   feasible completed one, the trial the pick would take today); pruned at p < 0.05. It only stops a
   trial that is consistently worse than the incumbent, so not a trial that would replace it;
@@ -42,6 +43,8 @@ import math
 from collections.abc import Sequence
 
 import optuna
+
+from sweep.experiments.study.wilcoxon import WilcoxonPruner
 
 #: The trial user attribute holding ``[step, taken, clipped]``: steps run, steps taken (not skipped), clipped.
 CLIP_COUNTS = "clip_counts"
@@ -122,7 +125,7 @@ def constrained_pruner(
     steps; ``below_after`` is a fraction of the steps (None: no below-band rule)."""
     if kind == "wilcoxon":
         reports = max(2, math.ceil(warmup * steps / report_every))  # the test needs two paired windows
-        inner = optuna.pruners.WilcoxonPruner(p_threshold=P_THRESHOLD, n_startup_steps=reports)
+        inner = WilcoxonPruner(p_threshold=P_THRESHOLD, n_startup_steps=reports)
     else:
         inner = optuna.pruners.MedianPruner(
             n_startup_trials=n_dtypes, n_min_trials=n_dtypes, n_warmup_steps=int(warmup * steps), interval_steps=1
