@@ -26,7 +26,7 @@ class SweepResult:
     failed: int  # this invocation
     steps_run: int  # optimizer steps the trials of this invocation actually ran
     steps_budget: int  # trials_run × steps: what the same trials would have run unpruned
-    seconds_saved_est: float  # Σ over pruned trials of (steps not run) × (their own s/step)
+    seconds_saved_est: float  # Σ over pruned trials of (steps not run) × (their own s/step in the loop)
     prune_overhead_s: float  # time in trial.report / trial.should_prune
     wall_s: float
     anchor: dict[str, float] | None = None

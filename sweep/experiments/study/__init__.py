@@ -23,8 +23,9 @@ differ only by ``max_norm`` and dtype. The sampler is seeded with ``cfg.seed + t
 the study``: a fresh study is reproducible and a resumed one does not replay its first draws.
 
 Accounting: an invocation counts the optimizer steps its trials really ran (``on_step`` calls)
-against ``n_trials × steps`` (the same trials unpruned), and the time spent in ``trial.report`` /
-``should_prune``; the parent logs ``trial_steps_run/_budget/_saved``, ``pruned_share``,
+against ``n_trials × steps`` (the same trials unpruned), the seconds that saved (each pruned trial's steps
+not run × its time per step in its training loop, ``pruning.seconds_saved``) and the time spent in
+``trial.report`` / ``should_prune``; the parent logs ``trial_steps_run/_budget/_saved``, ``pruned_share``,
 ``prune_overhead_s``. A pruned trial's child run ends KILLED with tag ``pruned=true`` and its clip/skip
 ratios and final loss over the steps it ran; a failing trial is FAIL in Optuna, its child FAILED with
 tag ``error``, and the sweep goes on; a user mistake or Ctrl-C stops the sweep.

@@ -107,6 +107,20 @@ class BandPruner(optuna.pruners.BasePruner):
         return self._feasible
 
 
+def seconds_saved(left: int, ran: int, starts: Sequence[float], stopped: float | None) -> float:
+    """A pruned trial's ``left`` steps not run × its own time per step in its training loop.
+
+    The time per step runs from the start of its second step (``starts[1]``) to the prune (``stopped``)
+    over the ``ran - 1`` steps between, so neither the trial's start-up (model, data, its MLflow run) nor
+    its first step's warm-up counts as per-step time; from the first step's start when it ran one step.
+    """
+    if stopped is None or not starts:
+        return 0.0  # not stopped by the pruner (or no step started): no per-step time measured
+    if ran >= 2 and len(starts) >= 2:
+        return left * (stopped - starts[1]) / (ran - 1)
+    return left * (stopped - starts[0]) / max(1, ran)
+
+
 #: The loss pruner's p-value threshold (``WilcoxonPruner``): pruned when worse than the best trial at p < this.
 P_THRESHOLD = 0.05
 

@@ -23,7 +23,7 @@ from sweep.config.convert import child_config
 from sweep.config.schema import Config
 from sweep.errors import UserError, clip_words
 from sweep.experiments.study.progress import TrialProgress
-from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict
+from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict, seconds_saved
 from sweep.experiments.study.storage import StorageLost, storage_unreachable
 from sweep.experiments.study.trial_launch import run_job
 from sweep.results.study import KILLED_OUTCOME
@@ -85,7 +85,14 @@ class _Watch:
         pruner = ctx.study.pruner
         self.band = pruner if self.prunable and isinstance(pruner, BandPruner) else None
         self.beat, self.below_kept = time.monotonic(), False
+        self.starts: list[float] = []  # when its first two steps started (the training loop's own time)
+        self.stopped: float | None = None  # when the pruner stopped it
         ctx.storage.record_heartbeat(trial._trial_id)  # ask/tell has no heartbeat thread: beat from the loop
+
+    def on_batch(self, step: int, batch):
+        if len(self.starts) < 2:
+            self.starts.append(time.perf_counter())
+        return batch
 
     def on_step(self, log) -> None:
         ctx, s = self.ctx, self.s
@@ -124,6 +131,7 @@ class _Watch:
         prune = self.trial.should_prune()
         self.ctx.counters.prune_overhead += time.perf_counter() - t0
         if prune:
+            self.stopped = time.perf_counter()
             self.trial.set_user_attr("pruned_by", reason)
             raise Pruned(f"trial {self.trial.number} pruned at step {step}: {reason}")
 
@@ -242,7 +250,7 @@ def _run_trial(ctx: TrialContext, trial, announce: Callable[[str], None]) -> Non
             "sweep_parent": ctx.parent_run_id,
         },
     )
-    hooks = RunHooks(step=watch.on_step, artifacts=ctx.artifacts, announce=announce)
+    hooks = RunHooks(step=watch.on_step, batch=watch.on_batch, artifacts=ctx.artifacts, announce=announce)
     try:
         result = _train(ctx, trial, trial_config(cfg, dtype, max_norm), spec, hooks, watch)
     except optuna.TrialPruned as e:
@@ -295,7 +303,7 @@ def _tell_pruned(ctx: TrialContext, trial, watch: _Watch, wall: float) -> None:
         )
     ctx.study.tell(trial, state=TrialState.PRUNED)
     ctx.counters.pruned += 1
-    ctx.counters.seconds_saved += (ctx.cfg.steps - ran) * wall / max(1, ran)
+    ctx.counters.seconds_saved += seconds_saved(ctx.cfg.steps - ran, ran, watch.starts, watch.stopped)
     ctx.ui.end_trial(trial.number, "PRUNED", f"pruned at step {ran} ({by}), train loss {part['final_loss']:.4g}")
 
 

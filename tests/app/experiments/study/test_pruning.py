@@ -13,7 +13,7 @@ from sweep import app
 from sweep.config import validate
 from sweep.errors import UserError
 from sweep.experiments.study import storage
-from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict, constrained_pruner
+from sweep.experiments.study.pruning import CLIP_COUNTS, BandPruner, band_verdict, constrained_pruner, seconds_saved
 from sweep.report.cli import main as report_main
 from tests.app.experiments.study.test_sweep import STEPS, children, optuna_study, sweep_cfg
 from tests.app.helpers import compose_cfg
@@ -285,3 +285,56 @@ def test_a_study_with_every_trial_pruned_says_why_and_what_to_change(tmp_path, c
     out = capsys.readouterr().out.replace("\n", " ")
     assert "no completed trial: no pick: 2 of 2 trials clipped more than the band's 20.0% allows" in out, out
     assert "search larger τ: raise study.max_norm_low/max_norm_high, or widen study.target_clip" in out, out
+
+
+def test_seconds_saved_counts_only_the_training_loops_per_step_time():
+    # started at t=0 (model, data, MLflow run: 3 s), step 1 at 3.0 (warm-up: 1 s), step 2 at 4.0,
+    # pruned at 6.0 after 5 steps: 0.5 s per step; 35 steps not run save 17.5 s, not 35 × 6.0 / 5 = 42 s
+    assert seconds_saved(35, 5, [3.0, 4.0], 6.0) == pytest.approx(17.5)
+    assert seconds_saved(39, 1, [3.0], 3.25) == pytest.approx(39 * 0.25)  # one step: from its start
+    assert seconds_saved(35, 5, [], None) == 0.0
+
+
+class _FromStep5(optuna.pruners.BasePruner):
+    def prune(self, study, trial) -> bool:
+        return trial.last_step is not None and trial.last_step >= 5
+
+
+def test_a_pruned_trials_saving_is_its_loop_time_per_step(monkeypatch):
+    """A trial that starts up in 3 s (model, data, run), takes 1 s for its first step and 0.5 s for each next
+    one, pruned after step 5 of 30: 25 steps × 0.5 s = 12.5 s saved. It said 25 × 6 s / 5 = 30 s: the
+    start-up counted as per-step time (a 40-step trial of 1.2 s said ≈38 s saved for 110 steps)."""
+    from types import SimpleNamespace
+
+    from sweep.experiments.study import trial as trial_mod
+    from sweep.run.loop import StepLog
+
+    clock = [0.0]
+    monkeypatch.setattr(trial_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=lambda: clock[0]))
+    cfg = compose_cfg("+experiment=sweep", "study=constrained", "steps=30", "study.report_every=1")
+    study = optuna.create_study(pruner=_FromStep5())
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        study=study,
+        storage=SimpleNamespace(record_heartbeat=lambda trial_id: None),
+        counters=trial_mod.Counters(),
+        ui=SimpleNamespace(step=lambda step: None),
+    )
+    watch = trial_mod._Watch(ctx, study.ask())
+    clock[0] = 3.0  # start-up
+    with pytest.raises(trial_mod.Pruned, match="pruned at step 5"):
+        for step in range(1, 31):
+            watch.on_batch(step, None)
+            clock[0] += 1.0 if step == 1 else 0.5
+            log = StepLog(
+                step=step,
+                lr=1e-3,
+                grad_l2_pre_clip=1.0,
+                grad_l2_post_clip=1.0,
+                loss=2.0,
+                scaler_scale=1.0,
+                clipped=False,
+            )
+            watch.on_step(log)
+    assert clock[0] == 6.0
+    assert seconds_saved(30 - 5, 5, watch.starts, watch.stopped) == pytest.approx(12.5)
