@@ -11,7 +11,7 @@ with ``report_every=2`` a trial took 6.9 s (13 s under load) against 1.2 s for o
 ``wilcoxon_p`` computes that permutation p-value in one vectorised pass (2**n × n, at most 106,496
 numbers) and leaves every other case (no zero nor tie, or n > 13) to SciPy as before; the null
 distribution's values are sums of half-integer ranks, exact in float64, so the p-value is the same
-number and so is every decision (``tests/app/test_study_wilcoxon.py`` compares both with SciPy's and
+number and so is every decision (``tests/app/experiments/study/test_wilcoxon.py`` compares both with SciPy's and
 Optuna's).
 """
 
