@@ -99,7 +99,8 @@ def write_notes(tracker: RunTracker, result: RunResult, report: str) -> None:
     tracker.set_tags({NOTE_TAG: run_note(result, report)})
     try:
         runs = frame(tracker.client.tracking_uri, tracker.experiment_id)
-        shown = fill(runs.head(TABLE_ROWS), tracker.client.tracking_uri, tracker.client)  # as sweep.report shows them
+        # as sweep.report shows them, from the steps.csv files on this disk: a run's end downloads none
+        shown = fill(runs.head(TABLE_ROWS), tracker.client.tracking_uri, tracker.client, download=False)
         tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(runs, shown))
     except Exception as e:  # a tracking server that is away: the next run refreshes the experiment's
         if not unreachable(e):

@@ -34,9 +34,9 @@ WINDOW_PHASES = {"settle", "calibrate", "validate"}
 LEGEND_RUNS = 10
 
 
-def steps_csv(run: pd.Series, tmp: str, client) -> Path | None:
+def steps_csv(run: pd.Series, tmp: str, client, download: bool = True) -> Path | None:
     """The run's steps.csv: in its local artifact folder, in ``mlruns/uploads/RUN_ID/`` (a server's run kept
-    locally), else downloaded from the store; None where there is none."""
+    locally), else downloaded from the store (``download``); None where there is none."""
     from sweep.tracking.tracker import upload_dir
 
     uri = str(run.get("artifact_uri") or "")
@@ -45,7 +45,7 @@ def steps_csv(run: pd.Series, tmp: str, client) -> Path | None:
     for path in [Path(unquote(parsed.path)) / "steps.csv"] if local else [upload_dir(run["run_id"]) / "steps.csv"]:
         if path.is_file():
             return path
-    if local:
+    if local or not download:
         return None
     key, previous = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
     os.environ[key] = "false"  # one line per run of MLflow's bar otherwise
@@ -144,9 +144,11 @@ def why(run: pd.Series, steps: int, uri: str, window_open: bool) -> str:
     return text
 
 
-def fill(runs: pd.DataFrame, uri: str, client) -> pd.DataFrame:
+def fill(runs: pd.DataFrame, uri: str, client, download: bool = True) -> pd.DataFrame:
     """``runs`` with the figures of each unfinished run that its steps.csv supports (stored figures kept), and
-    the columns ``PARTIAL`` (figures from steps.csv), ``WINDOW_OPEN`` and ``WHY`` (for ``legend``)."""
+    the columns ``PARTIAL`` (figures from steps.csv), ``WINDOW_OPEN`` and ``WHY`` (for ``legend``).
+    ``download=False``: only the steps.csv files on this disk are read (a run's end writing its experiment's
+    note downloads no other run's file from a tracking server)."""
     runs = runs.copy()
     runs[PARTIAL], runs[WINDOW_OPEN], runs[WHY] = False, False, ""
     unfinished = runs.index[runs["status"] != "FINISHED"] if "status" in runs else []
@@ -157,7 +159,7 @@ def fill(runs: pd.DataFrame, uri: str, client) -> pd.DataFrame:
     with tempfile.TemporaryDirectory() as tmp:
         for i in unfinished:
             run = runs.loc[i]
-            path = steps_csv(run, tmp, client)
+            path = steps_csv(run, tmp, client, download)
             try:
                 rows = read_rows(path, whole_lines=True) if path is not None else []
             except (OSError, ValueError, KeyError, TypeError):  # not a steps CSV: the row stays as stored

@@ -201,3 +201,27 @@ def test_the_experiments_note_in_the_mlflow_ui_shows_them_as_sweep_report_does(r
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4:9] == [table[f"train-killed{MARK}"][k] for k in ("τ rec.", "p95", "clipped", "skipped", "loss")]
     assert "\\* not finished: figures over the steps its steps.csv holds so far" in note
+
+
+def test_a_runs_end_reads_only_the_steps_csv_files_on_this_disk(tmp_path):
+    """The experiment note each run's end writes fills unfinished runs from local files only: a tracking
+    server's run with no copy in mlruns/uploads/ is left as stored, not downloaded (``sweep.report``
+    downloads it)."""
+    import pandas as pd
+
+    from sweep.report.unfinished import steps_csv
+
+    class Server:
+        def __init__(self, csv: Path) -> None:
+            self.csv, self.asked = csv, []
+
+        def download_artifacts(self, run_id, path, dst):
+            self.asked.append(run_id)
+            return str(self.csv)
+
+    served = tmp_path / "served.csv"
+    served.write_text("step\n1\n")
+    server = Server(served)
+    run = pd.Series({"run_id": "0" * 32, "artifact_uri": "mlflow-artifacts:/1/" + "0" * 32 + "/artifacts"})
+    assert steps_csv(run, str(tmp_path), server, download=False) is None and server.asked == []
+    assert steps_csv(run, str(tmp_path), server) == served and server.asked == [run["run_id"]]
