@@ -30,7 +30,7 @@ RUN = [
     "+experiment=train",
     *TINY,
     f"steps={STEPS}",
-    "tracking.flush_every=10",
+    "tracking.flush_every=1",  # a send per step while the server answers: neither run can end before both train
     "optim.schedule=constant",
     "optim.warmup_steps=2",
 ]
@@ -42,13 +42,15 @@ def _server(root: Path) -> MlflowServer:
 
 
 def _start_run(tmp_path: Path, server: MlflowServer, *extra: str):
-    """Start a run on ``server``; the process and the steps.csv path it printed first."""
-    proc = start_cli(*RUN, f"tracking.uri={server.uri}", *extra, cwd=tmp_path)
+    """Start a run on ``server``, not waited for (see ``_csv_path``)."""
+    return start_cli(*RUN, f"tracking.uri={server.uri}", *extra, cwd=tmp_path)
+
+
+def _csv_path(proc) -> Path:
+    """The steps.csv path a run printed first."""
     line = proc.stdout.readline()
     assert line.startswith("steps.csv: "), line + proc.stderr.read()[-2000:]
-    csv_path = Path(line.split(": ", 1)[1].strip())
-    assert csv_path.parent == tmp_path / "mlruns" / "uploads" / csv_path.parent.name  # a stable local path
-    return proc, csv_path
+    return Path(line.split(": ", 1)[1].strip())
 
 
 def _rows(csv_path: Path) -> list[int]:
@@ -80,8 +82,12 @@ def test_runs_outlive_their_tracking_server(tmp_path):
     env["PYTHONPATH"] = str(REPO)
     resend = [sys.executable, "-m", "sweep.resend"]
     try:
-        waits, waits_csv = _start_run(tmp_path, server, "tracking.reconnect_s=600")
-        away, away_csv = _start_run(tmp_path, server, "tracking.reconnect_s=1")
+        # started together, so that one cannot train all its steps while the other starts up
+        waits = _start_run(tmp_path, server, "tracking.reconnect_s=600")
+        away = _start_run(tmp_path, server, "tracking.reconnect_s=1")
+        waits_csv, away_csv = _csv_path(waits), _csv_path(away)
+        for csv_path in (waits_csv, away_csv):  # a stable local path
+            assert csv_path.parent == tmp_path / "mlruns" / "uploads" / csv_path.parent.name
         while min(p.read_text().count("\n") if p.exists() else 0 for p in (waits_csv, away_csv)) <= 40:
             assert waits.poll() is None and away.poll() is None
             time.sleep(0.05)
