@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import math
-import os
 import socket
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ LEGEND_RUNS = 10
 def steps_csv(run: pd.Series, tmp: str, client, download: bool = True) -> Path | None:
     """The run's steps.csv: in its local artifact folder, in ``mlruns/uploads/RUN_ID/`` (a server's run kept
     locally), else downloaded from the store (``download``); None where there is none."""
-    from sweep.tracking.tracker import upload_dir
+    from sweep.tracking.tracker import fetch_artifact, upload_dir
 
     uri = str(run.get("artifact_uri") or "")
     parsed = urlparse(uri)
@@ -47,17 +46,9 @@ def steps_csv(run: pd.Series, tmp: str, client, download: bool = True) -> Path |
             return path
     if local or not download:
         return None
-    key, previous = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-    os.environ[key] = "false"  # one line per run of MLflow's bar otherwise
-    try:
-        with contextlib.suppress(Exception):  # a remote store: the file once uploaded, else none
-            return Path(client.download_artifacts(run["run_id"], "steps.csv", tmp))
-        return None
-    finally:
-        if previous is None:
-            os.environ.pop(key)
-        else:
-            os.environ[key] = previous
+    with contextlib.suppress(Exception):  # a remote store: the file once uploaded, else none
+        return fetch_artifact(client, run["run_id"], "steps.csv", tmp)
+    return None
 
 
 def _param(run: pd.Series, key: str) -> Any:

@@ -311,6 +311,20 @@ def upload_dir(run_id: str) -> Path:
     return (Path("mlruns") / "uploads" / run_id).resolve()
 
 
+def fetch_artifact(client, run_id: str, path: str, dst: str) -> Path:
+    """``client.download_artifacts(run_id, path, dst)`` without MLflow's progress bar (a line per file)."""
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    previous = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        return Path(client.download_artifacts(run_id, path, dst))
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
 def ended_as(kind: type[BaseException] | None) -> str:
     """A run's status from how its block ended: FINISHED, KILLED (Ctrl-C, SIGTERM) or FAILED (an error)."""
     if kind is None:

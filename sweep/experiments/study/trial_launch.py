@@ -27,7 +27,7 @@ from sweep.run.loop import RunRecords
 from sweep.run.pipeline import RunResult, RunSpec
 from sweep.run.summary import read_rows
 from sweep.secrets import seal
-from sweep.tracking.tracker import Store
+from sweep.tracking.tracker import Store, fetch_artifact
 
 
 def run_job(cfg: Config, spec: RunSpec, store: Store, nproc: int, beat: Callable[[], None], every: float) -> RunResult:
@@ -103,16 +103,8 @@ def _result(store: Store, outcome: dict | None, returncode: int, tail: str) -> R
 
 def _rows(store: Store, run_id: str) -> list[dict]:
     """The rows of the run's steps.csv artifact (fetched from any store, without MLflow's progress bar)."""
-    key, previous = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-    os.environ[key] = "false"
-    try:
-        with tempfile.TemporaryDirectory(prefix="clipamp-trial-csv-") as tmp:
-            return read_rows(Path(store.client.download_artifacts(run_id, "steps.csv", tmp)))
-    finally:
-        if previous is None:
-            os.environ.pop(key)
-        else:
-            os.environ[key] = previous
+    with tempfile.TemporaryDirectory(prefix="clipamp-trial-csv-") as tmp:
+        return read_rows(fetch_artifact(store.client, run_id, "steps.csv", tmp))
 
 
 def _env() -> dict[str, str]:
