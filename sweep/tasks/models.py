@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -131,8 +132,13 @@ class LSTMLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
-        if x.device.type == "cpu" and _cpu_fp16_autocast():
-            # oneDNN has no fp16 LSTM primitive on CPU: run the recurrence in fp32.
+        if (
+            x.device.type == "cpu"
+            and torch.is_autocast_enabled("cpu")
+            and not _cpu_lstm_autocasts(torch.get_autocast_dtype("cpu"))
+        ):
+            # oneDNN has no LSTM primitive for this dtype on this CPU (fp16; bf16 on CPUs without
+            # AVX-512): run the recurrence in fp32, the rest of the model under autocast.
             with torch.autocast("cpu", enabled=False):
                 out, _ = self.lstm(x.float())
         else:
@@ -140,8 +146,19 @@ class LSTMLM(nn.Module):
         return self.head(out)
 
 
-def _cpu_fp16_autocast() -> bool:
-    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+@functools.cache
+def _cpu_lstm_autocasts(dtype: torch.dtype) -> bool:
+    """Whether an ``nn.LSTM`` runs under CPU autocast to ``dtype`` here: oneDNN decides by the CPU's
+    instruction set, and raises where it has no primitive. Probed once per dtype on a 1-unit LSTM under a
+    forked CPU RNG, so the run's random stream is the same either way."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        probe = nn.LSTM(1, 1)
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                probe(torch.zeros(1, 1, 1))
+        except RuntimeError:
+            return False
+    return True
 
 
 class TinyMLPLM(nn.Module):
