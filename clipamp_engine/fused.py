@@ -229,14 +229,26 @@ class DeviceLambdaLR:
         self.table = torch.tensor(rows, dtype=self.dtype, device=self.taken.device)
         self.taken.fill_(taken)
         for g, lr in zip(s.optimizer.param_groups, lrs):
-            g["lr"].fill_(lr)
+            _write_lr(g, lr, self.taken.device, self.dtype)
 
     def advance(self, found_inf: torch.Tensor) -> None:
         """After a step: count it when taken and load the LR for the next one (on the device)."""
         self.taken += 1 - found_inf.long()
         lrs = torch.index_select(self.table, 1, (self.taken - self.start).reshape(1))  # no host index
         for i, g in enumerate(self.scheduler.optimizer.param_groups):
-            g["lr"].copy_(lrs[i, 0])
+            _write_lr(g, lrs[i, 0], self.taken.device, self.dtype)
+
+
+def _write_lr(group: dict[str, Any], lr: torch.Tensor | float, device: torch.device, dtype: torch.dtype) -> None:
+    """Write ``lr`` into the group's 0-dim LR tensor (no sync). A group whose ``lr`` became a number since
+    (``optimizer.load_state_dict`` of a checkpoint saved with float LRs, an LR set by hand) gets a tensor
+    again: that number served the step just run, as it would have before ``LambdaLR.step()``."""
+    if not isinstance(group["lr"], torch.Tensor):
+        group["lr"] = torch.zeros((), dtype=dtype, device=device)
+    if isinstance(lr, torch.Tensor):
+        group["lr"].copy_(lr)
+    else:
+        group["lr"].fill_(lr)
 
 
 def _ahead(fn: Any, base: float, taken: int, window: int) -> list[float]:
