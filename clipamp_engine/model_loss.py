@@ -2,12 +2,12 @@
 
 Many models compute their loss themselves from the targets: nanoGPT's ``model(idx, targets)``
 returns ``(logits, loss)``, a Hugging Face model called with ``labels=`` returns an output whose
-``.loss`` is set. With ``loss_fn=None`` the step calls the model with the targets and takes that
-loss: ``model(inputs, targets)``, ``model(inputs, labels=targets)`` when ``forward`` takes
-``labels`` (a Hugging Face model, whose second positional parameter is something else), or
-``model(**inputs, labels=targets)`` when ``inputs`` is a mapping (a tokenizer's batch). Any other
-output is one ``ValueError`` naming the forms expected;
-a ``loss_fn``'s result is checked by ``clipamp_engine.checks.checked_loss``.
+``.loss`` is set, others return the scalar loss alone. With ``loss_fn=None`` the step calls the
+model with the targets and takes that loss: ``model(inputs, targets)``, ``model(inputs,
+labels=targets)`` when ``forward`` takes ``labels`` (a Hugging Face model, whose second positional
+parameter is something else), or ``model(**inputs, labels=targets)`` when ``inputs`` is a mapping
+(a tokenizer's batch). Any other output is one ``ValueError`` naming the forms expected; a
+``loss_fn``'s result is checked by ``clipamp_engine.checks.checked_loss``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from .distributed import unwrap
 __all__ = ["EXPECTED_MODEL_OUTPUT", "loss_function", "model_loss"]
 
 EXPECTED_MODEL_OUTPUT = (
-    "a tuple holding one scalar loss tensor (nanoGPT's (logits, loss)), a dict with a 'loss' tensor, "
-    "or an object whose .loss is a scalar tensor (Hugging Face's ModelOutput)"
+    "the scalar loss tensor itself, a tuple holding one scalar loss tensor (nanoGPT's (logits, loss)), "
+    "a dict with a 'loss' tensor, or an object whose .loss is a scalar tensor (Hugging Face's ModelOutput)"
 )
 
 
@@ -46,13 +46,15 @@ def _is_loss(value: Any) -> bool:
 
 
 def model_loss(output: Any, without_targets: bool = False) -> torch.Tensor:
-    """The scalar loss in a model's output (a tuple, a mapping, or an object with ``.loss``).
+    """The scalar loss a model returned: itself, or in a tuple, a mapping, or an object with ``.loss``.
 
     Raises:
         ValueError: no single scalar loss in ``output``; the message names the expected forms (and,
             ``without_targets``, that the model was called without targets, the likely cause).
     """
-    if isinstance(output, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
+    if isinstance(output, torch.Tensor):  # the loss itself (``return F.cross_entropy(...)``), or a refused tensor
+        loss = output
+    elif isinstance(output, Mapping):  # a dict, or a transformers ModelOutput (an OrderedDict)
         loss = output.get("loss")
     elif isinstance(output, (tuple, list)):
         losses = [v for v in output if _is_loss(v)]

@@ -4,7 +4,7 @@ nanoGPT's ``model(idx, targets)`` returns ``(logits, loss)``; a ``transformers``
 ``labels=`` returns an output whose ``.loss`` is set. The runner calls ``loss_fn(model(inputs),
 targets)`` everywhere (the engine's step, evaluation, the output check), so the model is wrapped:
 ``OwnLossModel(model)(inputs)`` defers the forward, and ``own_loss`` runs it with the targets —
-inside the caller's autocast and autograd context — and takes the loss from a tuple, a dict or
+inside the caller's autocast and autograd context — and takes the loss it returns, alone or in a tuple, a dict or
 ``.loss`` (``clipamp_engine.model_loss``). For byte targets the mean becomes the runner's
 ``(loss_sum, token_count)`` (the count of targets that are not padding).
 """

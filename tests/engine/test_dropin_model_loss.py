@@ -67,8 +67,9 @@ class OwnLoss(torch.nn.Module):
         lambda p, loss: (loss, p),  # transformers with return_dict=False
         lambda p, loss: {"logits": p, "loss": loss},
         lambda p, loss: SimpleNamespace(logits=p, loss=loss),  # a ModelOutput's attribute
+        lambda p, loss: loss,  # forward(x, y) -> the loss alone
     ],
-    ids=["logits-loss", "loss-logits", "dict", "attribute"],
+    ids=["logits-loss", "loss-logits", "dict", "attribute", "loss-alone"],
 )
 @pytest.mark.parametrize("mapping_inputs", [False, True])
 def test_each_output_form_trains_and_equals_the_same_loss_through_loss_fn(wrap, mapping_inputs):
