@@ -98,3 +98,37 @@ def test_rerunning_the_readme_own_loop_snippet_twice_in_one_folder_works(tmp_pat
         done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     assert pd.read_csv(tmp_path / "steps.csv")["step"].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_a_run_resumed_from_an_older_checkpoint_writes_the_csv_of_a_run_never_stopped(tmp_path):
+    """own-loop.md: checkpoint at step 3, killed after step 5, resumed with
+    ``truncate_after=state.step_count``: the same bytes as the run that never stopped."""
+    import copy
+
+    import torch
+
+    from clipamp_engine.step import AmpTrainState
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32", max_norm=0.5)
+
+    data = [(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)), torch.ones(8, 1)) for i in range(7)]
+    state = build()
+    with StepCSVWriter(tmp_path / "whole.csv") as w:
+        for x, y in data:
+            w.write(state.step(x, y))
+    state = build()
+    with StepCSVWriter(tmp_path / "steps.csv") as w:
+        for i, (x, y) in enumerate(data[:5]):
+            if i == 3:
+                checkpoint = copy.deepcopy(state.state_dict())  # what torch.save keeps
+            w.write(state.step(x, y))
+    state = build()
+    state.load_state_dict(checkpoint)
+    with StepCSVWriter(tmp_path / "steps.csv", truncate_after=state.step_count) as w:
+        for x, y in data[state.step_count :]:
+            w.write(state.step(x, y))
+    assert (tmp_path / "steps.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
