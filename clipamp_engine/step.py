@@ -131,6 +131,7 @@ class AmpTrainState:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self._loss_of = loss_function(model, loss_fn)  # (x, y) -> the micro-batch's loss
         self.clip = clip if clip is not None else GlobalNormClip(max_norm)
+        self.clip.bind_model(unwrap(model))  # e.g. agc built without named_params: the model's names
         self.replicas = replicas_of(model)
         refusal = self.gradients.refusal(
             has_loss_fn=loss_fn is not None,

@@ -65,8 +65,9 @@ class AdaptiveGradClip(ClipPolicy):
         eps: floor on the weight norm, so zero-initialised units can still move (1e-3).
         exclude: regexes (``re.search``) over parameter names to leave unclipped; ``None``
             means ``DEFAULT_AGC_EXCLUDE`` plus every ``nn.Embedding`` weight when
-            ``named_params`` is the model (without ``named_params`` only ``exclude_1d``
-            applies). Explicit non-empty patterns need ``named_params``.
+            ``named_params`` is the model (without ``named_params``, from the model
+            ``AmpTrainState`` binds; used alone, only ``exclude_1d`` applies). Explicit
+            non-empty patterns need ``named_params``.
         exclude_1d: leave 1-D (and 0-D) parameters unclipped (biases, norm scales).
         named_params: ``model`` or ``model.named_parameters()`` (context).
 
@@ -92,6 +93,7 @@ class AdaptiveGradClip(ClipPolicy):
         if isinstance(exclude, str):
             exclude = [exclude]
         names = param_names(named_params)
+        self._by_default = exclude is None and named_params is None  # the model's names come at bind_model
         if exclude is None:
             patterns = DEFAULT_AGC_EXCLUDE
             self._excluded_ids = embedding_param_ids(named_params)
@@ -109,6 +111,16 @@ class AdaptiveGradClip(ClipPolicy):
         self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
         self._key: tuple | None = None
         self._selected: list[int] = []
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Built without ``named_params``: exclude the model's embeddings as the default does with them
+        (``AmpTrainState(model, ..., clip=make_clip_policy("agc"))`` clips what the runner's ``clip=agc`` does)."""
+        if self._by_default:
+            regexes = compile_patterns(DEFAULT_AGC_EXCLUDE, "agc exclude")
+            names = param_names(model)
+            self._excluded_ids = embedding_param_ids(model)
+            self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
+            self._key, self._by_default = None, False
 
     def _select(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[int]:
         key = tuple(map(id, params))

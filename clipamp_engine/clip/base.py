@@ -84,6 +84,10 @@ class ClipPolicy:
         policy knows it from the step alone (``StagedNormClip``)."""
         return self.threshold
 
+    def bind_model(self, model: nn.Module) -> None:
+        """Called once by ``AmpTrainState`` with its model (unwrapped): a policy built without the
+        ``named_params`` its defaults select by takes them from it. Nothing here."""
+
     def before_step(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         """Called right before the optimizer update of a taken step."""
 

@@ -106,3 +106,23 @@ def test_an_exclude_pattern_that_matches_no_name_is_refused():
     _clip(policy, list(m.parameters()))
     assert torch.equal(m[1].weight.grad, torch.full((2, 3), 100.0))
     assert m[0].weight.grad.abs().max() < 1.0
+
+
+def test_agc_built_without_named_params_excludes_the_models_embeddings_through_the_state():
+    """``AmpTrainState(model, ..., clip=make_clip_policy("agc"))`` in a loop of one's own: the policy had no
+    names, so the default exclusions (embeddings) fell away and a token embedding was clipped, unlike the
+    runner's ``clip=agc`` (which passes the model). The state binds its model: the same run either way."""
+    from clipamp_engine import AmpTrainState
+
+    def run(named):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
+        clip = make_clip_policy("agc", clip_factor=0.01, **({"named_params": model} if named else {}))
+        state = AmpTrainState(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), nn.functional.cross_entropy, clip=clip
+        )
+        x = torch.arange(10)
+        return [state.step(x, x).grad_l2_post_clip for _ in range(2)], model[0].weight.detach()
+
+    (with_names, emb_a), (without, emb_b) = run(True), run(False)
+    assert with_names == without and torch.equal(emb_a, emb_b)
