@@ -159,6 +159,15 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def dtype_hint(dtype: Any, choices: dict[str, torch.dtype]) -> str:
+    """``": pass dtype='bf16'"`` for a dtype given in another spelling (nanoGPT's ``"bfloat16"``,
+    ``torch.bfloat16``, ``"BF16"``), else ``""``."""
+    for name, value in choices.items():
+        if str(dtype) in (str(value), str(value).removeprefix("torch.")) or str(dtype).lower() == name:
+            return f": pass dtype={name!r}"
+    return ""
+
+
 def scheduler_mark(scheduler: Any) -> tuple[int, Any] | None:
     """Which scheduler the state holds and its ``last_epoch`` (``None`` without one)."""
     return None if scheduler is None else (id(scheduler), getattr(scheduler, "last_epoch", None))

@@ -32,6 +32,7 @@ from .checks import (
     check_scheduler_untouched,
     check_setup,
     check_sharding,
+    dtype_hint,
     model_device_type,
     scheduler_mark,
 )
@@ -54,18 +55,17 @@ from .scaling import LossScaler
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-
 LossFn = Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 _SCALED_BACKWARD = ScaledBackward()
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
-    """``"bf16" | "fp16" | "fp32"`` → torch dtype; anything else is a ``ValueError`` listing them."""
+    """``"bf16" | "fp16" | "fp32"`` → torch dtype; anything else is a ``ValueError`` listing them (``dtype_hint``)."""
     try:
         return DTYPES[dtype]
     except (KeyError, TypeError):
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}") from None
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}{dtype_hint(dtype, DTYPES)}") from None
 
 
 class AmpTrainState:

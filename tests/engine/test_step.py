@@ -195,6 +195,8 @@ def test_device_type_must_match_model():
     "kw,msg",
     [
         (dict(dtype="fp8"), "dtype='fp8' is not one of bf16, fp16, fp32"),
+        (dict(dtype="bfloat16"), "dtype='bfloat16' is not one of bf16, fp16, fp32: pass dtype='bf16'"),  # nanoGPT's
+        (dict(dtype=torch.float16), "dtype=torch.float16 is not one of bf16, fp16, fp32: pass dtype='fp16'"),
         (dict(max_norm=0.0), "max_norm=0.0 must be > 0"),
         (dict(accumulation_steps=0), "accumulation_steps=0 must be an integer >= 1"),
     ],
