@@ -31,8 +31,15 @@ def check_arguments(model_device: str, device_type: Any, dtype: str, accumulatio
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an integer >= 1")
     if scaler is not None and not isinstance(scaler, LossScaler):
+        carry = (
+            f"; to carry this {type(scaler).__name__}'s scale, load its state: "
+            "LossScaler(device, ...).load_state_dict(grad_scaler.state_dict())"
+            if isinstance(scaler, torch.amp.GradScaler)
+            else ""
+        )
         raise ValueError(
-            "scaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses)"
+            f"scaler={type(scaler).__name__} must be a clipamp_engine.LossScaler (a GradScaler that can back off on "
+            f"refused losses), e.g. LossScaler({model_device!r}, init_scale=2.0**16, growth_interval=2000){carry}"
         )
     scaler_device = getattr(scaler, "_device", model_device)  # GradScaler's device argument
     if torch.device(scaler_device).type != model_device:

@@ -150,3 +150,24 @@ def test_plugs_into_amp_train_state_fp16():
     assert all(r.skip_reason == "nonfinite_grad" for r in records[:first_taken])
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert state.state_dict()["scaler"]["overflows"] == first_taken
+
+
+def test_a_grad_scaler_given_as_the_scaler_names_the_loss_scaler_and_how_to_carry_its_scale():
+    """A loop adopting the engine passes the ``GradScaler`` it had: refused, the message naming the
+    ``LossScaler`` to build and how to carry the scale it reached; following it, the run goes on at that scale."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    grad_scaler.load_state_dict({**grad_scaler.state_dict(), "scale": 512.0, "_growth_tracker": 7})
+    with pytest.raises(ValueError) as refused:
+        AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp16", scaler=grad_scaler)
+    assert str(refused.value) == (
+        "scaler=GradScaler must be a clipamp_engine.LossScaler (a GradScaler that can back off on refused losses), "
+        "e.g. LossScaler('cpu', init_scale=2.0**16, growth_interval=2000); to carry this GradScaler's scale, load "
+        "its state: LossScaler(device, ...).load_state_dict(grad_scaler.state_dict())"
+    )
+    scaler = LossScaler("cpu")
+    scaler.load_state_dict(grad_scaler.state_dict())
+    state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp16", scaler=scaler)
+    log = state.step(torch.randn(8, 4), torch.randn(8, 1))
+    assert log.scaler_scale == 512.0 and scaler.state_dict()["_growth_tracker"] == 8
