@@ -31,7 +31,9 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   ``Trainer.compute_loss`` reads it), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
   mean over the accumulated batch), else averaged. With a ``compute_loss_func`` or label
-  smoothing the loss is computed outside the model: the column reads NaN.
+  smoothing the loss is computed outside the model: the column reads NaN. A ``compute_loss`` that adds
+  terms or rescales the loss: the column is still the model's; one warning where Trainer's logged
+  ``loss`` differs from it (``on_log``).
   ``token_count``: the labels ≠ -100 Trainer counts as ``num_items_in_batch`` (after the causal shift
   for a decoder-only LM, every label for a classifier or an encoder-decoder).
 - Skips: under fp16 (CUDA) the GradScaler skips overflow steps (read from the optimizer) and
@@ -49,6 +51,8 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
 
 from __future__ import annotations
 
+import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +148,8 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self.init_args = {k: to_json(v) for k, v in {**settings, **calibrate}.items()}
         self._hook = self._args = self._model = None
         self._user_tau = 0.0
+        self._unlogged: list[float] = []  # the recorded losses of the steps Trainer has not logged yet
+        self._loss_warned = False  # this train() said its logged loss differs from the recorded one
 
     @property
     def policy(self):
@@ -229,6 +235,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
             raise
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._shifts_labels = _loss_shifts_labels(model)
+        self._unlogged, self._loss_warned = [], False
         self._reset()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -294,6 +301,32 @@ class ClipampCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.recorder.record(state.global_step, self._lr, self._measured, scale=self._scale, skipped=self._skipped)
+        self._unlogged.append(self._measured.loss)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Trainer's logged ``loss`` (the mean of what ``compute_loss`` returned over the steps since its last log)
+        against the model's own loss the CSV recorded for them: one warning per ``train()`` where they differ (a
+        ``compute_loss`` that adds terms to the model's loss or rescales it)."""
+        logged = (logs or {}).get("loss")
+        if logged is None:  # an evaluation's log, or the end of train()'s summary
+            return
+        ours, self._unlogged = self._unlogged, []
+        if not ours or self._loss_warned or not state.is_world_process_zero:
+            return
+        mean = math.fsum(ours) / len(ours)
+        if not (math.isfinite(logged) and math.isfinite(mean)):  # NaN: no model loss, or Trainer's nan/inf filter
+            return
+        if not math.isclose(logged, mean, rel_tol=1e-3, abs_tol=1e-6):
+            self._loss_warned = True
+            first = state.global_step - len(ours) + 1
+            warnings.warn(
+                f"clipamp: Trainer logged loss {logged:.6g} for steps {first}–{state.global_step}, and the model's own "
+                f"loss (outputs.loss), which the steps.csv loss column records, averages {mean:.6g} over them: the "
+                "loss trained on is not the model's (a compute_loss that adds terms to it or rescales it); the norms, "
+                "the calibration and the clip are unaffected",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _model_loss(output: Any) -> torch.Tensor | None:

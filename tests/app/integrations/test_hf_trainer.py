@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -296,3 +297,38 @@ def test_a_classifiers_token_count_is_trainers_count_of_its_labels(tmp_path):
     df = pd.read_csv(tmp_path / "steps.csv")
     assert (df["token_count"] == 4 * 2).all()  # 4 examples × 2 micro-batches
     np.testing.assert_allclose(df["grad_l2_token_normalised"], df["grad_l2_pre_clip"] * math.sqrt(8), rtol=1e-6)
+
+
+class ExtraTerm(Trainer):
+    """A ``compute_loss`` that trains on the model's loss plus a constant term, as an auxiliary loss would."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        loss = outputs.loss + 0.5
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.parametrize("cls", [Trainer, ExtraTerm])
+def test_a_compute_loss_other_than_the_models_is_said_naming_both_losses(tmp_path, cls):
+    """The ``loss`` column is the model's own loss; where Trainer trains on (and logs) another, one warning
+    says so with both numbers. Trainer's own ``compute_loss``, logged every 2 steps with an evaluation
+    in between, is not warned about."""
+    cb = ClipampCallback(window=3, start=0, tracking=None, csv_path=tmp_path / "steps.csv", verbose=False)
+    args = args_for(tmp_path, 4, gradient_accumulation_steps=1, logging_steps=2, eval_strategy="steps", eval_steps=1)
+    t = cls(model=tiny_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(4), callbacks=[cb])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.train()
+    said = [str(w.message) for w in caught if str(w.message).startswith("clipamp: Trainer logged loss")]
+    logged = [h["loss"] for h in t.state.log_history if "loss" in h]
+    mean = pd.read_csv(tmp_path / "steps.csv")["loss"].iloc[:2].mean()
+    if cls is Trainer:
+        assert said == [] and logged[0] == pytest.approx(mean, rel=1e-6)
+        return
+    assert logged[0] == pytest.approx(mean + 0.5, rel=1e-6)  # the rows are the model's own loss
+    assert said == [
+        f"clipamp: Trainer logged loss {logged[0]:.6g} for steps 1–2, and the model's own loss (outputs.loss), "
+        f"which the steps.csv loss column records, averages {mean:.6g} over them: the loss trained on is not the "
+        "model's (a compute_loss that adds terms to it or rescales it); the norms, the calibration and the clip "
+        "are unaffected"
+    ]
