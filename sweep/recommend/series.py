@@ -129,18 +129,37 @@ def make_series(
     )
     if len(keep) < len(steps):
         series.notes.append(f"{len(steps) - len(keep)} repeated step(s) (a resumed run?): the last value logged kept")
-    if lightning or series.steps[0] == 0:  # Lightning logs at global_step before the update: optimizer step k as k - 1
+    zero_based = zero_based_grid(series.steps)
+    if lightning or zero_based:  # Lightning logs at global_step before the update: optimizer step k as k - 1
         series.steps = series.steps + 1
         why = (
             f"a Lightning log ({lightning}): Lightning logs at trainer.global_step, before the update"
             if lightning
-            else "the log numbers its steps from 0 (as Lightning's global_step and nanoGPT's iter do)"
+            else zero_based
         )
         series.notes.append(
             f"{why}, so optimizer step k is logged as k − 1; read as optimizer steps "
             f"{series.steps[0]}–{series.steps[-1]}, as clipamp and Trainer number them"
         )
     return series
+
+
+def zero_based_grid(steps: np.ndarray) -> str | None:
+    """Why the sorted ``steps`` count from 0, else ``None``: they start at 0, or every N-th step is logged at
+    N − 1, 2N − 1, … (N ≥ 2; the last may be off the grid: the run's end), as a counter from 0 logged when
+    ``(step + 1) % N == 0`` is (Lightning's ``log_every_n_steps``, whatever the log's names). A log counted from 1
+    every N steps sits at N, 2N, …"""
+    if steps[0] == 0:
+        return "the log numbers its steps from 0 (as Lightning's global_step and nanoGPT's iter do)"
+    grid = steps[:-1] if len(steps) > 2 else steps
+    spacing = np.diff(grid)
+    n = int(spacing[0]) if len(spacing) else 0
+    if n < 2 or (spacing != n).any() or ((grid + 1) % n != 0).any():
+        return None
+    return (
+        f"the log's steps are {n - 1}, {2 * n - 1}, … (a count from 0 logged every {n} steps, as Lightning's "
+        "log_every_n_steps logs its global_step)"
+    )
 
 
 #: Lightning's own names: its ``grad_norm`` utility's total (``grad_2.0_norm_total``) and ``LearningRateMonitor``'s.

@@ -112,6 +112,50 @@ def test_a_lightning_log_every_5_steps_is_read_as_optimizer_steps(tmp_path):
     assert rec.series.lrs == pytest.approx(lr_of_step, rel=1e-9)
 
 
+class OwnName(Counted):
+    """``Counted`` logging its total norm under a name of its own, nothing of Lightning's names beside it."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.optimizer_steps += 1
+        norm = grad_norm(self, norm_type=2)["grad_2.0_norm_total"]
+        self.log_dict({"gnorm": norm, "optimizer_step": float(self.optimizer_steps)})
+
+
+def test_a_csvlogger_log_of_a_norm_of_its_own_every_5_steps_is_read_as_optimizer_steps(tmp_path):
+    """No ``grad_norm`` utility name, no ``LearningRateMonitor``, no ``hparams.yaml`` (``CSVLogger`` writes none for
+    a module without hyperparameters): Lightning's steps 4, 9, … are still read as optimizer steps 5, 10, …"""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    trainer = L.Trainer(
+        max_steps=32,
+        accelerator="cpu",
+        logger=CSVLogger(str(tmp_path), name="logs"),
+        log_every_n_steps=5,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(OwnName(), torch.utils.data.DataLoader(data, batch_size=4))
+    [csv] = (tmp_path / "logs").glob("version_*/metrics.csv")
+    assert sorted(p.name for p in csv.parent.iterdir()) == ["metrics.csv"]
+    logged = pd.read_csv(csv).dropna(subset=["gnorm"])
+    assert logged["step"].tolist() == list(range(4, 30, 5))  # Lightning's numbering, checked, not assumed
+    rec = parse([str(csv), "--norm", "gnorm", "--window", "10", "--start", "0"])
+    assert rec.series.steps.tolist() == logged["optimizer_step"].astype(int).tolist() == list(range(5, 31, 5))
+    assert rec.series.interval == 5
+    assert any(n.startswith("the log's steps are 4, 9, … (a count from 0 logged every 5 steps") for n in rec.notes)
+
+
+def test_a_log_counted_from_1_every_5_steps_keeps_its_numbers(tmp_path):
+    """Steps 5, 10, …, and a last one off the grid (the run's end), are a count from 1: not moved."""
+    from tests.app.recommend.test_recommend import trace, write_csv
+
+    steps, lr, norms = trace()
+    keep = (steps % 5 == 0) | (steps == steps[-1] - 2)
+    rec = parse([str(write_csv(tmp_path / "log.csv", {"step": steps[keep], "grad_norm": norms[keep]}))])
+    assert rec.series.steps.tolist() == steps[keep].tolist()
+
+
 def test_another_loops_csv_every_5_steps_keeps_its_numbers(tmp_path):
     """An ``epoch`` and ``step`` column without Lightning's names (a hand-written loop, HF exports) is not moved."""
     from tests.app.recommend.test_recommend import trace, write_csv
