@@ -26,7 +26,8 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
 - Manual optimization: ``on_before_optimizer_step`` runs inside ``opt.step()``, after your
   ``manual_backward``; Lightning does not clip there, so pass ``max_norm=`` and do not call
   ``self.clip_gradients`` yourself: the callback clips at it as that call would (throughout with
-  ``apply=False``, until the window closes with ``apply=True``). A step's loss is the mean of the
+  ``apply=False``, until the window closes with ``apply=True``); a ``self.clip_gradients`` call that clips
+  before ``opt.step()`` is refused there (the norms would be post-clip). A step's loss is the mean of the
   ``loss`` of the batches since the previous ``opt.step()`` (manual accumulation: every N batches);
   each of several ``opt.step()`` in a batch is recorded, the earlier ones with a NaN loss.
   One optimizer only: a fit with more (a GAN's two) is refused when it starts, since one
@@ -129,6 +130,8 @@ class ClipampCallback(pl.Callback):
         self._recording = False  # on_train_start opened the record and on_fit_end has not closed it
         self._ended: tuple[int, dict[str, Any]] | None = None  # (step, state) where the last fit ended: fit() again
         self._measured = None
+        self._clipped_by = None  # manual optimization: the τ a clip_gradients call in this step clipped at
+        self._watch = None  # the wrapper _watch_clip put on the precision plugin
 
     @property
     def policy(self):
@@ -180,6 +183,21 @@ class ClipampCallback(pl.Callback):
         if self.apply:
             trainer.gradient_clip_val = None  # the policy's τ, set in on_before_optimizer_step
             self._clip_taken = True
+        if not pl_module.automatic_optimization:  # a clip before opt.step() would leave only clipped norms to see
+            self._watch_clip(trainer.precision_plugin)
+
+    def _watch_clip(self, plugin) -> None:
+        """Note each ``clip_gradients`` call of this fit's precision plugin (``self.clip_gradients`` in a manual
+        ``training_step`` calls it) that clips: a τ > 0."""
+        clip = plugin.clip_gradients
+
+        def noted(optimizer, clip_val=0.0, *args, **kwargs):
+            if clip_val and clip_val > 0:
+                self._clipped_by = clip_val
+            return clip(optimizer, clip_val, *args, **kwargs)
+
+        plugin.clip_gradients, self._clipped_by = noted, None
+        self._watch = noted
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Open the record (after Lightning restored a checkpoint's callback states, whatever the strategy)."""
@@ -228,6 +246,11 @@ class ClipampCallback(pl.Callback):
         self.recorder.abort(ended_as(type(exception)))
 
     def _give_clip_back(self, trainer: pl.Trainer) -> None:
+        """``gradient_clip_val`` as the user set it; the precision plugin's own ``clip_gradients``."""
+        plugin = trainer.precision_plugin
+        if self._watch is not None and plugin.__dict__.get("clip_gradients") is self._watch:
+            del plugin.clip_gradients  # the watch of a manual fit: the plugin's own method again
+        self._watch = None
         if self._clip_taken:
             trainer.gradient_clip_val = self._user_clip
             self._clip_taken = False
@@ -236,6 +259,13 @@ class ClipampCallback(pl.Callback):
         """Unscaled, accumulated, not yet clipped gradients: norm them in Lightning's clip order."""
         if self._measured is not None:  # manual: an earlier opt.step() of this batch; its loss is known at the end
             self._record(trainer, pl_module, batch_end=False)
+        if self._clipped_by is not None:
+            tau, self._clipped_by = self._clipped_by, None
+            raise ValueError(
+                f"the gradients were clipped at {tau} (self.clip_gradients) before opt.step(): ClipampCallback would "
+                f"record the clipped norms as the pre-clip ones and calibrate on them; drop that call and pass its "
+                f"τ to the callback, ClipampCallback(max_norm={tau}), which clips at it as that call does"
+            )
         params = list(trainer.precision_plugin.main_params(optimizer))
         host_clips = pl_module.automatic_optimization  # Lightning clips after every on_before_optimizer_step hook
         if host_clips and self.apply:  # at the policy's τ: the module's own hook still sees the pre-clip gradients

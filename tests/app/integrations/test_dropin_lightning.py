@@ -198,6 +198,28 @@ def test_manual_optimization_apply_false_clips_at_max_norm_as_lightnings_clip_gr
     assert df["grad_l2_post_clip"].tolist() == pytest.approx([min(n, tau) for n in df["grad_l2_pre_clip"]], rel=1e-5)
 
 
+def test_a_manual_fit_that_clips_itself_is_refused_before_any_record(tmp_path):
+    """A manual ``training_step`` kept as it was, ``self.clip_gradients(opt, τ)`` before ``opt.step()``: the
+    callback would see only clipped norms and calibrate on them; the first ``opt.step()`` is refused naming
+    ``max_norm=τ``, nothing recorded, and the precision plugin's own ``clip_gradients`` is back."""
+    cb = ClipampCallback(tracking=None, csv_path=tmp_path / "s.csv", verbose=False)
+    trainer = quiet_trainer(tmp_path, [cb], 4)
+    module = ManualGPT(clip_here=0.25)
+    before = [p.detach().clone() for p in module.parameters()]
+    message = (
+        "the gradients were clipped at 0.25 (self.clip_gradients) before opt.step(): ClipampCallback would record "
+        "the clipped norms as the pre-clip ones and calibrate on them; drop that call and pass its τ to the "
+        "callback, ClipampCallback(max_norm=0.25), which clips at it as that call does"
+    )
+    torch.manual_seed(0)
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(module, _loader(4, 1))
+    assert str(raised.value) == message
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))  # no step taken
+    assert pd.read_csv(tmp_path / "s.csv").empty
+    assert "clip_gradients" not in vars(trainer.precision_plugin)
+
+
 @pytest.mark.parametrize(
     "callback,tau,message",
     [
