@@ -18,7 +18,7 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
 
 - Clipping happens in Trainer between the last backward and ``on_pre_optimizer_step``, where no
   callback runs, and Trainer keeps the pre-clip norm to itself except in its logs. So the
-  callback takes the clip over: at train begin it sets ``args.max_grad_norm`` to
+  callback takes the clip over: from the first step's begin it sets ``args.max_grad_norm`` to
   ``NORM_ONLY_MAX_NORM`` (Trainer then only measures ‖g‖, multiplying a finite-norm gradient by
   exactly 1 and a non-finite one as your τ would, and logs it as ``grad_norm``) and in
   ``on_pre_optimizer_step`` clips them as Trainer would have: ``clip_grad_norm_(model.parameters(),
@@ -147,7 +147,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
         #: builds the callback it resumes with from them.
         self.init_args = {k: to_json(v) for k, v in {**settings, **calibrate}.items()}
         self._hook = self._args = self._model = None
-        self._user_tau = 0.0
+        self._user_tau, self._norm_only = 0.0, False
         self._unlogged: list[float] = []  # the recorded losses of the steps Trainer has not logged yet
         self._loss_warned = False  # this train() said its logged loss differs from the recorded one
 
@@ -206,10 +206,13 @@ class ClipampCallback(TrainerCallback, ExportableState):
         user_tau = args.max_grad_norm
         if user_tau == NORM_ONLY_MAX_NORM:  # a train() that an exception cut short left it so: the user's τ
             user_tau = getattr(args, _USER_MAX_GRAD_NORM, self._user_tau)
+            args.max_grad_norm = user_tau  # until the first step
         self._args, self._user_tau, self._model = args, user_tau, model
-        if self.apply or self._user_tau > 0:  # else Trainer clips nothing and its norm pass stays as it is
+        # else Trainer clips nothing and its norm pass stays as it is; set at the first step's begin, so that a
+        # callback after this one that logs args at train begin (MLflowCallback, TensorBoardCallback) logs the user's
+        self._norm_only = self.apply or self._user_tau > 0
+        if self._norm_only:
             setattr(args, _USER_MAX_GRAD_NORM, user_tau)  # for a later callback on the same args
-            args.max_grad_norm = _NormOnly(user_tau)  # Trainer measures ‖g‖; the clip runs in on_pre_optimizer_step
         if self._hook is not None:  # left by a train() cut short: one hook per forward
             self._hook.remove()
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -260,6 +263,8 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._micro, self._loss_is_sum = 0, False
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self._norm_only and args.max_grad_norm == self._user_tau:  # the first step (the user's τ still there)
+            args.max_grad_norm = _NormOnly(self._user_tau)  # Trainer measures ‖g‖; the clip: on_pre_optimizer_step
         self._reset()
 
     def _on_forward(self, module, args, kwargs, output) -> None:

@@ -139,3 +139,24 @@ def test_a_checkpoints_training_args_are_the_users(tmp_path):
     ours, ref = saved
     assert ref["max_grad_norm"] == 0.3
     assert ours == ref
+
+
+class ArgsAtBegin(TrainerCallback):
+    """What a callback listed after ClipampCallback logs of ``args`` at train begin (as MLflowCallback and
+    TensorBoardCallback log them)."""
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.max_grad_norm = args.to_dict()["max_grad_norm"]
+
+
+@pytest.mark.parametrize("apply", [False, True])
+def test_a_callback_after_it_logs_the_users_max_grad_norm(tmp_path, apply):
+    """``callbacks=[ClipampCallback(), MLflowCallback()]``: the arguments logged at train begin hold the user's
+    τ, not the norm-only τ (before: 3.39e38); the run is the one without the callback."""
+    cb = ClipampCallback(apply=apply, window=4, tracking=None, csv_path=tmp_path / "s.csv", verbose=False)
+    logged, ref_logged = ArgsAtBegin(), ArgsAtBegin()
+    ours = trainer(tmp_path / "ours", [cb, logged], steps=3, max_grad_norm=0.3)
+    ref = trainer(tmp_path / "ref", [ref_logged], steps=3, max_grad_norm=0.3)
+    ours.train(), ref.train()
+    assert logged.max_grad_norm == ref_logged.max_grad_norm == 0.3
+    assert all(torch.equal(p, q) for p, q in zip(ours.model.parameters(), ref.model.parameters()))
