@@ -65,28 +65,72 @@ def _user_line(e: BaseException) -> str:
 
 
 MULTIRUN = ("-m", "--multirun")
+#: Hydra's commands, one per command line (its own check is a traceback): each flag's spellings.
+COMMANDS = {
+    "--run": ("--run", "-r"),
+    "-m": MULTIRUN,
+    "--cfg": ("--cfg", "-c"),
+    "--info": ("--info", "-i"),
+    "--shell-completion": ("--shell-completion", "-sc"),
+}
+#: Flags that only change what ``--cfg`` prints (with the flags that take a value): the overrides still compose.
+PRINT_FLAGS, VALUED = ("--cfg", "-c", "--resolve", "--package", "-p"), ("--cfg", "-c", "--package", "-p")
+
+
+def _split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as (its flags, by name, without their values; the overrides)."""
+    flags, overrides, value_next = [], [], False
+    for arg in argv:
+        if value_next:
+            value_next = False
+        elif arg.startswith("-"):
+            flags.append(arg.split("=", 1)[0])
+            value_next = arg in VALUED
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def _refuse_two_commands(flags: list[str]) -> None:
+    """One line, exit 2, for two of Hydra's commands on one command line (``-m --cfg job``)."""
+    if any(f in ("--help", "-h", "--hydra-help", "--version") for f in flags):
+        return  # Hydra prints those first, whatever else is given
+    given = [name for name, spellings in COMMANDS.items() if any(f in spellings for f in flags)]
+    if len(given) < 2:
+        return
+    hint = (
+        ": drop -m and give each key one value to print that job's config"
+        if given[:2] == ["-m", "--cfg"]
+        else ": pass one of them"
+    )
+    fail(
+        f"{given[0]} and {given[1]} cannot be combined: a command runs one of --run, -m, --cfg, --info and "
+        f"--shell-completion{hint}"
+    )
 
 
 def precheck(argv: list[str]) -> None:
     """Compose with the user's overrides so composition errors become one line, exit 2 (under ``-m``:
-    each value of each sweep); and refuse an output folder Hydra could not create (it would end in a
-    traceback)."""
-    for arg in argv:
+    each value of each sweep; under ``--cfg``, before printing); refuse two of Hydra's commands at once and
+    an output folder Hydra could not create (each would end in a traceback)."""
+    flags, overrides = _split_flags(argv)
+    _refuse_two_commands(flags)
+    for arg in overrides:
         key, _, value = arg.lstrip("+").partition("=")
         if key in ("hydra.run.dir", "hydra.sweep.dir") and value:
             _refuse_unwritable(key, Path(value))
-    if any(a in MULTIRUN for a in argv) and not any(a.lstrip("+").startswith("hydra.sweep.dir=") for a in argv):
+    multirun = any(f in MULTIRUN for f in flags)
+    if multirun and not any(a.lstrip("+").startswith("hydra.sweep.dir=") for a in overrides):
         _refuse_unwritable("hydra.sweep.dir", Path("multirun"))  # -m: Hydra's default multirun/DATE/TIME
-    flags = [a for a in argv if a.startswith("-")]
-    if any(f not in MULTIRUN for f in flags):  # --help, --cfg …: leave them to Hydra
+    if any(f not in MULTIRUN + PRINT_FLAGS for f in flags):  # --help, --info …: leave them to Hydra
         return
-    overrides = [a for a in argv if a not in MULTIRUN and not a.lstrip("+~").startswith("hydra")]
+    overrides = [a for a in overrides if not a.lstrip("+~").startswith("hydra")]
     from hydra import compose, initialize_config_dir
 
     try:
         refuse_renamed(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            for job in _jobs(overrides) if flags else [overrides]:
+            for job in _jobs(overrides) if multirun else [overrides]:
                 refuse_renamed(job)
                 cfg = to_config(compose(config_name="config", overrides=job))
                 refuse_clip_overrides(cfg.run, job)

@@ -616,3 +616,41 @@ def test_resume_is_what_the_user_typed_and_false_means_no_resume(typed, kept):
     run_id = "0123456789abcdef0123456789abcdef"
     assert compose_cfg("+experiment=train", f"resume={run_id}").resume == run_id
     validate(compose_cfg("+experiment=spike", "resume=false"))  # not a resume: the replay runs
+
+
+@pytest.mark.parametrize(
+    ("argv", "pair"),
+    [
+        (["-m", "--cfg", "job", "+experiment=train"], "-m and --cfg"),
+        (["--multirun", "-c", "job", "+experiment=train", "seed=1,2"], "-m and --cfg"),
+        (["--info", "-m", "+experiment=train"], "-m and --info"),
+        (["-m", "+experiment=train", "-sc"], "-m and --shell-completion"),
+        (["--run", "--cfg=job", "+experiment=train"], "--run and --cfg"),
+    ],
+)
+def test_two_of_hydras_commands_are_one_line_not_its_traceback(argv, pair, capsys):
+    """``-m --cfg job`` reached Hydra, whose own check raised ``ValueError`` (a traceback, exit 1)."""
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {pair} cannot be combined") and err.count("\n") == 1
+
+
+def test_a_mistake_under_cfg_job_is_the_runs_one_line(capsys):
+    """``--cfg job`` (docs/experiments.md) skipped the check: a misspelt key or choice was Hydra's multi-line
+    error with its search path, exit 1. It is now the line the run itself gives."""
+    from sweep.__main__ import precheck
+
+    for typo in ("clip=nrom", "clip.maxnorm=1"):
+        lines = []
+        for flags in ([], ["--cfg", "job"], ["-c", "all", "--resolve"], ["--cfg=job", "-p", "clip"]):
+            with pytest.raises(SystemExit) as e:
+                precheck(["+experiment=train", *flags, typo])
+            assert e.value.code == 2
+            lines.append(capsys.readouterr().err)
+        assert len(set(lines)) == 1 and lines[0].startswith("error: ") and lines[0].count("\n") == 1
+    precheck(["+experiment=train", "--cfg", "job", "steps=3", "-p", "clip"])  # no mistake: Hydra prints it
+    precheck(["-m", "--help", "+experiment=train"])  # --help is printed whatever else is given
+    assert capsys.readouterr().err == ""
