@@ -25,7 +25,8 @@ def to_config(node: Any) -> Config:
 
     Keys added to ``model`` beyond the schema (``+model.d=64``, ``+model._args_=[…]``) are a custom
     model's constructor arguments: they move into ``model.kwargs`` (logged, checked on resume), and
-    are refused for the built-in models instead of being silently ignored.
+    are refused for the built-in models instead of being silently ignored. ``spike.horizons`` is a set of
+    steps after the spike: kept in increasing order, each once, whatever order the command gave.
     """
     model = node.get("model") if OmegaConf.is_dict(node) else None
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -47,6 +48,7 @@ def to_config(node: Any) -> Config:
         refuse_unknown_keys(OmegaConf.to_container(node, resolve=False))  # +clip.maxnorm=1 would be ignored
     cfg = OmegaConf.to_object(node)
     cfg.resume = resume_value(cfg.resume)
+    cfg.spike.horizons = sorted(set(cfg.spike.horizons))  # the table's columns in time order, each once
     return cfg
 
 

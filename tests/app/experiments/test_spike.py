@@ -391,3 +391,23 @@ def test_a_spike_the_twin_overflowed_at_by_itself_is_void_not_survived():
     taken = _rows_arm(set(), spiked=False)  # the same spiked run beside a twin that took the step: recovered
     spiked.metrics = arm_metrics(spiked, taken, taken, cfg)
     assert table_rows([spiked], cfg)[0]["recovery"] == "1" and fp16_outcome(spiked, cfg, twin=taken)[0] is True
+
+
+def test_horizons_typed_out_of_order_give_the_columns_in_time_order_each_once():
+    """``spike.horizons=[20,1,5,1]`` made the table's columns +20, +1, +5 (and a repeated horizon one column
+    but two params): the horizons are the steps after the spike, a set, kept in increasing order, so the
+    table and its metrics equal those of ``[1,5,20]``."""
+    from sweep.report.spike import table_rows
+    from sweep.results.spike import arm_metrics
+
+    rows = {}
+    for typed in ("[20,1,5,1]", "[1,5,20]"):
+        cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE, f"spike.horizons={typed}")
+        validate(cfg)
+        twin, spiked = _rows_arm(set(), spiked=False), _rows_arm(set(), spiked=True)
+        for s in range(AT + 1, STEPS + 1):
+            spiked.rows[s - 1]["loss"] = 1.0 + 1.0 / (s - AT)  # an excess that shrinks after the spike
+        spiked.metrics = arm_metrics(spiked, twin, twin, cfg)
+        rows[typed] = table_rows([spiked], cfg)[0]
+    assert list(rows["[20,1,5,1]"]) == list(rows["[1,5,20]"]) and rows["[20,1,5,1]"] == rows["[1,5,20]"]
+    assert [k for k in rows["[1,5,20]"] if k.startswith("+")] == ["+1", "+5", "+20"]
