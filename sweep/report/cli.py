@@ -24,7 +24,7 @@ from sweep.pick import flag_table, pick_trial
 from sweep.report.format import frame_markdown, print_wide
 from sweep.report.runs import WIDTH, search, table, text, values
 from sweep.report.sweep import sweep_markdown, sweep_table
-from sweep.report.unfinished import fill, legend
+from sweep.report.unfinished import fill, legend, steps_done
 from sweep.run.liveness import DIED, died_line, trial_state
 from sweep.tracking.tracker import open_client, resolve_uri, sqlite_path
 
@@ -84,8 +84,8 @@ def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tup
         worker = by_id.get(t.get("sweep_parent") or t.get("mlflow.parentRunId", ""))
         state = trial_state(state, worker.data.tags if worker is not None else None)  # DIED: the next run recovers it
         steps_run = m.get("steps_run")
-        if steps_run is None:  # no summary yet (running) or ever (a signal, a dead worker): its last step
-            steps_run = max((x.step for x in client.get_metric_history(r.info.run_id, "loss")), default=0)
+        if steps_run is None:  # no summary yet (running) or ever (a signal, a dead worker): the steps it did
+            steps_run = steps_done(client, r)
         trials.setdefault(t.get("study", "?"), []).append(
             {
                 "trial": int(t.get("trial", -1)),

@@ -51,6 +51,20 @@ def steps_csv(run: pd.Series, tmp: str, client, download: bool = True) -> Path |
     return None
 
 
+def steps_done(client, run) -> int:
+    """The steps an MLflow ``run`` (an unfinished one: a killed trial, say) completed: the rows of its
+    ``steps.csv`` on this disk, written as each step ends; else the last step of its per-step ``loss`` in the
+    store, which is sent in batches (``tracking.flush_every``) and so lags behind after a SIGKILL."""
+    from sweep.run.summary import read_rows
+
+    row = pd.Series({"artifact_uri": run.info.artifact_uri, "run_id": run.info.run_id})
+    path = steps_csv(row, "", client, download=False)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not a steps CSV: the store's count
+        if path is not None:
+            return len(read_rows(path, whole_lines=True))
+    return int(max((m.step for m in client.get_metric_history(run.info.run_id, "loss")), default=0))
+
+
 def _param(run: pd.Series, key: str) -> Any:
     value = run.get(f"params.{key}")
     if not isinstance(value, str):

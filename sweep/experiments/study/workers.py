@@ -32,6 +32,7 @@ from filelock import FileLock, Timeout
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
+from sweep.report.unfinished import steps_done
 from sweep.results.study import KILLED_OUTCOME
 from sweep.run.checkpoint import lock_run
 from sweep.run.liveness import lock_says
@@ -135,14 +136,14 @@ DEAD_ATTRS = ("outcome", "run_id", "steps_run")
 
 
 def _trial_run(client, experiment_id: str, parent_run_id: str | None, number: int) -> dict[str, object]:
-    """What a dead worker's trial run holds, as ``sweep.report`` reads it: its run id and last step."""
+    """What a dead worker's trial run holds, as ``sweep.report`` reads it: its run id and the steps it did."""
     runs = client.search_runs(
         [experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.trial = '{number}'"
     )
     if not parent_run_id or not runs:
         return {"outcome": KILLED_OUTCOME}
     run = runs[0].info
-    steps = max((m.step for m in client.get_metric_history(run.run_id, "loss")), default=0)
+    steps = steps_done(client, runs[0])
     killed = {"outcome": KILLED_OUTCOME} if run.status in ("RUNNING", "KILLED") else {}  # FAILED: a failed trial
     return {**killed, "run_id": run.run_id, "steps_run": float(steps)}
 

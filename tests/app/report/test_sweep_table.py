@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
+from mlflow.entities import Metric
 from rich.console import Console
 
 from sweep.report.sweep import sweep_table
@@ -73,6 +76,53 @@ def test_a_running_or_died_trial_has_the_steps_of_its_loss_history(store, tmp_pa
             client.log_metric(run.info.run_id, "loss", 3.0, step=step)
     [(_, df, *_)] = sweeps_tables(client, "clipamp")
     assert df[["state", "steps_run"]].values.tolist() == [["DIED", 17], ["RUNNING", 9]]
+
+
+def test_a_sigkilled_trial_has_the_steps_its_steps_csv_holds_in_both_tables(store, tmp_path):
+    """A worker SIGKILLed at step 77 of a trial: its steps.csv held 77 rows (written as each step ends), but
+    the per-step metrics go to the store in batches of 50, and the study table (sweep.report's, and the
+    sweep's own from the recovery's ``steps_run``) said 50 steps beside the legend's '77 of 120 steps'."""
+    import socket
+
+    from mlflow import MlflowClient
+
+    from clipamp_engine import StepCSVWriter, StepLog
+    from sweep.experiments.study.workers import _trial_run
+    from sweep.report.cli import sweeps_tables
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("clipamp", artifact_location=str(tmp_path / "artifacts"))
+    lock = tmp_path / "worker.lock"  # free: its worker is gone
+    lock.write_text("")
+    parent = client.create_run(
+        exp, tags={"sweep_role": "parent", "study": "s", "worker_host": socket.gethostname(), "worker_lock": str(lock)}
+    )
+    trial = client.create_run(
+        exp, tags={"sweep_role": "trial", "study": "s", "trial": "0", "mlflow.parentRunId": parent.info.run_id}
+    )
+    client.log_batch(trial.info.run_id, metrics=[Metric("loss", 3.0, 0, s) for s in range(1, 51)])
+    csv_path = Path(trial.info.artifact_uri) / "steps.csv"
+    csv_path.parent.mkdir(parents=True)
+    with StepCSVWriter(csv_path) as csv:
+        for step in range(1, 78):
+            csv.write(
+                StepLog(
+                    step=step,
+                    lr=1e-3,
+                    grad_l2_pre_clip=1.0,
+                    grad_l2_post_clip=1.0,
+                    loss=3.0,
+                    scaler_scale=1.0,
+                    clipped=False,
+                )
+            )
+    with open(csv_path, "a", encoding="utf-8") as f:
+        f.write("78,0.001,1.0")  # the row being written when the SIGKILL came: not a step done
+    [(_, df, *_)] = sweeps_tables(client, "clipamp")
+    assert df[["state", "steps_run"]].values.tolist() == [["DIED", 77]]
+    assert _trial_run(client, exp, parent.info.run_id, 0)["steps_run"] == 77.0
+    csv_path.unlink()  # no steps.csv on this disk (a server's run): the store's last step
+    assert _trial_run(client, exp, parent.info.run_id, 0)["steps_run"] == 50.0
 
 
 def _diverged_table() -> pd.DataFrame:
