@@ -73,8 +73,8 @@ def check_common(cfg: Config) -> None:
             raise UserError(f"faults.{name}={steps}: step {off[0]} never comes: pass steps from 1 to steps={cfg.steps}")
     if cfg.checkpoint_every < 0:
         raise UserError(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0: only on SIGINT/SIGTERM)")
-    if cfg.device != "cpu" and not _device_available(cfg.device):
-        raise UserError(f"device={cfg.device!r} is not available here (torch sees no such device); use device=cpu")
+    if cfg.device != "cpu" and (why := _device_refusal(cfg.device)):
+        raise UserError(f"device={cfg.device!r} {why}")
     if cfg.amp.dtype == "fp16" and not _fp16_autocast_ok(cfg.device):
         raise UserError(f"amp.dtype=fp16 is not supported on device={cfg.device!r}; use amp.dtype=bf16 or fp32")
     if cfg.tracking.flush_every < 1:
@@ -380,17 +380,18 @@ def check_nproc_per_trial(cfg: Config) -> None:
         raise UserError(f"study.nproc_per_trial={n} with dist.strategy={cfg.dist.strategy}: {refusal}")
 
 
-def _device_available(device: str) -> bool:
+def _device_refusal(device: str) -> str | None:
+    """Why ``device`` cannot run: not a torch device name (``gpu``), or one torch does not see; None if it can."""
     import torch
 
     try:
         dev = torch.device(device)
     except RuntimeError:
-        return False
-    if dev.type == "cuda":
-        return torch.cuda.is_available()
+        return "is not a device name torch knows: pass device=cpu or device=cuda (cuda:N for one GPU)"
     mod = getattr(torch, dev.type, None)
-    return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
+    if mod is not None and hasattr(mod, "is_available") and mod.is_available():
+        return None
+    return "is not available here (torch sees no such device); use device=cpu"
 
 
 def _fp16_autocast_ok(device: str) -> bool:

@@ -654,3 +654,18 @@ def test_a_mistake_under_cfg_job_is_the_runs_one_line(capsys):
     precheck(["+experiment=train", "--cfg", "job", "steps=3", "-p", "clip"])  # no mistake: Hydra prints it
     precheck(["-m", "--help", "+experiment=train"])  # --help is printed whatever else is given
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda0", "GPU:0"])
+def test_a_device_torch_has_no_name_for_is_named_so_with_the_names_to_pass(device):
+    """``device=gpu`` said 'is not available here (torch sees no such device); use device=cpu': on a machine
+    with a GPU that sends the user to the CPU for a typo. It now says the name is not torch's and which are."""
+    import torch
+
+    with pytest.raises(RuntimeError):
+        torch.device(device)  # the reference: torch itself has no such device type
+    with pytest.raises(UserError) as e:
+        validate(compose_cfg("+experiment=train", f"device={device}"))
+    assert str(e.value) == (
+        f"device={device!r} is not a device name torch knows: pass device=cpu or device=cuda (cuda:N for one GPU)"
+    )
