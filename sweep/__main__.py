@@ -138,7 +138,7 @@ def precheck(argv: list[str]) -> None:
                 refuse_other_mode_keys(cfg.run, cfg.study.mode, job)
                 refuse_scaler_keys(cfg.run, cfg.amp.dtype, job, overrides)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
-        fail(_user_line(_unknown_override(e) or _not_a_list(e, overrides) or e))
+        fail(_user_line(_unknown_override(e) or _not_a_list(e, overrides) or _two_groups(e) or e))
 
 
 def _jobs(overrides: list[str]) -> list[list[str]]:
@@ -186,6 +186,18 @@ def _unknown_override(e: Exception) -> Exception | None:
             f"overridden; NAME one of {', '.join(RUNS)})"
         )
     return unknown_key(found.group(1)) if found else None
+
+
+def _two_groups(e: Exception) -> UserError | None:
+    """Hydra's "Multiple values for experiment. To override a value use 'override experiment: calibrate'" (a
+    defaults-list fix) for ``+experiment=train +experiment=calibrate``: one run takes one option of a group."""
+    found = re.match(r"Multiple values for ([\w/]+)\.", str(e))
+    if not found:
+        return None
+    group = found.group(1).replace("/", ".")
+    return UserError(
+        f"+{group}= is given more than once: a run takes one +{group}=NAME; for one run per NAME pass -m +{group}=A,B"
+    )
 
 
 def _not_a_list(e: Exception, overrides: list[str]) -> UserError | None:

@@ -669,3 +669,20 @@ def test_a_device_torch_has_no_name_for_is_named_so_with_the_names_to_pass(devic
     assert str(e.value) == (
         f"device={device!r} is not a device name torch knows: pass device=cpu or device=cuda (cuda:N for one GPU)"
     )
+
+
+def test_two_experiments_are_one_line_naming_the_multirun_that_runs_both(capsys):
+    """``+experiment=train +experiment=calibrate`` gave Hydra's "To override a value use 'override experiment:
+    calibrate'", a defaults-list line with no command-line form. The line now names the ``-m`` that runs each,
+    and that command passes the check."""
+    from sweep.__main__ import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=train", "+experiment=calibrate"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: +experiment= is given more than once: a run takes one +experiment=NAME; for one run per NAME pass "
+        "-m +experiment=A,B\n"
+    )
+    precheck(["-m", "+experiment=train,calibrate", "steps=40"])  # the suggested form: each job composes
+    assert capsys.readouterr().err == ""
