@@ -69,14 +69,17 @@ def search_all(client, experiment_id: str, filter_string: str = "") -> list:
 def sweeps_tables(client, experiment_name: str) -> list[tuple[str, Any, Any, tuple[float, float], str]]:
     """Per study found in MLflow: (name, trials DataFrame, pick, band, mode), from its trial child runs.
 
-    The band and mode come from the study's latest parent run; the pick is ``sweep.pick.pick_trial``
-    over the trials recorded so far (every invocation, every worker).
+    The band and mode come from the study's latest parent run that logged its config; the pick is
+    ``sweep.pick.pick_trial`` over the trials recorded so far (every invocation, every worker).
     """
     exp = client.get_experiment_by_name(experiment_name)
     if exp is None:
         return []
     every = search_all(client, exp.experiment_id, "tags.sweep_role = 'parent'")
-    parents, by_id = {r.data.tags.get("study"): r for r in every}, {r.info.run_id: r for r in every}
+    parents, by_id = {}, {r.info.run_id: r for r in every}
+    for r in every:  # the latest parent that logged its config (one still waiting for the study lock has none)
+        if r.data.params or r.data.tags.get("study") not in parents:
+            parents[r.data.tags.get("study")] = r
     trials: dict[str, list] = {}
     for r in search_all(client, exp.experiment_id, "tags.sweep_role = 'trial'"):
         t, m = r.data.tags, r.data.metrics

@@ -125,6 +125,39 @@ def test_a_sigkilled_trial_has_the_steps_its_steps_csv_holds_in_both_tables(stor
     assert _trial_run(client, exp, parent.info.run_id, 0)["steps_run"] == 50.0
 
 
+def test_the_band_is_the_studys_while_a_newer_worker_has_not_logged_its_config(store):
+    """A second worker's parent run logs its config only once it holds the study lock (after the first worker's
+    anchor window), and one killed while waiting never does. sweep.report took the band from the newest parent:
+    'band [0, 1]', no mode, and a pick by eval loss alone (a trial clipping 60% of its steps, outside the
+    study's band [1%, 20%]). The table now reads the newest parent that logged its config."""
+    from mlflow import MlflowClient
+
+    from sweep.pick import pick_trial
+    from sweep.report.cli import sweeps_tables
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("clipamp")
+    first = client.create_run(exp, tags={"sweep_role": "parent", "study": "s"})
+    client.log_param(first.info.run_id, "study.target_clip", "[0.01, 0.2]")
+    client.log_param(first.info.run_id, "study.mode", "constrained")
+    for number, (eval_loss, clip) in enumerate([(2.4, 0.6), (2.5, 0.05)]):
+        run = client.create_run(
+            exp,
+            tags={
+                **{"sweep_role": "trial", "study": "s", "trial": str(number), "outcome": "complete"},
+                "sweep_parent": first.info.run_id,
+            },
+        )
+        for key, value in (("eval_loss", eval_loss), ("clip_ratio", clip), ("skip_ratio", 0.0), ("steps_run", 20)):
+            client.log_metric(run.info.run_id, key, value)
+        client.set_terminated(run.info.run_id)
+    client.set_terminated(first.info.run_id)
+    client.create_run(exp, tags={"sweep_role": "parent", "study": "s"})  # waiting for the lock: no params yet
+    [(_, df, pick, band, mode)] = sweeps_tables(client, "clipamp")
+    assert (band, mode) == ((0.01, 0.2), "constrained")
+    assert pick.trial == pick_trial(df, (0.01, 0.2)).trial == 1  # in the band, not the lowest eval loss
+
+
 def _diverged_table() -> pd.DataFrame:
     """Figures of a diverged sweep (optim.lr=30): τ ≈ 1.8e8, training loss ≈ 3e4."""
     df = pd.DataFrame(
