@@ -1,5 +1,5 @@
 """Fixtures shared by the app and reliability suites: a temporary MLflow store, the SIGTERM handler kept, a
-dead pid (see helpers.py for the rest)."""
+dead pid (see helpers.py for the rest); modules ``-m`` leaves nothing to run in are not imported."""
 
 from __future__ import annotations
 
@@ -18,6 +18,19 @@ from pathlib import Path
 import pytest
 
 from tests.app.helpers import store_in
+from tests.marks import can_select, module_marks
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Skip importing a test module whose module-level marks ``-m`` rules out for all its tests (``-m "not
+    slow"`` and ``pytestmark = pytest.mark.slow``): its imports are a worker's seconds, each worker collects
+    every module, and none of its tests would run."""
+    markexpr = config.option.markexpr
+    if markexpr and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        marks = module_marks(collection_path)
+        if marks and not can_select(markexpr, marks):
+            return True
+    return None
 
 
 @pytest.fixture(scope="session")
