@@ -35,11 +35,21 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 @pytest.fixture(scope="session")
 def store_template(tmp_path_factory) -> Path:
-    """An empty, migrated MLflow sqlite store, made once: migrations cost seconds per new store."""
+    """An empty, migrated MLflow sqlite store, made once per test session (shared by its pytest-xdist
+    workers, under a lock: two processes migrating one new store race): migrations cost seconds per store."""
+    from filelock import FileLock
     from mlflow import MlflowClient
 
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
+    folder = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = folder.parent  # the session's folder, above each worker's own
+    db = folder / "store-template" / "mlflow.db"
+    db.parent.mkdir(exist_ok=True)
+    with FileLock(db.with_suffix(".lock")):
+        if not db.exists():
+            fresh = db.with_suffix(".new")
+            MlflowClient(f"sqlite:///{fresh}").search_experiments()
+            os.replace(fresh, db)
     return db
 
 
