@@ -215,7 +215,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
             setattr(args, _USER_MAX_GRAD_NORM, user_tau)  # for a later callback on the same args
         if self._hook is not None:  # left by a train() cut short: one hook per forward
             self._hook.remove()
-        dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        dtype = _trained_dtype(args, model)
         try:
             self.recorder.begin(
                 resume=self._saved(state) if state.global_step > 0 else None,
@@ -343,6 +343,14 @@ def _model_loss(output: Any) -> torch.Tensor | None:
         first = output[0] if output else None
         return first if torch.is_tensor(first) and first.ndim == 0 else None
     return getattr(output, "loss", None)
+
+
+def _trained_dtype(args, model) -> str:
+    """The dtype the steps run in: accelerate autocasts the model's forward (and keeps the original as
+    ``_original_forward``) only where its mixed precision runs natively; ``fp16=True`` on a CPU trains in fp32."""
+    if getattr(model, "_original_forward", None) is None:
+        return "fp32"
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 def _loss_shifts_labels(model: Any) -> bool:
