@@ -302,20 +302,28 @@ def release_run(lock, finished: bool) -> None:
 
 
 def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: str) -> str:
-    """The run id to resume: ``resume`` itself, or the latest run named ``run_name`` with a checkpoint."""
+    """The run id to resume: ``resume`` itself, or the latest run named ``run_name`` with a checkpoint. Refused in
+    one line that suggests only what would continue a run of the experiment."""
     if resume.lower() not in ("true", "last"):
         try:
             client.get_run(resume)
         except Exception:
-            raise UserError(
+            lead = (
                 f"resume={resume!r} is not a run id in this tracking store (a run id is 32 hex digits: "
-                f"{python_command('sweep.report')} --wide lists them); use resume=true for the latest run named "
-                f"{run_name!r}"
-            ) from None
+                f"{python_command('sweep.report')} --wide lists them)"
+            )
+            if _latest_with_checkpoint(client, experiment_id, uri, f"attributes.run_name = '{run_name}'") is not None:
+                raise UserError(f"{lead}; use resume=true for the latest run named {run_name!r}") from None
+            raise UserError(f"{lead}; {_nothing_named(client, experiment_id, run_name, uri)}") from None
         return resume
     named = _latest_with_checkpoint(client, experiment_id, uri, f"attributes.run_name = '{run_name}'")
     if named is not None:
         return named.info.run_id
+    raise UserError(f"resume=true: {_nothing_named(client, experiment_id, run_name, uri)}")
+
+
+def _nothing_named(client, experiment_id: str, run_name: str, uri: str) -> str:
+    """No run named ``run_name`` has a checkpoint: what to do instead (the latest run with one, if any)."""
     experiment = client.get_experiment(experiment_id).name
     other = _latest_with_checkpoint(client, experiment_id, uri)
     hint = (
@@ -325,9 +333,9 @@ def find_resumable(client, experiment_id: str, run_name: str, uri: str, resume: 
         if other is not None
         else ""
     )
-    raise UserError(
-        f"resume=true: no run named {run_name!r} with a checkpoint in experiment {experiment!r}; "
-        f"start a new run (drop resume=) or pass resume=RUN_ID{hint}"
+    return (
+        f"no run named {run_name!r} with a checkpoint in experiment {experiment!r}; "
+        f"start a new run (drop resume=){' or pass resume=RUN_ID' if other is not None else ''}{hint}"
     )
 
 

@@ -140,3 +140,44 @@ def test_resume_true_under_another_name_and_a_short_id_say_what_to_pass(tmp_path
     short = rf"resume='{killed[:8]}' is not a run id in this tracking store \(a run id is 32"
     with pytest.raises(UserError, match=short):
         find_resumable(client, exp, "train-gpt-bf16", uri, killed[:8])
+
+
+def test_a_string_that_is_no_run_id_suggests_only_a_resume_that_continues_a_run(tmp_path, store):
+    """``resume=0123abcd`` suggests ``resume=true`` only where a run of that name has a checkpoint; else the
+    whole id of the latest run that has one, or, with none, a new run. Each suggestion, passed back, resolves."""
+    import re
+
+    from mlflow import MlflowClient
+
+    from sweep.errors import UserError
+    from sweep.run.checkpoint import checkpoint_path, find_resumable
+
+    client = MlflowClient(store)
+    exp = client.create_experiment("clipamp")
+
+    def refused(name: str) -> str:
+        with pytest.raises(UserError) as e:
+            find_resumable(client, exp, name, store, "0123abcd")
+        return str(e.value)
+
+    lead = "resume='0123abcd' is not a run id in this tracking store (a run id is 32 hex digits: "
+    client.create_run(exp, run_name="train-gpt-bf16")  # no checkpoint
+    line = refused("train-gpt-bf16")
+    assert line.startswith(lead) and "resume=true" not in line and "resume=RUN_ID" not in line
+    assert line.endswith(
+        "--wide lists them); no run named 'train-gpt-bf16' with a checkpoint in experiment 'clipamp'; start a new "
+        "run (drop resume=)"
+    )
+    other = client.create_run(exp, run_name="train-gpt-fp32").info.run_id
+    checkpoint_path(store, other).parent.mkdir(parents=True)
+    checkpoint_path(store, other).write_bytes(b"")
+    line = refused("train-gpt-bf16")
+    assert "resume=true" not in line
+    suggested = re.search(r"resume=([0-9a-f]{32}) continues that run", line).group(1)
+    assert find_resumable(client, exp, "train-gpt-bf16", store, suggested) == other
+    line = refused("train-gpt-fp32")
+    assert (
+        line
+        == f"{lead}{line[len(lead) :].split(')', 1)[0]}); use resume=true for the latest run named 'train-gpt-fp32'"
+    )
+    assert find_resumable(client, exp, "train-gpt-fp32", store, "true") == other
