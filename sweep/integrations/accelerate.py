@@ -130,7 +130,7 @@ class ClipampAccelerate:
             user_tau=max_norm,
             default_csv=Path("clipamp") / "steps.csv",
             main_process=self.accelerator.is_main_process,
-            tags={"run": "accelerate", "precision": str(self.accelerator.mixed_precision)},
+            tags={"run": "accelerate", "dtype": self._dtype(), "precision": str(self.accelerator.mixed_precision)},
             params={
                 **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
                 "apply": self.recorder.apply,
@@ -140,6 +140,11 @@ class ClipampAccelerate:
             resume=self._resume,
         )
         self._resume, self._begun = None, True
+
+    def _dtype(self) -> str:
+        """The dtype the forward runs in: accelerate autocasts (``native_amp``) only where its mixed precision runs
+        natively; ``mixed_precision="fp16"`` on a CPU trains in fp32."""
+        return str(self.accelerator.mixed_precision) if self.accelerator.native_amp else "fp32"
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2

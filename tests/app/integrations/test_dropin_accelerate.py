@@ -121,3 +121,26 @@ def test_a_max_norm_accelerate_would_zero_or_flip_gradients_with_is_refused(tmp_
     ):
         cb.clip_grad_norm_(model.parameters(), max_norm)
     assert not (tmp_path / "steps.csv").exists()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_dtype_tag_is_what_the_forward_ran_in(tmp_path, store, precision):
+    """``dtype`` (the report's and the MLflow view's column) is the precision autocast ran the forward in, seen
+    from inside it: ``mixed_precision="fp16"`` on a CPU, where accelerate does not autocast, trains in fp32."""
+    from accelerate import Accelerator
+    from mlflow import MlflowClient
+
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    seen = []
+    layer = torch.nn.Linear(2, 1)
+    layer.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    model = accelerator.prepare(torch.nn.Sequential(layer))
+    cb = ClipampAccelerate(accelerator, tracking=store, verbose=False)
+    accelerator.backward(model(torch.ones(1, 2)).float().sum())
+    cb.clip_grad_norm_(model.parameters(), 1.0)
+    cb.step_end()
+    cb.end()
+    ran = precision if seen[0] else "fp32"  # autocast on, in the precision asked for, or off
+    assert MlflowClient(store).get_run(cb.recorder.tracker.run_id).data.tags["dtype"] == ran
+    assert ran == ("bf16" if precision == "bf16" else "fp32")
