@@ -246,7 +246,7 @@ class CalibratedClip(ClipPolicy):
                 taken,
                 self.band,
                 self.confidence,
-                repeating=bool(self.every),
+                repeating=self._has_later_window(s),
                 placed_auto=self.start == "auto",
                 quantile=s.quantile,
                 norms=s.n_finite,
@@ -262,6 +262,10 @@ class CalibratedClip(ClipPolicy):
             else None
             for i, (s, (clipped, taken)) in enumerate(zip(self.summaries, self.validation))
         ]
+
+    def _has_later_window(self, summary: CalibrationSummary) -> bool:
+        """Whether a window opens after ``summary``'s in this run (``every`` past the run's end opens none)."""
+        return bool(self.every) and self.windows is not None and self.windows.next_start(summary.end_step) is not None
 
     def drift(self) -> list[bool]:
         """Per closed window: whether its τ interval is separate from the previous window's (False for the first)."""

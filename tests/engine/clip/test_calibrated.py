@@ -351,3 +351,21 @@ def test_too_few_held_out_steps_name_what_ended_them(options, steps, fix):
     assert not check.inside and check.consistent  # too few steps to tell
     assert f"too few validation steps to tell the ratio from the band ({check.steps}): {fix}" in check.action
     assert "; ≈" in check.action.split(fix, 1)[1]
+
+
+def test_next_action_names_later_windows_only_where_the_run_has_one():
+    """``every`` beyond the run's end opens no second window: the first window's next action must not send
+    the user to "the later windows" (there are none) but to ``calibrate.every``, as a one-window run's does;
+    in a run that does repeat, every window but the last has a later one."""
+    norms, lrs = _warmup_trace(400, seed=3, jump_at=200)  # the norms rise after the window: drift up
+    once = CalibratedClip(window=100, every=1000, start=60, quantile=0.9, total_steps=400)
+    _drive(once, norms, lrs)
+    assert len(once.summaries) == 1 and once.checks()[0].realised > once.checks()[0].predicted
+    single = CalibratedClip(window=100, start=60, quantile=0.9, total_steps=400)
+    _drive(single, norms, lrs)
+    assert once.checks()[0].action == single.checks()[0].action
+    assert "later windows" not in once.checks()[0].action and "calibrate.every" in once.checks()[0].action
+    repeated = CalibratedClip(window=100, every=150, start=60, quantile=0.9, total_steps=330)
+    _drive(repeated, norms[:330], lrs[:330])  # windows 61-160 and 211-310, then no room for a third
+    first, last = repeated.checks()
+    assert "later windows" in first.action and "later windows" not in last.action
