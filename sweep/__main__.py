@@ -27,7 +27,7 @@ from sweep.config.amp_keys import refuse_scaler_keys
 from sweep.config.convert import refuse_renamed, to_config
 from sweep.config.keys import given, unknown_key
 from sweep.config.schema import RUNS, register
-from sweep.config.study_keys import refuse_other_mode_keys
+from sweep.config.study_keys import refuse_other_mode_keys, refuse_other_range_keys
 from sweep.config.validate import refuse_clip_overrides, refuse_pruning_overrides
 from sweep.errors import UserError, fail, one_line, one_line_warnings
 from sweep.offline import stay_offline
@@ -136,6 +136,7 @@ def precheck(argv: list[str]) -> None:
                 refuse_clip_overrides(cfg.run, job)
                 refuse_pruning_overrides(cfg.run, cfg.study.mode, job)
                 refuse_other_mode_keys(cfg.run, cfg.study.mode, job)
+                refuse_other_range_keys(cfg.run, cfg.study.mode, cfg.study.anchor, job)
                 refuse_scaler_keys(cfg.run, cfg.amp.dtype, job, overrides)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
         fail(_user_line(_unknown_override(e) or _not_a_list(e, overrides) or _two_groups(e) or e))

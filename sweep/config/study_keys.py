@@ -40,3 +40,27 @@ def refuse_other_mode_keys(run: str | None, mode: str, overrides: list[str]) -> 
                 f"{text}: only study=entangle (the LR check) reads it, so study={mode} would ignore it: drop it, "
                 "or pass study=entangle"
             )
+
+
+#: The ``max_norm`` range keys of each kind of search space: a fixed range, or one anchored on norm quantiles.
+FIXED_RANGE_KEYS = ("study.max_norm_low", "study.max_norm_high")
+ANCHORED_RANGE_KEYS = ("study.anchor_low", "study.anchor_high")
+
+
+def refuse_other_range_keys(run: str | None, mode: str, anchor: str | None, overrides: list[str]) -> None:
+    """A command-line range key of the search space the study does not use: ``study.max_norm_low/high`` with
+    an anchor (the range is ``[anchor_low × p50, anchor_high × p99]``), ``study.anchor_low/high`` without one."""
+    if run != "sweep" or mode == "entangle":  # entangle refuses both (``refuse_other_mode_keys``)
+        return
+    for text, key, _ in given(overrides):
+        if anchor is not None and key in FIXED_RANGE_KEYS:
+            raise UserError(
+                f"{text}: with study.anchor={anchor} the max_norm range is [study.anchor_low × p50, "
+                "study.anchor_high × p99] of the anchor's norms, so it would be ignored: pass study.anchor=null "
+                "to search [study.max_norm_low, study.max_norm_high], or drop it"
+            )
+        if anchor is None and key in ANCHORED_RANGE_KEYS:
+            raise UserError(
+                f"{text}: study.anchor=null searches [study.max_norm_low, study.max_norm_high], so it would be "
+                "ignored: drop it, or pass study.anchor=window (or a calibrate run's id) to anchor the range"
+            )

@@ -577,6 +577,37 @@ def test_a_study_key_the_sweeps_mode_would_ignore_is_refused(study, override, ca
 
 
 @pytest.mark.parametrize(
+    ("args", "override", "fix"),
+    [
+        ([], "study.max_norm_low=0.1", "study.anchor=null"),
+        (["study=constrained"], "study.max_norm_high=5.0", "study.anchor=null"),
+        (["study.anchor=null"], "study.anchor_low=0.25", "study.anchor=window"),
+    ],
+)
+def test_a_range_key_of_the_search_space_not_used_is_refused(args, override, fix, capsys):
+    """``+experiment=sweep study.max_norm_low=0.1 study.max_norm_high=5.0`` (the docs' range without its
+    ``study.anchor=null``) searched the anchor window's range without a word; ``study.anchor_low`` under
+    ``study.anchor=null`` likewise changed nothing. The study's range is the one the sweep really searched."""
+    from sweep.__main__ import precheck
+    from sweep.config.schema import StudyConfig
+    from sweep.config.study_keys import ANCHORED_RANGE_KEYS, FIXED_RANGE_KEYS
+    from sweep.experiments.study.space import max_norm_range
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["+experiment=sweep", *args, override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {override}: ") and "would be ignored" in err and fix in err
+    assert "\n" not in err
+    cfg = compose_cfg("+experiment=sweep", *args, override)
+    anchor = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0} if cfg.study.anchor else None
+    assert max_norm_range(cfg, anchor) == max_norm_range(compose_cfg("+experiment=sweep", *args), anchor)  # unread
+    reads_it = [a for a in args if not a.startswith("study.anchor=")] + [fix]
+    precheck(["+experiment=sweep", *reads_it, override])  # with the search space that reads it: accepted
+    assert set(FIXED_RANGE_KEYS) | set(ANCHORED_RANGE_KEYS) <= {f"study.{f}" for f in StudyConfig.__dataclass_fields__}
+
+
+@pytest.mark.parametrize(
     ("argv", "given", "dtype"),
     [
         (["+experiment=train", "amp.init_scale=1024"], "amp.init_scale=1024", "bf16"),
