@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -71,11 +72,21 @@ def open_storage(url: str, *, heartbeat_interval: int = 10, grace_period: int = 
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
         )
     except Exception as e:
-        reason = redact_text(" ".join(str(e).split()))[:200]
-        raise UserError(f"study.storage={shown!r} cannot be opened ({type(e).__name__}: {reason}): {fix}") from None
+        raise UserError(f"study.storage={shown!r} cannot be opened ({driver_reason(e)}): {fix}") from None
     if scheme == "sqlite":
         serialize_sqlite(storage.engine)
     return storage
+
+
+def driver_reason(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` of the driver's own exception behind a SQLAlchemy one (``exc.orig``), on one line,
+    without SQLAlchemy's "(Background on this error at: URL)" link, passwords redacted, cut at a word."""
+    said = getattr(exc, "orig", None) or exc
+    text = re.sub(r"\s*\(Background on this error at: [^)]*\)", "", " ".join(str(said).split()))
+    text = redact_text(text)
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " …"
+    return f"{type(said).__name__}: {text}" if text else type(said).__name__
 
 
 def serialize_sqlite(engine) -> None:

@@ -297,6 +297,24 @@ def test_bad_storage_is_one_line_without_password(url, message):
     assert message in text and "\n" not in text and "hunter2" not in text
 
 
+def test_an_unreachable_storage_gives_the_drivers_whole_reason():
+    """The reason was the SQLAlchemy message cut at 200 characters, mid-word, its "(Background on this error
+    at: https://sqlalche.me/…)" link included: "… accepting TCP/IP connections? (Backgroun)". The driver's own
+    words come whole, without SQLAlchemy's link."""
+    import psycopg
+
+    url = "postgresql://u:hunter2@127.0.0.1:1/optuna"
+    try:
+        psycopg.connect("host=127.0.0.1 port=1 user=u password=hunter2 dbname=optuna", connect_timeout=5)
+    except psycopg.OperationalError as e:
+        said = " ".join(str(e).split())  # what the driver says, on one line
+    with pytest.raises(UserError) as e:
+        storage.open_storage(url)
+    text = str(e.value)
+    assert f"(OperationalError: {said})" in text and "Background on this error" not in text, text
+    assert "\n" not in text and "hunter2" not in text
+
+
 @pytest.mark.slow
 def test_malformed_storage_url_exits_2_from_the_cli(tmp_path):
     res = run_cli("+experiment=sweep", "study.storage=notaurl", "progress=false", cwd=tmp_path)
