@@ -47,6 +47,15 @@ def resolve_anchor(
     return anchor
 
 
+def check_anchor_run(cfg: Config, study, client) -> None:
+    """``study.anchor=RUN_ID`` that the study has not stored yet: refuse a run it cannot anchor on before the
+    sweep opens its parent run (``resolve_anchor`` reads it again, under the study's lock)."""
+    spec = cfg.study.anchor
+    if spec in (None, "window") or (study.user_attrs.get("anchor") or {}).get("spec") == spec:
+        return
+    _run_quantiles(client, spec)
+
+
 def window_quantiles(
     cfg: Config, study_name: str, store: Store, parent_run_id: str, announce, artifacts
 ) -> tuple[dict[str, float], str]:

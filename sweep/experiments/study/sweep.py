@@ -18,7 +18,13 @@ from sweep.config.convert import flat_params
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.experiments.study.progress import TrialProgress
-from sweep.experiments.study.space import enqueue_dtypes, max_norm_range, open_parent_run, resolve_anchor
+from sweep.experiments.study.space import (
+    check_anchor_run,
+    enqueue_dtypes,
+    max_norm_range,
+    open_parent_run,
+    resolve_anchor,
+)
 from sweep.experiments.study.storage import (
     StorageLost,
     default_storage,
@@ -147,6 +153,7 @@ def _sweep(cfg: Config, store: Store, console: Console, stop: StopRequest) -> Sw
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = load_study(cfg, storage, name)
+    check_anchor_run(cfg, study, store.client)  # a run it cannot anchor on: refused before a run opens
     parent = open_parent_run(
         cfg, store, f"sweep-{name}", "parent", study=name, study_mode=s.mode, optuna_storage=shown_storage
     )

@@ -236,6 +236,22 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
         )
 
 
+def test_an_anchor_run_without_a_window_is_refused_before_the_sweep_opens_a_run(tmp_path):
+    """``study.anchor=<a trial's id>`` was refused only once the study's parent run had opened: it stayed in
+    the store, FAILED, a row of ``sweep.report`` with nothing in it. Now nothing is opened first."""
+    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("clipamp")
+    trial_run = client.create_run(exp, run_name="trial-0-bf16-1.0", tags={"run": "sweep"}).info.run_id
+    for k, v in {"grad_norm_p50": 1.0, "grad_norm_p90": 2.0, "grad_norm_p95": 2.5, "grad_norm_p99": 3.0}.items():
+        client.log_metric(trial_run, k, v)  # quantiles over all its steps: no window_clip_ratio_at_tau
+    client.set_terminated(trial_run)
+    with pytest.raises(UserError, match=r"without a calibration window, so its grad_norm quantiles are over all"):
+        app.run(sweep_cfg(uri, f"study.anchor={trial_run}"), ["+experiment=sweep"])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_id for r in runs] == [trial_run]
+
+
 def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
     W, FAIL = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.FAIL
     study = optuna.create_study(directions=["minimize", "minimize"])
