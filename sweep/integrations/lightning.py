@@ -69,6 +69,22 @@ from ..tracking.tracker import ended_as
 from .recorder import StepRecorder
 from .resume import warn_fresh
 
+#: Lightning's precision settings as the dtype the forward runs in (its ``16-mixed`` is refused on a CPU).
+PRECISION_DTYPES = {
+    "16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "16-true": "fp16",
+    "bf16-true": "bf16",
+    "32-true": "fp32",
+    "64-true": "fp64",
+}
+
+
+def precision_dtype(precision: str) -> str:
+    """The dtype of ``Trainer(precision=...)``'s forward, as the other runs' ``dtype`` tag says it (the report's
+    and the MLflow view's column); a setting not in :data:`PRECISION_DTYPES` as Lightning spells it."""
+    return PRECISION_DTYPES.get(precision, precision)
+
 
 def accumulation_schedule(trainer: pl.Trainer) -> GradientAccumulationScheduler | None:
     return next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
@@ -221,7 +237,12 @@ class ClipampCallback(pl.Callback):
             user_tau=tau,
             default_csv=Path(trainer.default_root_dir) / "clipamp" / "steps.csv",
             main_process=trainer.is_global_zero,
-            tags={"run": "lightning", "model": type(pl_module).__name__, "precision": str(trainer.precision)},
+            tags={
+                "run": "lightning",
+                "model": type(pl_module).__name__,
+                "dtype": precision_dtype(str(trainer.precision)),
+                "precision": str(trainer.precision),
+            },
             params={
                 **{f"calibrate.{k}": v for k, v in self.recorder.options.items() if k != "cap"},
                 "apply": self.apply,

@@ -331,3 +331,21 @@ def test_every_opt_step_of_a_batch_is_recorded(tmp_path):
     assert df["grad_l2_pre_clip"].tolist() == pytest.approx(module.norms, rel=1e-6)
     assert df["loss"][::2].isna().all() and df["loss"][1::2].notna().all()
     assert (cb.summary.start_step, cb.summary.end_step) == (1, 5)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_the_dtype_tag_is_what_the_forward_ran_in(tmp_path, store, precision):
+    """``dtype`` (the report's and the MLflow view's column, which read '—' for a Lightning run) is the dtype
+    autocast ran the forward in, seen from inside it; ``precision`` stays Lightning's setting."""
+    from mlflow import MlflowClient
+
+    seen = []
+    module = Tiny()
+    module.net.register_forward_pre_hook(
+        lambda m, a: seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+    )
+    cb = ClipampCallback(tracking=store, csv_path=tmp_path / "steps.csv", verbose=False)
+    fit(tmp_path, module, 2, [cb], max_steps=2, precision=precision)
+    ran = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[seen[0]]
+    tags = MlflowClient(store).get_run(cb.recorder.tracker.run_id).data.tags
+    assert (tags["dtype"], tags["precision"]) == (ran, precision)
