@@ -92,23 +92,19 @@ class AdaptiveGradClip(ClipPolicy):
         self.exclude_1d = bool(exclude_1d)
         if isinstance(exclude, str):
             exclude = [exclude]
-        names = param_names(named_params)
         self._by_default = exclude is None and named_params is None  # the model's names come at bind_model
         if exclude is None:
-            patterns = DEFAULT_AGC_EXCLUDE
-            self._excluded_ids = embedding_param_ids(named_params)
+            self._excluded_ids = _excluded_by_default(named_params)
         else:
             patterns = tuple(exclude)
-            self._excluded_ids = set()
             if patterns and named_params is None:
                 raise ValueError(
                     "agc exclude patterns match parameter names: pass "
                     "named_params=model.named_parameters() (or the model), or exclude=[]"
                 )
-        regexes = compile_patterns(patterns, "agc exclude")
-        if exclude is not None:
+            names = param_names(named_params)
+            self._excluded_ids = _matching(names, patterns)  # a pattern that does not compile is refused first
             refuse_unmatched("agc exclude", list(patterns), list(names.values()))
-        self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
         self._key: tuple | None = None
         self._selected: list[int] = []
 
@@ -116,10 +112,7 @@ class AdaptiveGradClip(ClipPolicy):
         """Built without ``named_params``: exclude the model's embeddings as the default does with them
         (``AmpTrainState(model, ..., clip=make_clip_policy("agc"))`` clips what the runner's ``clip=agc`` does)."""
         if self._by_default:
-            regexes = compile_patterns(DEFAULT_AGC_EXCLUDE, "agc exclude")
-            names = param_names(model)
-            self._excluded_ids = embedding_param_ids(model)
-            self._excluded_ids |= {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
+            self._excluded_ids = _excluded_by_default(model)
             self._key, self._by_default = None, False
 
     def _select(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[int]:
@@ -146,3 +139,15 @@ class AdaptiveGradClip(ClipPolicy):
         torch._foreach_clamp_max_(coef, 1.0)
         scale_each_([grads[i] for i in sel], coef)
         return total_norm(grads)
+
+
+def _matching(names: dict[int, str], patterns: tuple[str, ...]) -> set[int]:
+    """The ids of the parameters whose name ``re.search``-matches one of ``patterns``."""
+    regexes = compile_patterns(patterns, "agc exclude")
+    return {pid for pid, name in names.items() if any(r.search(name) for r in regexes)}
+
+
+def _excluded_by_default(named_params: NamedParams | None) -> set[int]:
+    """What ``exclude=None`` leaves unclipped: every ``nn.Embedding`` weight and the names matching
+    ``DEFAULT_AGC_EXCLUDE`` (none without ``named_params``)."""
+    return embedding_param_ids(named_params) | _matching(param_names(named_params), DEFAULT_AGC_EXCLUDE)
