@@ -4,6 +4,8 @@ steps and τ equal those the Lightning ``ClipampCallback`` calibrated live in th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -83,23 +85,30 @@ class Counted(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
-def test_a_lightning_log_every_5_steps_is_read_as_optimizer_steps(tmp_path):
-    """``log_every_n_steps=5``: Lightning writes steps 4, 9, … (``global_step`` before the update) for optimizer
-    steps 5, 10, …; they are read as the latter, each norm and LR at the optimizer step that produced it."""
+def fit_every_5(tmp_path, module, max_steps: int, callbacks=()) -> Path:
+    """Fit ``module`` on 16 batches of 4 for ``max_steps``, logging to a ``CSVLogger`` every 5 steps: its
+    ``metrics.csv``."""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     trainer = L.Trainer(
-        max_steps=30,
+        max_steps=max_steps,
         accelerator="cpu",
         logger=CSVLogger(str(tmp_path), name="logs"),
         log_every_n_steps=5,
-        callbacks=[LearningRateMonitor(logging_interval="step")],
+        callbacks=list(callbacks),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Counted(), torch.utils.data.DataLoader(data, batch_size=4))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     [csv] = (tmp_path / "logs").glob("version_*/metrics.csv")
+    return csv
+
+
+def test_a_lightning_log_every_5_steps_is_read_as_optimizer_steps(tmp_path):
+    """``log_every_n_steps=5``: Lightning writes steps 4, 9, … (``global_step`` before the update) for optimizer
+    steps 5, 10, …; they are read as the latter, each norm and LR at the optimizer step that produced it."""
+    csv = fit_every_5(tmp_path, Counted(), 30, [LearningRateMonitor(logging_interval="step")])
     rows = pd.read_csv(csv)
     logged = rows.dropna(subset=["grad_2.0_norm_total"])
     assert logged["step"].tolist() == list(range(4, 30, 5))  # Lightning's numbering, checked, not assumed
@@ -124,19 +133,7 @@ class OwnName(Counted):
 def test_a_csvlogger_log_of_a_norm_of_its_own_every_5_steps_is_read_as_optimizer_steps(tmp_path):
     """No ``grad_norm`` utility name, no ``LearningRateMonitor``, no ``hparams.yaml`` (``CSVLogger`` writes none for
     a module without hyperparameters): Lightning's steps 4, 9, … are still read as optimizer steps 5, 10, …"""
-    torch.manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    trainer = L.Trainer(
-        max_steps=32,
-        accelerator="cpu",
-        logger=CSVLogger(str(tmp_path), name="logs"),
-        log_every_n_steps=5,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(OwnName(), torch.utils.data.DataLoader(data, batch_size=4))
-    [csv] = (tmp_path / "logs").glob("version_*/metrics.csv")
+    csv = fit_every_5(tmp_path, OwnName(), 32)
     assert sorted(p.name for p in csv.parent.iterdir()) == ["metrics.csv"]
     logged = pd.read_csv(csv).dropna(subset=["gnorm"])
     assert logged["step"].tolist() == list(range(4, 30, 5))  # Lightning's numbering, checked, not assumed
