@@ -236,10 +236,10 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
         )
 
 
-def test_an_anchor_run_without_a_window_is_refused_before_the_sweep_opens_a_run(tmp_path):
+def test_an_anchor_run_without_a_window_is_refused_before_the_sweep_opens_a_run(store):
     """``study.anchor=<a trial's id>`` was refused only once the study's parent run had opened: it stayed in
     the store, FAILED, a row of ``sweep.report`` with nothing in it. Now nothing is opened first."""
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store
     client = MlflowClient(uri)
     exp = client.create_experiment("clipamp")
     trial_run = client.create_run(exp, run_name="trial-0-bf16-1.0", tags={"run": "sweep"}).info.run_id
