@@ -3,6 +3,7 @@ process, without an interpreter's start-up)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import shutil
@@ -41,7 +42,17 @@ def _register() -> None:
 
 
 def compose_cfg(*overrides: str):
-    """The typed Config object that ``python -m sweep`` would run with these overrides."""
+    """The typed Config object that ``python -m sweep`` would run with these overrides (a copy of its own: the
+    caller may change it)."""
+    environ = frozenset((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST")  # pytest's, per test
+    return copy.deepcopy(_composed(overrides, os.getcwd(), environ))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...], cwd: str, environ: frozenset):
+    """One compose per distinct command in this process: each compose builds Hydra's own config tree, most of its
+    cost, and tests compose the same command many times. The key holds what a compose reads besides conf/ (the
+    working folder, the environment); a compose that raises is not kept, so it raises each time."""
     from sweep.config.convert import to_config
 
     _register()
