@@ -13,9 +13,9 @@ from urllib.parse import quote
 
 import optuna
 
-from sweep.config.convert import flatten
 from sweep.config.schema import Config
 from sweep.errors import UserError
+from sweep.experiments.study.compat import refuse_another_task
 from sweep.experiments.study.pruning import constrained_pruner
 from sweep.tracking.tracker import redact, redact_text, sqlite_path
 
@@ -235,37 +235,8 @@ def load_study(cfg: Config, storage, name: str):
             f"study.name={name!r} was run with study.dtypes=[{dtypes}], not {list(cfg.study.dtypes)}: pass "
             f"study.dtypes=[{dtypes}] to add trials to it, or another study.name"
         )
-    refuse_another_task(study, cfg)
+    refuse_another_task(study, task_key(cfg), named=bool(cfg.study.name))
     return study
-
-
-#: ``task_key``'s names for the ``study.*`` keys a user types.
-_TASK_NAMES = {
-    "space.low": "study.max_norm_low",
-    "space.high": "study.max_norm_high",
-    "space.band": "study.target_clip",
-}
-
-
-def refuse_another_task(study, cfg: Config) -> None:
-    """A named study (``study.name``) holds the trials of one task: trials of another (other steps, model, LR…)
-    are not comparable, and the pick would compare them. Unnamed studies are named after their task."""
-    stored = study.user_attrs.get("task")
-    if stored is None or not cfg.study.name:  # an unnamed study's name is its task's hash
-        return
-    now = json.loads(json.dumps(task_key(cfg), default=str))  # as the storage holds it
-    old, new = flatten(stored), flatten(now)
-    changed = [
-        f"{_TASK_NAMES.get(k, k.removeprefix('space.'))} (study: {old.get(k, 'default')}, now: {new.get(k, 'default')})"
-        for k in sorted(old.keys() | new.keys())
-        if old.get(k) != new.get(k)
-    ]
-    if changed:
-        raise UserError(
-            f"study.name={study.study_name!r} holds the trials of another task: {'; '.join(changed)}; their losses "
-            f"are not comparable: pass the study's settings to add trials to it, or another study.name (without "
-            f"one, the study is named after its task)"
-        )
 
 
 def storage_unreachable(exc: BaseException | None) -> BaseException | None:
