@@ -47,11 +47,12 @@ def resolve_anchor(
     return anchor
 
 
-def check_anchor_run(cfg: Config, study, client) -> None:
-    """``study.anchor=RUN_ID`` that the study has not stored yet: refuse a run it cannot anchor on before the
-    sweep opens its parent run (``resolve_anchor`` reads it again, under the study's lock)."""
+def check_anchor_run(cfg: Config, stored: dict[str, Any], client) -> None:
+    """``study.anchor=RUN_ID`` that the study (its user attributes ``stored``, ``{}`` for a study not created
+    yet) has not stored: refuse a run it cannot anchor on before the sweep creates the study or opens its parent
+    run (``resolve_anchor`` reads it again, under the study's lock)."""
     spec = cfg.study.anchor
-    if spec in (None, "window") or (study.user_attrs.get("anchor") or {}).get("spec") == spec:
+    if spec in (None, "window") or (stored.get("anchor") or {}).get("spec") == spec:
         return
     _run_quantiles(client, spec)
 
@@ -103,7 +104,10 @@ def _run_quantiles(client, run_id: str) -> dict[str, float]:
             f"study.anchor={run_id!r}: the run has no grad_norm_{missing[0]} metric; pass a "
             f"calibrate run's id or study.anchor=window"
         )
-    return {k: metrics[f"grad_norm_{k}"] for k in QUANTILE_KEYS}
+    anchor = {k: float(metrics[f"grad_norm_{k}"]) for k in QUANTILE_KEYS}
+    if not all(math.isfinite(v) and v > 0 for v in anchor.values()):
+        raise UserError(f"study.anchor={run_id!r}: its norm quantiles {anchor} are not all finite and > 0")
+    return anchor
 
 
 def max_norm_range(cfg: Config, anchor: dict[str, float] | None) -> tuple[float, float]:

@@ -207,6 +207,14 @@ def make_pruner(cfg: Config):
     )
 
 
+def stored_attrs(storage, name: str) -> dict[str, Any]:
+    """The user attributes of the study ``name`` in ``storage`` (``{}`` when it does not exist), creating nothing."""
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if summary.study_name == name:
+            return dict(summary.user_attrs)
+    return {}
+
+
 def load_study(cfg: Config, storage, name: str):
     """Create or resume (``load_if_exists``) the study; its sampler seeded from ``cfg.seed``."""
     directions = ["minimize", "minimize"] if cfg.study.mode == "pareto" else ["minimize"]

@@ -32,6 +32,7 @@ from sweep.experiments.study.storage import (
     make_sampler,
     open_storage,
     storage_unreachable,
+    stored_attrs,
     study_name,
     task_key,
 )
@@ -152,8 +153,9 @@ def _sweep(cfg: Config, store: Store, console: Console, stop: StopRequest) -> Sw
     shown_storage = redact_text(redact(storage_url))
     name = study_name(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # a run it cannot anchor on: refused before the study is created and before a run opens
+    check_anchor_run(cfg, stored_attrs(storage, name), store.client)
     study = load_study(cfg, storage, name)
-    check_anchor_run(cfg, study, store.client)  # a run it cannot anchor on: refused before a run opens
     parent = open_parent_run(
         cfg, store, f"sweep-{name}", "parent", study=name, study_mode=s.mode, optuna_storage=shown_storage
     )

@@ -236,20 +236,46 @@ def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
         )
 
 
-def test_an_anchor_run_without_a_window_is_refused_before_the_sweep_opens_a_run(store):
-    """``study.anchor=<a trial's id>`` was refused only once the study's parent run had opened: it stayed in
-    the store, FAILED, a row of ``sweep.report`` with nothing in it. Now nothing is opened first."""
-    uri = store
+@pytest.fixture(scope="module")
+def anchor_runs(tmp_path_factory):
+    """A tracking store holding a trial's run (quantiles over all its steps: no window) and a run whose window
+    quantiles include a 0; what the refusals below must leave alone."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('anchors')}/mlruns/mlflow.db"
     client = MlflowClient(uri)
     exp = client.create_experiment("clipamp")
-    trial_run = client.create_run(exp, run_name="trial-0-bf16-1.0", tags={"run": "sweep"}).info.run_id
-    for k, v in {"grad_norm_p50": 1.0, "grad_norm_p90": 2.0, "grad_norm_p95": 2.5, "grad_norm_p99": 3.0}.items():
-        client.log_metric(trial_run, k, v)  # quantiles over all its steps: no window_clip_ratio_at_tau
-    client.set_terminated(trial_run)
-    with pytest.raises(UserError, match=r"without a calibration window, so its grad_norm quantiles are over all"):
-        app.run(sweep_cfg(uri, f"study.anchor={trial_run}"), ["+experiment=sweep"])
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert [r.info.run_id for r in runs] == [trial_run]
+    quantiles = {"grad_norm_p50": 1.0, "grad_norm_p90": 2.0, "grad_norm_p95": 2.5, "grad_norm_p99": 3.0}
+    runs = {}
+    for name, extra in {
+        "no-window": {},
+        "zero-quantile": {"window_clip_ratio_at_tau": 0.03, "grad_norm_p50": 0},
+    }.items():
+        run_id = client.create_run(exp, run_name=name, tags={"run": "sweep"}).info.run_id
+        for k, v in {**quantiles, **extra}.items():
+            client.log_metric(run_id, k, v)
+        client.set_terminated(run_id)
+        runs[name] = run_id
+    return uri, client, runs
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("no-window", r"without a calibration window, so its grad_norm quantiles are over all"),
+        ("zero-quantile", r"quantiles .* are not all finite and > 0"),
+        ("no-such-run", r"no such run in the tracking store"),
+    ],
+    ids=["no-window", "zero-quantile", "no-such-run"],
+)
+def test_an_anchor_run_it_cannot_anchor_on_is_refused_before_the_study_and_a_run_exist(anchor_runs, case, said):
+    """``study.anchor=<a trial's id>`` was refused only once the study's parent run had opened: it stayed in
+    the store, FAILED, a row of ``sweep.report`` with nothing in it; then only once the Optuna study had been
+    created, which stayed in the storage, empty. Now nothing is created first."""
+    uri, client, runs = anchor_runs
+    with pytest.raises(UserError, match=said):
+        app.run(sweep_cfg(uri, f"study.anchor={runs.get(case, '0' * 32)}"), ["+experiment=sweep"])
+    left = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(r.info.run_id for r in left) == sorted(runs.values())
+    assert optuna.get_all_study_summaries(uri.replace("mlflow.db", "optuna.db")) == []
 
 
 def test_enqueue_each_dtype_once_at_the_anchor_until_evaluated():
