@@ -31,13 +31,20 @@ _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def validate_band(band: tuple[float, float]) -> tuple[float, float]:
-    """``band`` as a (low, high) pair with 0 < low < high < 1, else a ``ValueError`` naming it."""
+    """``band`` as a (low, high) pair of clipping ratios with 0 ≤ low < high ≤ 1, else a ``ValueError`` naming it.
+
+    τ aims at the band's midpoint and its held-out steps are judged against the band, so the band needs a
+    width (low < high: a band of one ratio would hold no sampled ratio and bound no window); low = 0 is no
+    floor, high = 1 no ceiling."""
     try:
         low, high = (float(x) for x in band)
     except (TypeError, ValueError):
         raise ValueError(f"target_clip={band!r} must be two ratios [low, high], e.g. [0.01, 0.05]") from None
-    if not 0.0 < low < high < 1.0:
-        raise ValueError(f"target_clip=[{low:g}, {high:g}] needs 0 < low < high < 1, e.g. [0.01, 0.05]")
+    if not 0.0 <= low < high <= 1.0:
+        raise ValueError(
+            f"target_clip=[{low:g}, {high:g}] needs 0 <= low < high <= 1 (τ aims at the band's midpoint and "
+            "its held-out steps are judged against it, so it needs a width), e.g. [0.01, 0.05]"
+        )
     return low, high
 
 

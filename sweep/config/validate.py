@@ -324,8 +324,8 @@ def check_study(cfg: Config) -> None:
     band = list(s.target_clip)
     if len(band) != 2 or not 0.0 <= band[0] <= band[1] <= 1.0:
         raise UserError(
-            f"study.target_clip={band} must be [low, high] with 0 <= low <= high <= 1: "
-            "pass e.g. study.target_clip=[0.01,0.2]"
+            f"study.target_clip={band} must be [low, high] with 0 <= low <= high <= 1 (a constraint on each "
+            "trial's clipping ratio: [0,1] admits every trial): pass e.g. study.target_clip=[0.01,0.2]"
         )
     if not 0.0 <= s.prune_warmup < 1.0:
         raise UserError(f"study.prune_warmup={s.prune_warmup} must be in [0, 1)")

@@ -94,10 +94,18 @@ def test_band_quantile_aims_at_the_band_midpoint():
     assert 0.01 < np.mean(norms > tau) < 0.05
 
 
-@pytest.mark.parametrize("band", [(0.05, 0.01), (0, 0.05), (0.01, 1.0), ("a", 1), (0.1,)])
+@pytest.mark.parametrize("band", [(0.05, 0.01), (0.05, 0.05), (-0.01, 0.05), (0.01, 1.2), ("a", 1), (0.1,)])
 def test_bad_bands_are_refused_with_the_fix(band):
     with pytest.raises(ValueError, match="e.g. \\[0.01, 0.05\\]"):
         validate_band(band)
+
+
+@pytest.mark.parametrize("band", [(0, 0.05), (0.01, 1.0), (0, 1)])
+def test_a_band_may_start_at_0_or_end_at_1(band):
+    """No floor or no ceiling: τ still aims at the midpoint, Quantile_{1 − (low + high)/2} (numpy's)."""
+    norms = np.random.default_rng(0).lognormal(0, 0.4, 20000)
+    tau = np.quantile(norms, band_quantile(band))
+    assert np.mean(norms > tau) == pytest.approx((band[0] + band[1]) / 2, abs=1e-3)
 
 
 def test_inside_the_band_keeps_tau():

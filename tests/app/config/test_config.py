@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sweep.config import validate
-from sweep.config.schema import RUNS
+from sweep.config.schema import RUNS, calibrated
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from sweep.run.build import build_clip_policy
@@ -98,7 +98,11 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
             "calibrate.quantile=2.0 must be in (0, 1), e.g. 0.95: pass e.g. calibrate.quantile=null "
             "(aim τ at calibrate.target_clip)",
         ),
-        (["calibrate.target_clip=[0.05,0.01]"], "calibrate.target_clip=[0.05, 0.01] needs 0 < low < high < 1"),
+        (
+            ["calibrate.target_clip=[0.05,0.01]"],
+            "calibrate.target_clip=[0.05, 0.01] needs 0 <= low < high <= 1 (τ aims at the band's midpoint and its "
+            "held-out steps are judged against it, so it needs a width)",
+        ),
         (
             ["calibrate.confidence=1.5"],
             "calibrate.confidence=1.5 must be in (0, 1), e.g. 0.95 (the intervals' level): "
@@ -401,6 +405,25 @@ def test_the_clip_policy_checks_its_options_named_by_config_key(args, message):
     with pytest.raises(UserError) as e:
         validate(compose_cfg("+experiment=train", *args))
     assert str(e.value) == message
+
+
+def test_each_band_admits_its_ends_and_says_why_its_bounds_are_what_they_are():
+    """A calibrate band is a target (τ aims at its midpoint) and needs a width, but may start at 0 (no floor)
+    or end at 1 (no ceiling), as a study's band, a constraint, may; only the study's may be one ratio."""
+    from clipamp_engine.band import check_band
+
+    cfg = compose_cfg("+experiment=calibrate", "calibrate.target_clip=[0,0.05]")
+    validate(cfg)
+    assert build_clip_policy(calibrated(cfg), total_steps=cfg.steps).quantile == pytest.approx(1 - (0 + 0.05) / 2)
+    assert check_band(2.0, 0.02, 0, 100, (0.0, 0.05)).inside  # no step clipped: inside a band with no floor
+    assert not check_band(2.0, 0.02, 0, 100, (0.01, 0.05)).inside
+    validate(compose_cfg("+experiment=calibrate", "calibrate.target_clip=[0.5,1]"))
+    validate(compose_cfg("+experiment=sweep", "study.target_clip=[0,1]"))  # every trial feasible
+    validate(compose_cfg("+experiment=sweep", "study.target_clip=[0,0]"))  # only trials that never clip
+    with pytest.raises(UserError, match=r"needs 0 <= low < high <= 1 \(τ aims at the band's midpoint"):
+        validate(compose_cfg("+experiment=calibrate", "calibrate.target_clip=[0.05,0.05]"))
+    with pytest.raises(UserError, match=r"\(a constraint on each trial's clipping ratio: \[0,1\] admits every trial\)"):
+        validate(compose_cfg("+experiment=sweep", "study.target_clip=[0.2,1.5]"))
 
 
 def test_the_band_is_one_key():

@@ -338,7 +338,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         .rstrip()
         .endswith("--every 30 must be 0 (one window) or an integer >= --window 100")
     )
-    assert "--target-clip 0.5 0.1 needs 0 < low < high < 1" in _error(
+    assert "--target-clip 0.5 0.1 needs 0 <= low < high <= 1" in _error(
         capsys, [str(ours), "--target-clip", "0.5", "0.1"]
     )
     zeros = write_csv(tmp_path / "zeros.csv", {"step": steps, "grad_norm": np.zeros(N)})
