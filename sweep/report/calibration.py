@@ -16,6 +16,7 @@ from rich.table import Table
 from clipamp_engine.calibration import min_window, window_for_width
 
 if TYPE_CHECKING:
+    from clipamp_engine.calibration import QuantileCI
     from clipamp_engine.clip import CalibratedClip
 
 #: the relative interval width whose window length the report estimates
@@ -163,24 +164,47 @@ def tables(clip: CalibratedClip) -> list[Any]:
             "[yellow]validation:[/] none: no step after the window, so nothing checks τ against the band "
             "(raise steps, or lower calibrate.window or calibrate.start)"
         )
-    drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
     if len(clip.summaries) > 1:
         out.append(_drift_table(clip))
-        out.append(
-            f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate "
-            f"from the previous one" + (f" (from steps {steps(clip, drifted[0])})" if drifted else "")
-        )
-        last = clip.summaries[-1]
-        out.append(
-            f"latest window, steps {steps(clip, last)}: clip.max_norm={last.recommended_max_norm:.4g}, "
-            "the τ in force at the end; "
-            + (
-                "the norms moved, so train on from here at this τ, not the first window's"
-                if drifted
-                else "no drift: the first window's τ holds"
-            )
-        )
+        out += drift_lines(clip)
     return out
+
+
+def separable(a: QuantileCI, b: QuantileCI) -> bool:
+    """Whether two τ intervals could separate at all: one's upper side and the other's lower side bounded (a
+    window too short to bound τ from above gives an interval reaching +∞, which every later one overlaps)."""
+    return (math.isfinite(a.high) and math.isfinite(b.low)) or (math.isfinite(b.high) and math.isfinite(a.low))
+
+
+def drift_lines(clip: CalibratedClip) -> list[str]:
+    """The drift count and the latest window's line: drift, no drift beyond the intervals' width, or windows
+    too short to judge it (intervals that cannot separate say nothing about drift)."""
+    drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
+    blind = sum(not separable(a.tau_ci, b.tau_ci) for a, b in zip(clip.summaries, clip.summaries[1:]))
+    first = clip.summaries[0]
+    count = f"drift: {len(drifted)} of {len(clip.summaries) - 1} later windows have a τ interval separate from the "
+    count += "previous one" + (f" (from steps {steps(clip, drifted[0])})" if drifted else "")
+    if blind:
+        count += (
+            f"; {blind} cannot separate: a τ interval with no upper bound (Quantile_{first.quantile:.4g} of "
+            f"{first.n_finite} norms) overlaps every other"
+        )
+    if drifted:
+        verdict = "the norms moved, so train on from here at this τ, not the first window's"
+    elif blind:
+        verdict = (
+            "windows too short to judge drift (interval ±∞), so nothing says whether the first window's τ holds: "
+            "lengthen calibrate.window until the quantile table bounds τ"
+        )
+    else:
+        width = max(s.tau_ci.rel_width for s in clip.summaries) / 2
+        verdict = f"no drift beyond the windows' intervals (±{width:.0%}): the first window's τ holds"
+    last = clip.summaries[-1]
+    return [
+        count,
+        f"latest window, steps {steps(clip, last)}: clip.max_norm={last.recommended_max_norm:.4g}, the τ in force "
+        f"at the end; {verdict}",
+    ]
 
 
 def _drift_table(clip: CalibratedClip) -> Table:
@@ -194,18 +218,20 @@ def _drift_table(clip: CalibratedClip) -> Table:
 
 
 def _window_rows(clip: CalibratedClip, drift: str) -> list[tuple[str, ...]]:
-    """Per window: its steps, τ, τ's interval, τ / the previous τ, ``drift`` or "no", its validation."""
+    """Per window: its steps, τ, τ's interval, τ / the previous τ, ``drift``, "no" or "cannot" (intervals that
+    cannot separate, ``separable``), its validation."""
     rows, prev = [], None
     for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
+        blind = prev is not None and not separable(prev.tau_ci, s.tau_ci)
         rows.append(
             (
                 steps(clip, s),
                 _f(s.recommended_max_norm),
                 _interval(s.tau_ci),
-                f"{s.recommended_max_norm / prev:.2f}" if prev else "—",
-                drift if d else "no",
+                f"{s.recommended_max_norm / prev.recommended_max_norm:.2f}" if prev else "—",
+                drift if d else "cannot" if blind else "no",
                 f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—",
             )
         )
-        prev = s.recommended_max_norm
+        prev = s
     return rows

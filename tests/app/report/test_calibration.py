@@ -16,11 +16,13 @@ from sweep.run.calibration import calibration_metrics as metrics
 from sweep.run.calibration import calibration_payload as payload
 
 
-def _driven(every=0, n=400, q=None, confidence=0.95):
+def _driven(every=0, n=400, q=None, confidence=0.95, fall_after=None):
     rng = np.random.default_rng(0)
     steps = np.arange(1, n + 1)
     lrs = np.minimum(steps / 20, 1.0) * 3e-3
     norms = (1 + 9 * np.exp(-steps / 15)) * rng.lognormal(0, 0.3, n)
+    if fall_after is not None:
+        norms[fall_after:] *= 0.54  # the norms' level falls to 0.54× for good
     clip = CalibratedClip(window=100, every=every, start="auto", quantile=q, confidence=confidence, total_steps=n)
     for s, lr, g in zip(steps, lrs, norms):
         tau = clip.threshold
@@ -78,6 +80,35 @@ def test_report_and_terminal_show_placement_intervals_verdict_and_drift():
         "the τ in force at the end; "
     ) in out  # the headline is the first window's τ: which τ a run ended at is said too
     assert ("train on from here at this τ" in out) == any(clip.drift())
+
+
+def _terminal(clip) -> str:
+    console = Console(record=True, width=200)
+    for r in tables(clip):
+        console.print(r)
+    return console.export_text()
+
+
+def test_windows_too_short_to_bound_tau_say_they_cannot_judge_drift_not_that_there_is_none():
+    """Norms that fall to 0.54× after the first window: with Quantile_0.97 of 100 norms every τ interval reaches
+    +∞ and overlaps every other, so the run cannot tell; it said "no drift: the first window's τ holds"."""
+    short = _driven(every=150, n=450, fall_after=250)
+    assert not any(short.drift()) and not short.summaries[0].tau_ci.bounded
+    out = _terminal(short)
+    assert "no drift" not in out  # before: "no drift: the first window's τ holds"
+    assert "2 cannot separate: a τ interval with no upper bound (Quantile_0.97 of 100 norms) overlaps every" in out
+    assert "windows too short to judge drift (interval ±∞), so nothing says whether the first window's τ holds" in out
+    assert "| cannot |" in "\n".join(markdown(short))
+    # the same norms judged at Quantile_0.9, which 100 norms bound: the fall separates the intervals
+    bounded = _driven(every=150, n=450, q=0.9, fall_after=250)
+    assert any(bounded.drift()) and "train on from here at this τ" in _terminal(bounded)
+
+
+def test_no_drift_is_said_with_the_width_it_could_resolve():
+    clip = _driven(every=150, n=450, q=0.9)
+    assert not any(clip.drift())
+    width = max(s.tau_ci.rel_width for s in clip.summaries) / 2
+    assert f"no drift beyond the windows' intervals (±{width:.0%}): the first window's τ holds" in _terminal(clip)
 
 
 def test_the_intervals_are_labelled_at_the_level_they_were_computed_at():
