@@ -27,6 +27,10 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
   end; a ``train()`` cut short by an exception leaves it set, and the next ``train()`` still finds the
   user's τ (kept beside it on ``args``). ``grad_l2_pre_clip`` is therefore Trainer's own ``grad_norm``
   (NaN on a step whose norm is not finite); ``grad_l2_post_clip`` the norm the optimizer received.
+- A schedule on the threshold: ``args.max_grad_norm`` set anew in ``on_step_begin`` of a callback before this
+  one is the τ of that step on (the clip, the CSV's ``max_norm``); set any later in a step, Trainer has clipped
+  with it before the callback measures, so that step is refused (``ValueError``) before its record, as is any
+  change with ``apply=True`` (its clip is the policy's).
 - Loss: the model's own loss (a forward hook; ``outputs.loss``, or ``outputs[0]`` of a tuple, where
   ``Trainer.compute_loss`` reads it), combined as Trainer combines it:
   summed over micro-batches when Trainer passes ``num_items_in_batch`` (then it is the token
@@ -60,6 +64,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .hf_forward import loss_shifts_labels, model_loss, over_ranks, trained_dtype
 from .recorder import StepRecorder
 from .resume import to_json, warn_fresh
 
@@ -213,9 +218,8 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._norm_only = self.apply or self._user_tau > 0
         if self._norm_only:
             setattr(args, _USER_MAX_GRAD_NORM, user_tau)  # for a later callback on the same args
-        if self._hook is not None:  # left by a train() cut short: one hook per forward
-            self._hook.remove()
-        dtype = _trained_dtype(args, model)
+        self._unhook()  # left by a train() cut short: one hook per forward
+        dtype = trained_dtype(args, model)
         try:
             self.recorder.begin(
                 resume=self._saved(state) if state.global_step > 0 else None,
@@ -237,24 +241,25 @@ class ClipampCallback(TrainerCallback, ExportableState):
             args.max_grad_norm = self._user_tau
             raise
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
-        self._shifts_labels = _loss_shifts_labels(model)
+        self._shifts_labels = loss_shifts_labels(model)
         self._unlogged, self._loss_warned = [], False
         self._reset()
 
     def on_train_end(self, args, state, control, **kwargs):
         args.max_grad_norm = self._user_tau
+        self._unhook()
+        self.recorder.end(state.global_step)
+
+    def _unhook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.recorder.end(state.global_step)
 
     def _undo(self, args) -> None:
         """Undo ``on_train_begin`` of a ``train()`` refused before its first step: ``args`` as the user left
         them, no hook, the CSV closed and the MLflow run ended as FAILED."""
         args.max_grad_norm = self._user_tau
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._unhook()
         self.recorder.abort("FAILED")
 
     # -- one optimizer step --------------------------------------------------------------------
@@ -263,15 +268,40 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._micro, self._loss_is_sum = 0, False
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self._norm_only and args.max_grad_norm == self._user_tau:  # the first step (the user's τ still there)
+        tau = args.max_grad_norm
+        if not isinstance(tau, _NormOnly) and tau != self._user_tau:  # set since the last step: a τ schedule
+            self._take_new_tau(args, state, tau)
+        if self._norm_only and not isinstance(args.max_grad_norm, _NormOnly):  # the user's τ: the first step, or new
             args.max_grad_norm = _NormOnly(self._user_tau)  # Trainer measures ‖g‖; the clip: on_pre_optimizer_step
+        self._step_tau = args.max_grad_norm  # what Trainer's clip must find
         self._reset()
+
+    def _take_new_tau(self, args, state, tau: float) -> None:
+        """``args.max_grad_norm`` set anew before this step's ``on_step_begin`` (a callback before this one that
+        schedules the threshold): the clip and the CSV's ``max_norm`` follow it from this step on. Refused with
+        ``apply=True``, whose clip is the policy's."""
+        if self.apply:
+            self._refuse(
+                f"args.max_grad_norm was changed from {self._user_tau} to {tau} before step {state.global_step + 1}, "
+                "and ClipampCallback(apply=True) clips at its own τ (your max_grad_norm only until the calibration "
+                "window closes), so the new value would never be applied; drop the change, or use apply=False to "
+                "clip at your schedule and record the norms under it"
+            )
+        self._user_tau, self._norm_only = tau, tau > 0
+        self.recorder.set_user_tau(tau)
+        setattr(args, _USER_MAX_GRAD_NORM, tau)
+
+    def _refuse(self, why: str) -> None:
+        """End the run (FAILED, the steps before this one recorded) and raise ``why``; ``args`` as the user set them."""
+        self._unhook()
+        self.recorder.abort("FAILED")
+        raise ValueError(f"clipamp: {why}")
 
     def _on_forward(self, module, args, kwargs, output) -> None:
         if not module.training:
             return  # evaluation forwards
         self._micro += 1
-        loss = _model_loss(output)
+        loss = model_loss(output)
         if loss is not None:
             self._loss = loss.detach().float() + (0 if self._loss is None else self._loss)
         self._loss_is_sum = "num_items_in_batch" in kwargs
@@ -285,13 +315,21 @@ class ClipampCallback(TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         """Unscaled, accumulated, not yet clipped gradients: norm over ``model.parameters()`` as Trainer
         does, clip as Trainer would (or at the policy's τ), read everything back once."""
+        if args.max_grad_norm != self._step_tau:  # set since on_step_begin: Trainer's clip has already used it
+            self._refuse(
+                f"args.max_grad_norm was changed to {args.max_grad_norm} during step {state.global_step + 1}, after "
+                "ClipampCallback.on_step_begin: Trainer clipped with the new value before the callback measured the "
+                "gradients, so it would record clipped norms as pre-clip ones; change max_grad_norm in on_step_begin "
+                "of a callback placed before ClipampCallback (Trainer(callbacks=[your_callback, ClipampCallback()])): "
+                "the callback then records the norms before the clip and clips at your value"
+            )
         scaler = getattr(optimizer, "scaler", None)
         self._has_scaler = scaler is not None and scaler.is_enabled()
         self._scale = float(scaler.get_scale()) if self._has_scaler else 1.0  # sync (CUDA fp16): this step's scale
         self._lr = float(optimizer.param_groups[0]["lr"])
         params = list(self._model.parameters())  # what Trainer's clip_grad_norm_ norms, in its order
         loss = None if self._loss is None else self._loss / (1 if self._loss_is_sum else max(self._micro, 1))
-        loss, self._tokens = _over_ranks(loss, self._tokens, self._loss_is_sum)
+        loss, self._tokens = over_ranks(loss, self._tokens, self._loss_is_sum)
         self._measured = self.recorder.measure(
             params,
             state.global_step + 1,
@@ -332,55 +370,3 @@ class ClipampCallback(TrainerCallback, ExportableState):
                 UserWarning,
                 stacklevel=2,
             )
-
-
-def _model_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model computed itself, where ``Trainer.compute_loss`` reads it: ``outputs["loss"]`` (a
-    ``ModelOutput`` is a dict), else ``outputs[0]`` of a tuple when it is a scalar; None otherwise."""
-    if isinstance(output, dict):
-        return output.get("loss")
-    if isinstance(output, tuple | list):
-        first = output[0] if output else None
-        return first if torch.is_tensor(first) and first.ndim == 0 else None
-    return getattr(output, "loss", None)
-
-
-def _trained_dtype(args, model) -> str:
-    """The dtype the steps run in: accelerate autocasts the model's forward (and keeps the original as
-    ``_original_forward``) only where its mixed precision runs natively; ``fp16=True`` on a CPU trains in fp32."""
-    if getattr(model, "_original_forward", None) is None:
-        return "fp32"
-    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-
-
-def _loss_shifts_labels(model: Any) -> bool:
-    """Trainer's rule for counting a batch's items (``num_items_in_batch``): a decoder-only causal-LM loss
-    never predicts each row's first label, so the count is over ``labels[..., 1:]``; any other model (a
-    classifier, an encoder-decoder) counts every label that is not -100."""
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    from transformers.trainer_utils import unwrap_peft_model
-
-    inner = unwrap_peft_model(model)
-    causal = LOSS_MAPPING.get(getattr(inner, "loss_type", None)) is ForCausalLMLoss
-    return causal and not getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
-
-
-def _over_ranks(loss: torch.Tensor | None, tokens: torch.Tensor | None, loss_is_sum: bool):
-    """The step's loss and token count over every rank, as Trainer logs them (one ``all_reduce``, on every
-    rank alike; nothing without DDP). With ``num_items_in_batch`` each rank's loss is its own sum over the
-    global token count, so the ranks' losses add up to the global mean; else each is a rank mean, averaged."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return loss, tokens
-    if loss is None and tokens is None:
-        return loss, tokens
-    device = (loss if loss is not None else tokens).device
-    nan = torch.tensor(float("nan"), device=device)
-    both = torch.stack([nan if loss is None else loss.float(), nan if tokens is None else tokens.float()])
-    dist.all_reduce(both)
-    total, count = both.unbind()
-    world = dist.get_world_size()
-    return (
-        None if loss is None else total if loss_is_sum else total / world,
-        None if tokens is None else count.round().long(),
-    )
