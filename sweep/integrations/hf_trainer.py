@@ -48,6 +48,9 @@ One optimizer step of ``Trainer`` (transformers 5) and where the callback acts::
 - Checkpoints: the callback is an ``ExportableState``; ``train(resume_from_checkpoint=…)``
   continues the calibration, the ``steps.csv`` and the MLflow run of the checkpoint
   (``docs/hf-trainer.md``, ``sweep.integrations.resume``).
+- The run's ``dtype`` tag: what the forward computes in, read inside it at the first training forward
+  (autocast's dtype where accelerate autocasts, else the weights'); until that step, and under ``torch_compile``
+  (whose graph a hook would break), the arguments' (bf16/fp16/fp32).
 - Not seen: the data source of a batch, per-micro-batch norms. Refused: DeepSpeed and FSDP
   (they clip inside their engines). Under DDP the gradients are all-reduced before the clip:
   every rank clips alike, rank 0 records (the loss and token count summed over the ranks, as Trainer logs them).
@@ -64,7 +67,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .hf_forward import loss_shifts_labels, model_loss, over_ranks, trained_dtype
+from .hf_forward import ForwardDtype, loss_shifts_labels, model_loss, over_ranks
 from .recorder import StepRecorder
 from .resume import to_json, warn_fresh
 
@@ -151,7 +154,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
         #: The constructor's arguments, as JSON: ``Trainer(restore_callback_states_from_checkpoint=True)``
         #: builds the callback it resumes with from them.
         self.init_args = {k: to_json(v) for k, v in {**settings, **calibrate}.items()}
-        self._hook = self._args = self._model = None
+        self._hook = self._args = self._model = self._dtype = None
         self._user_tau, self._norm_only = 0.0, False
         self._unlogged: list[float] = []  # the recorded losses of the steps Trainer has not logged yet
         self._loss_warned = False  # this train() said its logged loss differs from the recorded one
@@ -218,8 +221,9 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._norm_only = self.apply or self._user_tau > 0
         if self._norm_only:
             setattr(args, _USER_MAX_GRAD_NORM, user_tau)  # for a later callback on the same args
-        self._unhook()  # left by a train() cut short: one hook per forward
-        dtype = trained_dtype(args, model)
+        self._unhook()  # hooks left by a train() cut short: one per forward
+        # the dtype the arguments ask for, until the first forward shows the one it runs in (on_step_end)
+        dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         try:
             self.recorder.begin(
                 resume=self._saved(state) if state.global_step > 0 else None,
@@ -241,6 +245,8 @@ class ClipampCallback(TrainerCallback, ExportableState):
             args.max_grad_norm = self._user_tau
             raise
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        compiled = args.torch_compile or hasattr(model, "_orig_mod")  # hooks there would split the compiled graph
+        self._dtype = None if compiled else ForwardDtype(model, args.device.type)
         self._shifts_labels = loss_shifts_labels(model)
         self._unlogged, self._loss_warned = [], False
         self._reset()
@@ -254,6 +260,8 @@ class ClipampCallback(TrainerCallback, ExportableState):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._dtype is not None:
+            self._dtype.remove()
 
     def _undo(self, args) -> None:
         """Undo ``on_train_begin`` of a ``train()`` refused before its first step: ``args`` as the user left
@@ -343,6 +351,10 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._skipped = bool(getattr(optimizer, "step_was_skipped", False))
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self._dtype is not None and self._dtype.seen is not None:  # the first forward showed the dtype it ran in
+            if self.recorder.tracker is not None:
+                self.recorder.tracker.set_tags({"dtype": self._dtype.seen})
+            self._dtype = None
         self.recorder.record(state.global_step, self._lr, self._measured, scale=self._scale, skipped=self._skipped)
         self._unlogged.append(self._measured.loss)
 

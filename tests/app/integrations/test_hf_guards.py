@@ -1,4 +1,5 @@
-"""ClipampCallback in a few steps of a real ``transformers.Trainer``: a threshold that changes during the run."""
+"""ClipampCallback in a few steps of a real ``transformers.Trainer``: a threshold that changes during the run,
+and the dtype the forward runs in."""
 
 from __future__ import annotations
 
@@ -112,3 +113,25 @@ def test_a_schedule_with_apply_is_refused(tmp_path):
         "under it"
     )
     assert pd.read_csv(csv)["step"].tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("precision", "weights", "expected"),
+    [("fp32", None, "fp32"), ("bf16", None, "bf16"), ("fp16", None, "fp32"), ("fp32", torch.bfloat16, "bf16")],
+)
+def test_the_dtype_tag_is_what_the_forward_computes_in(tmp_path, store, precision, weights, expected):
+    """The ``dtype`` tag against what a hook inside the forward sees: autocast's dtype where it is on (``fp16`` on
+    a CPU: off), else the weights' dtype (a model loaded in bf16 and trained so)."""
+    seen = []
+    model = tiny_llama(weights)
+    model.model.embed_tokens.register_forward_pre_hook(
+        lambda m, a: seen.append(
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else m.weight.dtype
+        )
+    )
+    cb = ClipampCallback(tracking=store, verbose=False)
+    fit(tmp_path, [cb], steps=1, model=model, **({} if precision == "fp32" else {precision: True}))
+    ran = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[seen[0]]
+    assert MlflowClient(store).get_run(cb.tracker.run_id).data.tags["dtype"] == ran == expected
+    hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks]
+    assert hooked == ["model.embed_tokens"]  # the test's own: the callback's went at the first forward

@@ -332,26 +332,3 @@ def test_a_compute_loss_other_than_the_models_is_said_naming_both_losses(tmp_pat
         "model's (a compute_loss that adds terms to it or rescales it); the norms, the calibration and the clip "
         "are unaffected"
     ]
-
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_the_dtype_tag_is_what_the_forward_ran_in(tmp_path, store, precision):
-    """``dtype`` (the report's and the MLflow view's column) is the precision autocast ran the forward in, seen
-    from inside it: ``fp16=True`` on a CPU, where accelerate does not autocast, trained in fp32."""
-    seen = []
-    model = tiny_llama()
-    inner = model.model.embed_tokens  # runs inside the forward accelerate wraps
-    inner.register_forward_pre_hook(
-        lambda m, a: seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
-    )
-    cb = ClipampCallback(window=3, tracking=store, verbose=False)
-    kw = {} if precision == "fp32" else {precision: True}
-    Trainer(
-        model=model,
-        args=args_for(tmp_path, 1, gradient_accumulation_steps=1, **kw),
-        callbacks=[cb],
-        train_dataset=dataset(4),
-    ).train()
-    ran = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[seen[0]]
-    assert MlflowClient(store).get_run(cb.tracker.run_id).data.tags["dtype"] == ran
-    assert ran == ("bf16" if precision == "bf16" else "fp32")
