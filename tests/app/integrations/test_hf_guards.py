@@ -1,7 +1,9 @@
 """ClipampCallback in a few steps of a real ``transformers.Trainer``: a threshold that changes during the run,
-and the dtype the forward runs in."""
+the dtype the forward runs in, and the norm Trainer logs every N steps."""
 
 from __future__ import annotations
+
+import math
 
 import pandas as pd
 import pytest
@@ -135,3 +137,16 @@ def test_the_dtype_tag_is_what_the_forward_computes_in(tmp_path, store, precisio
     assert MlflowClient(store).get_run(cb.tracker.run_id).data.tags["dtype"] == ran == expected
     hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks]
     assert hooked == ["model.embed_tokens"]  # the test's own: the callback's went at the first forward
+
+
+def test_trainers_logged_grad_norm_is_its_logging_steps_own_norm(tmp_path):
+    """What ``sweep.recommend`` says of a ``trainer_state.json`` logged every N steps: ``grad_norm`` is the pre-clip
+    norm of the logging step itself (the CSV's row of that step), not a mean over the interval, as ``loss`` is."""
+    csv = tmp_path / "steps.csv"
+    trainer = fit(tmp_path, [ClipampCallback(tracking=None, csv_path=csv, verbose=False)], steps=6, logging_steps=3)
+    rows = pd.read_csv(csv).set_index("step")
+    norms, losses = logged(trainer, "grad_norm"), logged(trainer, "loss")
+    assert list(norms) == [3, 6]
+    assert norms == {s: pytest.approx(rows.loc[s, "grad_l2_pre_clip"], rel=1e-6) for s in norms}
+    assert not math.isclose(norms[6], rows.loc[4:6, "grad_l2_pre_clip"].mean(), rel_tol=1e-3)
+    assert losses[6] == pytest.approx(rows.loc[4:6, "loss"].mean(), rel=1e-5)
