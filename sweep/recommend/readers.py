@@ -161,8 +161,9 @@ def read_trainer_state(path: Path, *, norm: str | None = None, lr: str | None = 
         pre_clip=HF_PRE_CLIP if name == "grad_norm" else None,
         lr_name=lr_name,
     )
-    if state.get("logging_steps"):
-        series.notes.append(f"Trainer logging_steps={state['logging_steps']} (from the state)")
+    if n := state.get("logging_steps"):  # logging_strategy="epoch" logs at each epoch's end, whatever it says
+        off = "" if n == series.interval else f", not the log's interval: its norms are {series.interval} steps apart"
+        series.notes.append(f"Trainer logging_steps={n} (from the state){off}")
     planned = state.get("max_steps")
     if isinstance(planned, int) and not isinstance(planned, bool) and planned > int(series.steps[-1]):
         series.total_steps = planned  # a checkpoint taken mid-run: the live callback saw the run's end

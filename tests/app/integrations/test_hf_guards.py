@@ -15,6 +15,7 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from sweep.integrations.hf_trainer import ClipampCallback
+from sweep.recommend.readers import read_trainer_state
 
 V, T = 64, 8
 SCHEDULE = {1: 1.0, 2: 0.1, 3: 0.3, 4: 0.05}  # max_grad_norm of each step; the tiny model's norms are ~1–3
@@ -150,3 +151,17 @@ def test_trainers_logged_grad_norm_is_its_logging_steps_own_norm(tmp_path):
     assert norms == {s: pytest.approx(rows.loc[s, "grad_l2_pre_clip"], rel=1e-6) for s in norms}
     assert not math.isclose(norms[6], rows.loc[4:6, "grad_l2_pre_clip"].mean(), rel_tol=1e-3)
     assert losses[6] == pytest.approx(rows.loc[4:6, "loss"].mean(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "note"), [("steps", ""), ("epoch", ", not the log's interval: its norms are 4 steps apart")]
+)
+def test_recommend_says_the_interval_of_a_trainer_state_logged_each_epoch(tmp_path, strategy, note):
+    """``logging_strategy="epoch"`` logs at each epoch's end (every 4 steps here) and the state keeps
+    ``logging_steps=500``: the note says the log's own interval beside it."""
+    n = 4 if strategy == "steps" else 500
+    trainer = fit(tmp_path, [], steps=8, per_device_train_batch_size=4, logging_strategy=strategy, logging_steps=n)
+    trainer.save_state()  # output_dir/trainer_state.json
+    series = read_trainer_state(tmp_path / "out" / "trainer_state.json")
+    assert list(series.steps) == [4, 8] and series.interval == 4
+    assert f"Trainer logging_steps={n} (from the state){note}" in series.notes
