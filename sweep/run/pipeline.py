@@ -351,10 +351,12 @@ class _ActiveRun:
     def checkpoint(self, step: int) -> None:
         if save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id):
             self.checkpointed = step
+            self.tracker.hold_after(step)  # the store holds the steps this checkpoint holds, no later one
 
     def loop(self, stop: StopRequest) -> None:
         cfg, clip = self.cfg, self.state.clip
         phase_of = clip.phase if isinstance(clip, CalibratedClip) else (lambda step: "train")
+        self.tracker.hold_after(self.start_step if cfg.checkpoint_every else None)  # no step past a checkpoint sent
         with self.writer:
             try:
                 run_steps(

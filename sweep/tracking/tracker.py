@@ -221,6 +221,7 @@ class RunTracker:
         self._buffer: list = []
         self._steps_buffered = 0
         self.logged: set[tuple[str, int]] = set()  # (key, step) of metric values the run holds already
+        self.held_after: int | None = None  # per-step metrics after this step wait (``hold_after``)
         self.artifact_uri = uri = run.info.artifact_uri
         self.announce, self.reconnect_s = None, 30.0  # set by the pipeline: where to say it, how long to wait
         if uri.startswith("file:"):
@@ -255,14 +256,25 @@ class RunTracker:
         if self._steps_buffered >= self.flush_every:
             self.flush()
 
+    def hold_after(self, step: int | None) -> None:
+        """Send the per-step metrics of steps up to ``step`` (the run's latest checkpoint) and keep later ones
+        buffered until the next call; ``None`` sends every step. A resume trains the steps after its
+        checkpoint again: had the store taken their first values, it would keep them (``reopen`` never sends
+        a step twice) whatever the resume computes, e.g. under a raised ``steps=``'s schedule."""
+        self.held_after = step
+        self.flush()
+
     def flush(self) -> None:
+        """Send the buffered per-step metrics, those after ``held_after`` excepted."""
+        held = self.held_after
+        send = self._buffer if held is None else [m for m in self._buffer if m.step <= held]
         if self.outbox is not None:
-            self.outbox.send(self._buffer)
-            self._buffer, self._steps_buffered = [], 0
-            return
-        for i in range(0, len(self._buffer), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=self._buffer[i : i + MAX_BATCH])
-        self._buffer, self._steps_buffered = [], 0
+            self.outbox.send(send)
+        else:
+            for i in range(0, len(send), MAX_BATCH):
+                self.client.log_batch(self.run_id, metrics=send[i : i + MAX_BATCH])
+        self._buffer = [] if held is None else [m for m in self._buffer if m.step > held]
+        self._steps_buffered = 0
 
     def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
         """Summary metrics, sent at once (non-finite dropped)."""
@@ -288,6 +300,10 @@ class RunTracker:
         if self.ended:
             return
         self.ended = True
+        if status != "KILLED" or not self.held_after:  # not resumable, or no checkpoint: every step
+            self.held_after = None
+        else:  # KILLED with a checkpoint: the steps after it are the resume's to send (``hold_after``)
+            self._buffer = [m for m in self._buffer if m.step <= self.held_after]
         if self.outbox is not None:  # a remote store: the rest, the artifacts and the end, if the server answers
             self.flush()
             try:
@@ -344,7 +360,7 @@ class SilentTracker:
     def __enter__(self) -> SilentTracker:
         return self
 
-    log_params = set_tags = add_step = flush = log_metrics = end = __exit__ = _nothing
+    log_params = set_tags = add_step = flush = hold_after = log_metrics = end = __exit__ = _nothing
 
 
 def open_store(cfg: Config, overrides: list[str] | None, launch: Launch, base_dir: Path) -> Store:

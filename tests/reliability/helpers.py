@@ -76,13 +76,15 @@ def csv_steps(csv: Path) -> list[int]:
     return [int(line.split(",", 1)[0]) for line in text[: text.rfind("\n") + 1].splitlines()[1:]]
 
 
-def kill_between_checkpoints(proc: subprocess.Popen, csv: Path, every: int, least: int) -> int:
-    """SIGKILL ``proc`` once ``csv`` holds >= ``least`` rows and its last step is 1-3 past a multiple of
-    ``every`` (after a checkpoint, not on one); the last step in the CSV."""
+def kill_between_checkpoints(
+    proc: subprocess.Popen, csv: Path, every: int, least: int, past: range = range(1, 4)
+) -> int:
+    """SIGKILL ``proc`` once ``csv`` holds >= ``least`` rows and its last step is ``past`` (1-3) steps past a
+    multiple of ``every`` (after a checkpoint, not on one); the last step in the CSV."""
     import time
 
     deadline = time.time() + 240
-    while len(steps := csv_steps(csv)) < least or steps[-1] % every not in (1, 2, 3):
+    while len(steps := csv_steps(csv)) < least or steps[-1] % every not in past:
         assert time.time() < deadline and proc.poll() is None, f"{csv} did not reach {least} rows"
         time.sleep(0.005)
     proc.kill()

@@ -73,3 +73,27 @@ def test_resume_without_steps_csv_is_refused_and_writes_none(killed):
     res = finish(start_cli(*RUN, f"tracking.uri={uri}", "steps=40", "resume=true", cwd=tmp))
     assert_one_line_error(res, f"resume={run_id}: {csv} is missing")
     assert not csv.exists()
+
+
+def test_resume_with_more_steps_replaces_the_killed_attempts_later_steps(tmp_path, store):
+    """Steps after the latest checkpoint (sent at once: ``tracking.flush_every=1``) run again on resume, under
+    the raised ``steps=``'s cosine LR (past the warm-up): MLflow must hold the resumed values, each once."""
+    run = [
+        "+experiment=train",
+        *TINY,
+        "seed=1",
+        "optim.warmup_steps=2",
+        "checkpoint_every=10",
+        "tracking.flush_every=1",
+    ]
+    proc, csv = start_run(*run, f"tracking.uri={store}", "steps=40", cwd=tmp_path)
+    last = kill_between_checkpoints(proc, csv, 10, 14, past=range(4, 9))  # steps 11.. sent before the kill
+    res = finish(start_cli(*run, f"tracking.uri={store}", "steps=60", "resume=true", cwd=tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(csv, newline="") as f:
+        rows = list(csvlib.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 61)) and last % 10 >= 4
+    client = MlflowClient(store)
+    for key in STEP_METRICS:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(csv.parts[-3], key))
+        assert history == [(int(r["step"]), float(r[key])) for r in rows], key

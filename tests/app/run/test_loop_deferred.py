@@ -23,6 +23,9 @@ class MetricLog:
     def flush(self):
         self.flushes += 1
 
+    def hold_after(self, step):
+        self.flush()
+
 
 def _run(tmp_path, log_every, checkpoint_every=0, clip=None, flush_after=None):
     torch.manual_seed(0)
