@@ -21,7 +21,8 @@ Why a twin per policy: the policies already differ before the spike (clipping at
 warm-up transient trains a different model than an unclipped calibration window does), so a
 single reference would mix that difference into the spike's damage. A twin has the same seed,
 data order and policy as its spiked run, so the two are the same run, bit for bit, until the
-spike; ``pre_spike_gap`` still reports each policy's distance from the calibrated ``reference``.
+spike; ``pre_spike_gap`` still reports each policy's distance from the calibrated run's twin of its precision
+(``reference``, or ``fp16-reference`` for the fp16 pair).
 
 The corrupted batch. At the spike step the batch is replaced by a *binary blob*: seeded uniform
 random bytes as inputs and targets (what a compressed or binary file that slipped into a text
