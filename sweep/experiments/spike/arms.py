@@ -20,13 +20,15 @@ from sweep.tracking.tracker import Store
 
 
 def arm_config(cfg: Config, policy: str) -> Config:
-    """The config of one policy's runs: its clip mode (calibrated: ``calibrate.*``'s windows), no resume."""
+    """The config of one policy's runs: its clip mode (calibrated: ``calibrate.*``'s windows), no resume and no
+    periodic checkpoint (the replay is not resumable, and the store takes a run's steps only up to its latest
+    checkpoint while it trains, ``RunTracker.hold_after``)."""
     arm_cfg = calibrated(cfg) if policy == "calibrated" else copy.deepcopy(cfg)
     if policy == "none":
         arm_cfg.clip = type(cfg.clip)(mode="none")
     elif policy == "fixed":
         arm_cfg.clip = type(cfg.clip)(mode="norm", max_norm=cfg.spike.fixed_max_norm)
-    arm_cfg.resume = None
+    arm_cfg.resume, arm_cfg.checkpoint_every = None, 0
     return arm_cfg
 
 

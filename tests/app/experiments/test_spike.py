@@ -19,6 +19,7 @@ from sweep.errors import UserError
 from sweep.experiments.spike.batch import SpikeLoss
 from sweep.report.spike import where_to_look
 from sweep.results.spike import fp16_outcome, recovery_steps
+from sweep.run import pipeline
 from tests.app.helpers import TINY, compose_cfg, run_cli
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
@@ -46,10 +47,15 @@ def spiked(tmp_path_factory):
     # a model this small gains nothing from intra-op threads; on a busy 2-core box their barrier
     # waits made this fixture 12× slower (171 s vs 14 s)
     torch.set_num_threads(1)
+    written = []
+    save = pipeline.save_run_checkpoint
     try:
-        result = app.run(cfg, ["+experiment=spike"])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pipeline, "save_run_checkpoint", lambda *a, **kw: written.append(kw["step"]) or save(*a, **kw))
+            result = app.run(cfg, ["+experiment=spike"])
     finally:
         torch.set_num_threads(threads)
+    result.checkpoints_written = written
     return cfg, uri, result, figure
 
 
@@ -87,6 +93,9 @@ def test_children_exist_under_the_parent_with_the_five_metrics(spiked):
     artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
     assert {"spike.png", "spike_table.md", "spike_table.csv"} <= artifacts
     assert figure.exists() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size < 200_000
+    # the replay is not resumable: no child writes a checkpoint (each would at step 100, checkpoint_every's
+    # default), nor holds its later steps back from the store for one
+    assert result.checkpoints_written == []
 
 
 @pytest.mark.slow
