@@ -219,7 +219,7 @@ def _drift_table(clip: CalibratedClip) -> Table:
 
 def _window_rows(clip: CalibratedClip, drift: str) -> list[tuple[str, ...]]:
     """Per window: its steps, τ, τ's interval, τ / the previous τ, ``drift``, "no" or "cannot" (intervals that
-    cannot separate, ``separable``), its validation."""
+    cannot separate, ``separable``; "—" for the first window, which has no previous one), its validation."""
     rows, prev = [], None
     for s, d, c in zip(clip.summaries, clip.drift(), clip.checks()):
         blind = prev is not None and not separable(prev.tau_ci, s.tau_ci)
@@ -229,7 +229,7 @@ def _window_rows(clip: CalibratedClip, drift: str) -> list[tuple[str, ...]]:
                 _f(s.recommended_max_norm),
                 _interval(s.tau_ci),
                 f"{s.recommended_max_norm / prev.recommended_max_norm:.2f}" if prev else "—",
-                drift if d else "cannot" if blind else "no",
+                "—" if prev is None else drift if d else "cannot" if blind else "no",
                 f"{c.realised:.1%} vs {c.predicted:.1%}" if c else "—",
             )
         )

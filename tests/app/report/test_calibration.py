@@ -107,6 +107,10 @@ def test_windows_too_short_to_bound_tau_say_they_cannot_judge_drift_not_that_the
 def test_no_drift_is_said_with_the_width_it_could_resolve():
     clip = _driven(every=150, n=450, q=0.9)
     assert not any(clip.drift())
+    md = markdown(clip)
+    table = md[md.index("## Drift across windows") + 4 :][:3]
+    # "interval separate?": the first window has no previous one to separate from (it read "no")
+    assert [row.split(" | ")[4] for row in table] == ["—", "no", "no"]
     width = max(s.tau_ci.rel_width for s in clip.summaries) / 2
     assert f"no drift beyond the windows' intervals (±{width:.0%}): the first window's τ holds" in _terminal(clip)
 
