@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
-#: The ``dtype`` tag of a run (the report's and the MLflow view's column), as the other runs spell it.
-DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+from clipamp_engine.step import DTYPES
+
+#: The ``dtype`` tag of a run (the report's and the MLflow view's column): the engine's name of the dtype.
+DTYPE_TAGS = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def dtype_tag(dtype: torch.dtype) -> str:
