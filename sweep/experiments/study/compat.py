@@ -3,10 +3,13 @@ search (its ``clip.max_norm`` range and clipping band); each refusal names its o
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from typing import Any
 
 from sweep.config.convert import flatten
+from sweep.config.schema import Config
 from sweep.errors import UserError
 
 #: ``task_key``'s ``space.*`` entries of the ``clip.max_norm`` range, as the ``study.*`` keys a user types; the
@@ -22,13 +25,69 @@ _WINDOW_NAMES = ("calibrate.window", "calibrate.cap", "amp.dtype")
 _SEARCH_NAMES = {"space.band": "study.target_clip", "space.mode": "study.mode", "space.dtypes": "study.dtypes"}
 
 
+#: Each config key a user can set, with its schema default: what a task key's absent entry stands for.
+_DEFAULTS = flatten(dataclasses.asdict(Config()))
+_PLAIN = re.compile(r"[\w./:@+~-]+")
+
+
 def _override(value: Any) -> str:
-    """``value`` as a Hydra override's right-hand side: ``null``, ``[0.01,0.2]``, ``0.1``."""
+    """``value`` as a Hydra override's right-hand side: ``null``, ``true``, ``[0.01,0.2]``, ``{attn:0.5}``,
+    ``0.1``, and a string quoted where Hydra would read it as something else."""
     if value is None:
         return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
     if isinstance(value, list):
         return "[" + ",".join(_override(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str) and (not _PLAIN.fullmatch(value) or value.lower() in ("null", "true", "false")):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return str(value)
+
+
+def _setting(key: str) -> str:
+    """The config key a task key's flattened entry belongs to (``clip.patterns.attn`` → ``clip.patterns``)."""
+    parts = key.split(".")
+    return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in _DEFAULTS), key)
+
+
+def _way_back(stored: dict[str, Any], old: dict[str, Any], keys: list[str]) -> str:
+    """The overrides that give the task's ``keys`` the study's values (``old``: its stored task, flattened). A
+    table (``clip.patterns``) is set entry by entry, as Hydra merges a table into the one already set: ``++``
+    for the study's entries, ``~`` for the ones it did not have, ``null`` where it had none."""
+    out: list[str] = []
+    for key in keys:
+        setting = _setting(key)
+        if key == "clip.mode":  # the mode's own config group: its tables too (an empty one is not an override)
+            out.insert(0, f"clip={old.get(key, _DEFAULTS[key])}")
+        elif key == setting and old.get(key) != {}:  # merging an empty table changes nothing
+            out.append(f"{key}={_override(old.get(key, _DEFAULTS.get(key)))}")
+        elif key == setting:
+            continue
+        elif key in old:
+            out.append(f"++{key}={_override(old[key])}")
+        elif _table(stored, setting) is None:
+            out.append(f"{setting}=null")
+        else:
+            out.append(f"~{key}")
+    return " ".join(dict.fromkeys(out))
+
+
+def _emptied(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """``key`` is an empty table on one side and holds entries on the other: its entries are the difference."""
+    for empty, full in ((old, new), (new, old)):
+        if empty.get(key) == {} and any(k.startswith(key + ".") for k in full):
+            return True
+    return False
+
+
+def _table(stored: dict[str, Any], setting: str) -> Any:
+    """The study's value of the table ``setting`` (``None``: it had none)."""
+    node: Any = stored
+    for part in setting.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _readable(key: dict[str, Any]) -> dict[str, Any]:
@@ -62,12 +121,15 @@ def refuse_another_task(study, now: dict[str, Any], named: bool) -> None:
         return
     old = _readable(stored)
     new = _readable(json.loads(json.dumps(now, default=str)))  # as the storage holds it
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and not _emptied(k, old, new))
     if not keys:
         return
 
+    def shown(values: dict[str, Any], k: str) -> Any:
+        return values[k] if k in values else _DEFAULTS.get(k, "not set")
+
     def listed(ks: list[str]) -> str:
-        return "; ".join(f"{_name(k)} (study: {old.get(k, 'default')}, now: {new.get(k, 'default')})" for k in ks)
+        return "; ".join(f"{_name(k)} (study: {shown(old, k)}, now: {shown(new, k)})" for k in ks)
 
     search = [k for k in keys if k.startswith("space.")]
     task = [k for k in keys if k not in search]
@@ -88,11 +150,12 @@ def refuse_another_task(study, now: dict[str, Any], named: bool) -> None:
     other = [k for k in search if k not in ranged and k not in band]
     if other:
         causes.append(f"searched another space: {listed(other)}; its trials were sampled in that one")
+    searched = (f"{_key(k)}={_override(old.get(k))}" for k in search)
+    restore = " ".join(filter(None, (_way_back(stored, old, task), *searched)))
     if task:
-        fix = "pass the study's settings to add trials to it, or another study.name (without one, the study is "
-        fix += "named after its task)"
+        fix = f"pass {restore} to add trials to it, or another study.name (without one, the study is named after "
+        fix += "its task)"
     else:
-        restore = " ".join(f"{_key(k)}={_override(old.get(k))}" for k in search)
         fix = (
             f"pass {restore} to add trials to it, or another study.name for the new "
             f"{'range' if ranged and len(ranged) == len(search) else 'search'} (without one, the study is named "

@@ -3,6 +3,9 @@ with that cause, both values and the overrides that resume it; another task is r
 
 from __future__ import annotations
 
+import re
+import shlex
+
 import optuna
 import pytest
 
@@ -17,7 +20,9 @@ def storage(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('studies')}/optuna.db"
 
 
-def _refusal(storage: str, name: str, first: list[str], now: list[str]) -> str:
+def _refusal(storage: str, name: str, first: list[str], now: list[str], kept: list[str] | None = None) -> str:
+    """The refusal of ``now`` after ``first``; its "pass …" overrides, added to the ``kept`` ones of ``now`` (all by
+    default), resume the study."""
     cfg = compose_cfg("+experiment=sweep", f"study.name={name}", *first)
     study = load_study(cfg, storage, name)
     study.set_user_attr("task", task_key(cfg))  # as the sweep's set-up stores it
@@ -25,6 +30,10 @@ def _refusal(storage: str, name: str, first: list[str], now: list[str]) -> str:
     with pytest.raises(UserError) as e:
         load_study(compose_cfg("+experiment=sweep", f"study.name={name}", *first, *now), storage, name)
     assert optuna.load_study(study_name=name, storage=storage).user_attrs["task"] == task_key(cfg)  # kept
+    way_back = shlex.split(re.search(r": pass (.+?) to add trials to it", str(e.value)).group(1))
+    back = compose_cfg("+experiment=sweep", f"study.name={name}", *first, *(now if kept is None else kept), *way_back)
+    assert task_key(back) == task_key(cfg)
+    assert load_study(back, storage, name).study_name == name  # the overrides it names resume the study
     return str(e.value)
 
 
@@ -68,6 +77,44 @@ def test_another_task_and_range_name_both_causes(storage):
     assert said == (
         "study.name='task' holds the trials of another task: steps (study: 150, now: 20); their losses are not "
         "comparable; it searched clip.max_norm over another range: study.max_norm_high (study: 20.0, now: 5.0); a "
-        "study draws its trials from one range: pass the study's settings to add trials to it, or another "
-        "study.name (without one, the study is named after its task)"
+        "study draws its trials from one range: pass steps=150 study.max_norm_high=20.0 to add trials to it, or "
+        "another study.name (without one, the study is named after its task)"
     )
+
+
+def test_the_way_back_sets_a_changed_table_and_a_path_as_the_study_had_them(storage):
+    """A setting that holds a table (``clip.patterns``) is restored whole, a path with a space quoted, and a setting
+    the study left at its default is named with that default's value."""
+    said = _refusal(
+        storage,
+        "table",
+        ["clip=per_group", "+clip.patterns={attn: 0.5}", "data.path='/data/my corpus.txt'"],
+        ["++clip.patterns={attn: 0.25, mlp: 1.0}", "data.path=/data/other.txt", "optim.weight_decay=0.5"],
+    )
+    assert "optim.weight_decay (study: 0.1, now: 0.5)" in said
+    assert (
+        "pass ++clip.patterns.attn=0.5 ~clip.patterns.mlp data.path='/data/my corpus.txt' optim.weight_decay=0.1 to add"
+        in said
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "now", "kept", "way_back"),
+    [
+        (["clip=per_group"], ["++clip.patterns.attn=0.5"], None, "~clip.patterns.attn"),
+        # a table's entries cannot be set where it is null: the way back is without the now's entries
+        (["clip=norm"], ["clip=per_group", "++clip.patterns.attn=0.5"], [], "clip.patterns=null"),
+    ],
+    ids=["empty", "none"],
+)
+def test_the_way_back_removes_a_table_the_study_did_not_have(storage, request, first, now, kept, way_back):
+    said = _refusal(storage, request.node.callspec.id, first, now, kept)
+    assert "clip.patterns.attn (study: not set, now: 0.5)" in said
+    assert way_back in said.split(": pass ")[1].split(" to add trials")[0].split()
+
+
+def test_the_way_back_to_another_clip_mode_selects_its_group(storage):
+    """The study's ``clip=per_group`` holds an empty ``clip.patterns`` table, which no value override sets."""
+    said = _refusal(storage, "mode", ["clip=per_group", "clip.max_norms=[2.0]"], ["clip=norm"])
+    assert "clip.patterns (study: {}, now: None)" in said
+    assert ": pass clip=per_group to add trials to it" in said

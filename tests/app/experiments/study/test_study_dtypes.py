@@ -44,8 +44,8 @@ def test_a_named_study_of_another_task_is_refused_naming_what_differs(tmp_path):
     with pytest.raises(UserError) as e:
         load_study(other, storage, "mine")
     assert str(e.value) == (
-        "study.name='mine' holds the trials of another task: optim.lr (study: default, now: 0.001); steps (study: "
-        "40, now: 20); their losses are not comparable: pass the study's settings to add trials to it, or another "
-        "study.name (without one, the study is named after its task)"
+        "study.name='mine' holds the trials of another task: optim.lr (study: 0.003, now: 0.001); steps (study: "
+        "40, now: 20); their losses are not comparable: pass optim.lr=0.003 steps=40 to add trials to it, or "
+        "another study.name (without one, the study is named after its task)"
     )
     assert optuna.load_study(study_name="mine", storage=storage).user_attrs["task"] == task_key(first)  # kept
