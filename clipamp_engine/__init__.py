@@ -9,6 +9,7 @@ raises, and the norm functions. Everything else is imported from its module:
   ``QuantileClip``, ``DPSGDClip``, …), ``CLIP_MODES``, ``clip_mode_options``;
 - ``clipamp_engine.calibration``: ``NormCalibrator``, ``CalibrationWindows``, ``CalibrationSummary``,
   ``quantile_label`` (``p95``: the name of a quantile in summaries and metrics);
+- ``clipamp_engine.spelling``: ``Spelling`` (how the calibration's advice names the settings, per front end);
 - ``clipamp_engine.monitors``: ``SkipRateMonitor``, ``ClipRatioMonitor``, ``SkipRateWarning``;
 - ``clipamp_engine.forensics``, ``clipamp_engine.diagnosis``, ``clipamp_engine.records``
   (``SKIP_REASONS``), ``clipamp_engine.scaling`` (``LossScaleFloorWarning``),

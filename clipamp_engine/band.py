@@ -5,7 +5,7 @@ pretraining: low, often below 5%; a rule of thumb, not a published bound). ``ban
 the band's midpoint, τ = Quantile_{1 − (low + high)/2} of the window (the realised ratio's sampling
 error is binomial, about symmetric in absolute terms, and the band is stated in absolute shares);
 ``check_band`` then compares the ratio the window predicts (its share of norms above τ) with the
-ratio realised while clipping at τ on the following ``calibrate.validate`` steps, with an exact
+ratio realised while clipping at τ on the following ``validate`` steps, with an exact
 (Clopper–Pearson) interval on the realised ratio so that a handful of validation steps is not
 mistaken for drift. Its bounds are Beta quantiles, found on the regularized incomplete beta
 (``beta_ppf``) in the standard library's float arithmetic: the engine needs no scipy.
@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from statistics import NormalDist
 
 from .calibration import CONFIDENCE
+from .spelling import ENGINE, Spelling
 
 #: A healthy clipping ratio for large-scale pretraining: low, often below 5% (a rule of thumb, not a published bound).
 PRETRAINING_BAND = (0.01, 0.05)
@@ -232,15 +233,19 @@ def check_band(
     norms: int | None = None,
     room: int | None = None,
     validate: int = 0,
+    spelling: Spelling = ENGINE,
 ) -> BandCheck:
     """Judge τ on its validation steps: inside the band, or drifted from the prediction (by how much).
-    ``repeating``: the run already re-calibrates (``calibrate.every``); ``placed_auto``: the window was placed
-    by ``calibrate.start=auto``; ``held_out_by``: what ended its validation steps (``"validate"``: their
+    ``repeating``: the run already re-calibrates (``every``); ``placed_auto``: the window was placed
+    by ``start='auto'``; ``held_out_by``: what ended its validation steps (``"validate"``: their
     number, ``"every"``: the next window, ``"steps"``: the end of the run); ``room``: the run's steps after
-    the window (``None``: unknown); ``validate``: ``calibrate.validate``. The next action accounts for them."""
+    the window (``None``: unknown); ``validate``: the option ``validate``. The next action accounts for them and
+    names the settings as ``spelling`` writes them (``clipamp_engine.spelling``)."""
     low, high = validate_band(band)
     if steps < 1:
-        raise ValueError("no validation step was taken: raise calibrate.validate or steps")
+        raise ValueError(
+            f"no validation step was taken: raise {spelling.name('validate')} or {spelling.name('length')}"
+        )
     realised = clipped / steps
     lo, hi = clopper_pearson(clipped, steps, confidence)
     inside = low <= realised <= high
@@ -286,21 +291,23 @@ def check_band(
             norms,
             room,
             validate,
+            spelling,
         ),
     )
 
 
-def _more_held_out(need: int, held_out_by: str, room: int | None, validate: int) -> str:
-    """The change that gives τ ``need`` validation steps: only a knob that binds, never ``calibrate.validate``
+def _more_held_out(need: int, held_out_by: str, room: int | None, validate: int, sp: Spelling = ENGINE) -> str:
+    """The change that gives τ ``need`` validation steps: only a knob that binds, never ``validate``
     alone where the run ends before that many steps (``room``: the run's steps after the window)."""
     if held_out_by == "every":
-        return "space the windows further apart (calibrate.every)"
+        return f"space the windows further apart ({sp.name('every')})"
     if held_out_by == "validate" and (room is None or room >= need):
-        return "raise calibrate.validate"
+        return f"raise {sp.name('validate')}"
     if held_out_by == "validate":
-        return f"raise steps and calibrate.validate (the run ends {room} steps after the window)"
-    capped = 0 < validate < need  # more steps alone stop at calibrate.validate
-    return "train longer after the window (raise steps" + (" and calibrate.validate)" if capped else ")")
+        return f"raise {sp.name('length')} and {sp.name('validate')} (the run ends {room} steps after the window)"
+    capped = 0 < validate < need  # more steps alone stop at validate
+    more = f"raise {sp.name('length')}" + (f" and {sp.name('validate')}" if capped else "")
+    return f"train longer after the window ({more})"
 
 
 def _action(
@@ -318,16 +325,17 @@ def _action(
     norms: int | None = None,
     room: int | None = None,
     validate: int = 0,
+    sp: Spelling = ENGINE,
 ) -> str:
     low, high = band
     if inside:
         return (
-            f"keep clip.max_norm={tau:.4g}; re-check when the LR, data mixture or sequence length change "
-            f"({'the later windows do' if repeating else 'calibrate.every'})"
+            f"keep {sp.set('threshold', f'{tau:.4g}')}; re-check when the LR, data mixture or sequence length "
+            f"change ({'the later windows do' if repeating else sp.name('every')})"
         )
     if consistent and low <= predicted <= high:
         need = math.ceil(20 / max(predicted, 1e-9))
-        more = _more_held_out(need, held_out_by, room, validate)
+        more = _more_held_out(need, held_out_by, room, validate, sp)
         return (
             f"too few validation steps to tell the ratio from the band ({steps}): {more}; "
             f"≈{need} steps see ~20 clips at {predicted:.1%}"
@@ -335,7 +343,7 @@ def _action(
     if consistent:
         need = min_band_window(band)
         short = norms is not None and norms < need
-        lengthen = f"a window of ≥ {need} norms (calibrate.window) predicts a ratio inside the band"
+        lengthen = f"a window of ≥ {need} norms ({sp.name('window')}) predicts a ratio inside the band"
         if quantile is not None and math.isclose(quantile, band_quantile(band), rel_tol=1e-9):
             if short:
                 return (
@@ -344,25 +352,27 @@ def _action(
                 )
             return (
                 f"τ = Quantile_{quantile:.3f} of the window leaves {predicted:.1%} above it: its norms repeat "
-                "(ties at τ), which no quantile or window length resolves; set clip.max_norm from the quantile table"
+                "(ties at τ), which no quantile or window length resolves; set "
+                f"{sp.name('threshold')} from the quantile table"
             )
         return (
             f"the window itself predicts {predicted:.1%}, outside the band: aim at the band with "
-            f"calibrate.quantile=null (τ = Quantile_{band_quantile(band):.3f})" + (f"; and {lengthen}" if short else "")
+            f"{sp.set('quantile', sp.band)} (τ = Quantile_{band_quantile(band):.3f})"
+            + (f"; and {lengthen}" if short else "")
         )
     if realised > predicted:
         again = (
             "see whether the later windows' τ moved (drift) or the rise was a burst; a longer window"
             if repeating
-            else "re-calibrate later or repeatedly (calibrate.every) or with a longer window"
+            else f"re-calibrate later or repeatedly ({sp.name('every')}) or with a longer window"
         )
         return (
             f"the norms rose after the window: {again}; clipping that stays above the band after warm-up "
             "points at the LR or loss scale"
         )
     later = (
-        "calibrate.start=N, past the step the automatic placement chose"
+        f"{sp.set('start', 'N')}, past the step the automatic placement chose"
         if placed_auto
-        else "calibrate.start=auto or a larger N"
+        else f"{sp.set('start', sp.auto)} or a larger N"
     )
     return f"the norms fell after the window, which caught a transient: start it later ({later}) or lengthen it"

@@ -10,7 +10,7 @@ Each quantile comes with a distribution-free confidence interval between two ord
 (``quantile_ci``): with B ~ Binomial(n, q) the number of norms at or below the true quantile,
 P(X_(r) ≤ ξ_q ≤ X_(s)) = P(r ≤ B ≤ s − 1), so r and s are read off the binomial CDF. It
 assumes only that the window's norms are independent draws from one continuous distribution
-(a stationary stretch of training); it says nothing about drift, which ``calibrate.every``
+(a stationary stretch of training); it says nothing about drift, which ``every``
 windows measure.
 
 References:
@@ -34,6 +34,7 @@ import torch
 
 from .checks import check_calibrator_options, check_window_options
 from .records import StepLog
+from .spelling import ENGINE, Spelling
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
 CONFIDENCE = 0.95
@@ -189,10 +190,10 @@ def quantile_ci(values: Sequence[float], q: float, confidence: float = CONFIDENC
     return QuantileCI(q, estimate, low, high, confidence, n, coverage)
 
 
-def short_window_warning(ci: QuantileCI, steps_per_norm: float = 1.0) -> str | None:
+def short_window_warning(ci: QuantileCI, steps_per_norm: float = 1.0, spelling: Spelling = ENGINE) -> str | None:
     """One line when the window cannot bound Quantile_q, else None. The window it needs is said in steps
-    (``calibrate.window``'s unit) at ``steps_per_norm``, the window's steps per finite norm (above 1 with
-    skipped steps or a log sampled every N steps)."""
+    (the ``window`` option's unit) at ``steps_per_norm``, the window's steps per finite norm (above 1 with
+    skipped steps or a log sampled every N steps); the options it names, as ``spelling`` writes them."""
     if ci.bounded:
         return None
     need = min_window(ci.q, ci.confidence)
@@ -201,7 +202,7 @@ def short_window_warning(ci: QuantileCI, steps_per_norm: float = 1.0) -> str | N
         f"{quantile_label(ci.q)} from {ci.n} norms has no {ci.confidence:.0%} "
         f"{'upper' if math.isnan(ci.high) else 'lower'} confidence bound (it needs ≥ {need} norms); "
         f"{'it is essentially the window maximum' if ci.q > 0.5 else 'it is essentially the window minimum'}: "
-        f"lengthen calibrate.window to ≥ {steps} steps or use a lower calibrate.quantile"
+        f"lengthen {spelling.name('window')} to ≥ {steps} steps or use a lower {spelling.name('quantile')}"
     )
 
 
@@ -264,6 +265,7 @@ class NormCalibrator:
         quantile: q for the recommendation τ = Quantile_q (0 < q < 1).
         candidates: fixed thresholds whose would-be clipping ratio is reported too.
         confidence: level of the quantiles' order-statistic intervals.
+        spelling: how the summary's warning names the options (``clipamp_engine.spelling``).
     """
 
     def __init__(
@@ -271,8 +273,11 @@ class NormCalibrator:
         quantile: float = DEFAULT_QUANTILE,
         candidates: Sequence[float] = DEFAULT_CANDIDATES,
         confidence: float = CONFIDENCE,
+        *,
+        spelling: Spelling = ENGINE,
     ) -> None:
         check_calibrator_options(quantile, candidates, confidence)
+        self.spelling = spelling
         self.quantile = quantile
         self.confidence = confidence
         self.candidates = tuple(candidates)
@@ -329,7 +334,7 @@ class NormCalibrator:
         }
         first, last, k = self.steps[0], self.steps[-1], len(self.steps)  # a sampled log: its interval × k steps
         span = (last - first) / (k - 1) * k if k > 1 else k
-        warning = short_window_warning(cis[quantile_label(self.quantile)], span / len(self.norms))
+        warning = short_window_warning(cis[quantile_label(self.quantile)], span / len(self.norms), self.spelling)
         return CalibrationSummary(
             start_step=self.steps[0],
             end_step=self.steps[-1],

@@ -2,7 +2,7 @@
 
 A window that covers the warm-up measures a burst that never comes back (norms fall once the LR
 stops rising and the loss leaves its initial plateau), so its quantiles overstate τ. The rule
-(``calibrate.start=auto``), decided online from the records a policy sees, one step at a time:
+(``start='auto'``), decided online from the records a policy sees, one step at a time:
 
 1. **warm-up over**: the first step whose LR is not above the previous step's (a schedule
    without warm-up ends it at step 2; the LR is read from the records, nothing is configured;
@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .spelling import ENGINE, Spelling
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -54,15 +56,16 @@ class Placement:
         }
 
 
-def fixed_placement(skip: int) -> Placement:
-    """``calibrate.start=N``: the window starts after ``N`` steps (``0``: at step 1, as before)."""
+def fixed_placement(skip: int, spelling: Spelling = ENGINE) -> Placement:
+    """``start=N``: the window starts after ``N`` steps (``0``: at step 1, as before); its reason names the
+    option as ``spelling`` writes it."""
     return Placement(
         skip + 1,
         None,
         None,
         None,
         "fixed",
-        f"calibrate.start={skip}: the window starts at step {skip + 1}"
+        f"{spelling.set('start', skip)}: the window starts at step {skip + 1}"
         + (" (it includes any LR warm-up)" if skip == 0 else ""),
     )
 
@@ -79,12 +82,22 @@ class StartDetector:
         band: allowed relative spread (max/min − 1) of the last ``patience`` rolling medians.
         patience: how many consecutive rolling medians must stay in the band.
         latest: the window starts at this step at the latest (None: no deadline).
+        spelling: how a reason names the options (``clipamp_engine.spelling``).
     """
 
-    def __init__(self, span: int = 20, band: float = 0.25, patience: int = 20, latest: int | None = None) -> None:
+    def __init__(
+        self,
+        span: int = 20,
+        band: float = 0.25,
+        patience: int = 20,
+        latest: int | None = None,
+        *,
+        spelling: Spelling = ENGINE,
+    ) -> None:
         if span < 1 or patience < 1 or not band > 0:
             raise ValueError(f"span={span}, patience={patience} must be >= 1 and band={band} > 0")
         self.span, self.band, self.patience, self.latest = span, band, patience, latest
+        self.spelling = spelling
         self.warmup_end: int | None = None
         self.placement: Placement | None = None
         self._previous_lr: float | None = None
@@ -158,7 +171,7 @@ class StartDetector:
             "deadline",
             f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
             f"leaves room for the window and its validation steps: its quantiles may still include "
-            f"a transient (use a longer run or calibrate.start=N)",
+            f"a transient (use a longer run or {self.spelling.set('start', 'N')})",
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from ..calibration import (
 )
 from ..placement import Placement, StartDetector, fixed_placement
 from ..records import StepLog
+from ..spelling import ENGINE, Spelling
 from .base import ClipPolicy, positive
 from .fixed import GlobalNormClip, NoClip
 
@@ -77,6 +78,8 @@ class CalibratedClip(ClipPolicy):
         confidence: level of the quantile and ratio intervals.
         total_steps: the run length (context, not an option): a window cut by the end of the
             run is kept only with >= 2 steps; ``auto`` starts early enough to fit. ``None``: unknown.
+        spelling: how the advice (placement reasons, warnings, next actions) names the settings, in the
+            front end that built the policy (context, not an option; ``clipamp_engine.spelling``).
 
     Raises (from ``observe``, i.e. ``AmpTrainState.step``, ``step_deferred`` or ``flush``):
         CalibrationError: a window had no finite norm, or recommends τ <= 0.
@@ -98,7 +101,9 @@ class CalibratedClip(ClipPolicy):
         confidence: float = CONFIDENCE,
         *,
         total_steps: int | None = None,
+        spelling: Spelling = ENGINE,
     ) -> None:
+        self.spelling = spelling
         self.band = validate_band(target_clip)
         self.quantile = band_quantile(self.band) if quantile is None else quantile
         self.candidates, self.confidence = tuple(candidates), confidence
@@ -114,8 +119,8 @@ class CalibratedClip(ClipPolicy):
         CalibrationWindows(window, every, total_steps)  # validates window, every, total_steps
         self.window, self.every = window, every
         latest = self._latest_start()
-        self.detector = StartDetector(latest=latest) if start == "auto" else None
-        self.placement: Placement | None = None if start == "auto" else fixed_placement(start)
+        self.detector = StartDetector(latest=latest, spelling=spelling) if start == "auto" else None
+        self.placement: Placement | None = None if start == "auto" else fixed_placement(start, spelling)
         if start == "auto" and latest == 1:  # no room to wait: the window and its validation fill the run
             self.placement = Placement(
                 1,
@@ -125,7 +130,7 @@ class CalibratedClip(ClipPolicy):
                 "deadline",
                 f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
                 f"before a {window}-step window and its validation: the window starts at "
-                f"step 1 (raise steps to let calibrate.start=auto wait)",
+                f"step 1 (raise {spelling.name('length')} to let {spelling.set('start', spelling.auto)} wait)",
             )
         self.windows = self._windows()
         self.summaries: list[CalibrationSummary] = []
@@ -192,12 +197,15 @@ class CalibratedClip(ClipPolicy):
         if window is None:
             return
         if self._calibrator is None:
-            self._calibrator = NormCalibrator(self.quantile, self.candidates, self.confidence)
+            self._calibrator = self._new_calibrator()
         self._calibrator.add(record)
         if record.step == window[-1]:
             summary = self._calibrator.summary()
             self._calibrator = None
             self._adopt(summary)
+
+    def _new_calibrator(self) -> NormCalibrator:
+        return NormCalibrator(self.quantile, self.candidates, self.confidence, spelling=self.spelling)
 
     def needs_records(self, step: int) -> bool:
         """At a window's last step: τ must be adopted before the next step clips. While ``start="auto"``
@@ -252,6 +260,7 @@ class CalibratedClip(ClipPolicy):
                 norms=s.n_finite,
                 room=None if self.total_steps is None else self.total_steps - s.end_step,
                 validate=self.validate,
+                spelling=self.spelling,
                 held_out_by="validate"
                 if self.validate and taken >= self.validate
                 else "every"
@@ -292,7 +301,7 @@ class CalibratedClip(ClipPolicy):
         self.windows = self._windows()
         self._calibrator = None
         if state["calibrator"] is not None:
-            self._calibrator = NormCalibrator(self.quantile, self.candidates, self.confidence)
+            self._calibrator = self._new_calibrator()
             self._calibrator.load_state_dict(state["calibrator"])
         self.summaries = [CalibrationSummary.from_state(s) for s in state["summaries"]]
         self.validation = [list(v) for v in state.get("validation", [[0, 0]] * len(self.summaries))]
@@ -317,7 +326,9 @@ RECOMMENDED: dict[str, Any] = {
 }
 
 
-def recommended_calibration(*, total_steps: int | None = None, **overrides: Any) -> CalibratedClip:
+def recommended_calibration(
+    *, total_steps: int | None = None, spelling: Spelling = ENGINE, **overrides: Any
+) -> CalibratedClip:
     """``CalibratedClip`` with ``RECOMMENDED``'s options, any of them overridden by name.
 
     ``AmpTrainState(..., clip=recommended_calibration(total_steps=N))`` in a user's own loop
@@ -328,4 +339,4 @@ def recommended_calibration(*, total_steps: int | None = None, **overrides: Any)
         raise ValueError(
             f"calibration options {', '.join(unknown)} are not among {', '.join(RECOMMENDED)} (CalibratedClip's)"
         )
-    return CalibratedClip(**{**RECOMMENDED, **overrides}, total_steps=total_steps)
+    return CalibratedClip(**{**RECOMMENDED, **overrides}, total_steps=total_steps, spelling=spelling)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..spelling import Spelling
 from .adaptive import QuantileClip, ZScoreClip
 from .agc import AdaptiveGradClip
 from .base import ClipPolicy, NamedParams
@@ -56,7 +57,7 @@ CLIP_MODES: dict[str, type[ClipPolicy]] = {
 
 #: Constructor arguments that are run-time objects, not config options: passed by the caller
 #: to every mode and forwarded only to the policies that take them.
-CONTEXT_ARGS = ("named_params", "optimizer", "total_steps")
+CONTEXT_ARGS = ("named_params", "optimizer", "total_steps", "spelling")
 
 
 def clip_mode_options(mode: str) -> dict[str, Any]:
@@ -90,6 +91,7 @@ def make_clip_policy(
     named_params: NamedParams | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     total_steps: int | None = None,
+    spelling: Spelling | None = None,
     **options: Any,
 ) -> ClipPolicy:
     """Build the policy for ``mode`` with its options.
@@ -103,6 +105,8 @@ def make_clip_policy(
             ignored by the others.
         total_steps: the run length; forwarded to ``calibrated`` (a window cut by the end of
             the run), ignored by the others.
+        spelling: how ``calibrated``'s advice names the settings (``clipamp_engine.spelling``; ``None``: the
+            engine's keywords), ignored by the others.
         **options: the mode's own options (see ``clip_mode_options(mode)``).
 
     Raises:
@@ -118,7 +122,7 @@ def make_clip_policy(
             f"its options are: {', '.join(valid) or '(none)'}"
         )
     accepted = inspect.signature(cls.__init__).parameters
-    given = {"named_params": named_params, "optimizer": optimizer, "total_steps": total_steps}
+    given = {"named_params": named_params, "optimizer": optimizer, "total_steps": total_steps, "spelling": spelling}
     context = {k: v for k, v in given.items() if k in accepted and v is not None}
     try:
         return cls(**options, **context)

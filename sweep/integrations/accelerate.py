@@ -40,10 +40,15 @@ from typing import Any
 
 import torch
 
+from clipamp_engine.spelling import Spelling
+
 from .recorder import Measured, StepRecorder
 from .resume import ResumeWarning
 
 REFUSED = ("DEEPSPEED", "FSDP", "XLA")
+#: The advice's settings as an accelerate loop writes them: ``clipamp.clip_grad_norm_(params, max_norm=)``,
+#: ``ClipampAccelerate(total_steps=, start=…, window=…)``.
+ACCELERATE_SPELLING = Spelling(threshold="max_norm", length="total_steps")
 
 
 class ClipampAccelerate:
@@ -87,6 +92,7 @@ class ClipampAccelerate:
             run_name=run_name or "accelerate",
             skip_nonfinite=skip_nonfinite,
             verbose=verbose,
+            spelling=ACCELERATE_SPELLING,
         )
         self.step = 0
         self._begun = False

@@ -67,6 +67,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from clipamp_engine.spelling import Spelling
+
 from .hf_forward import ForwardDtype, loss_shifts_labels, model_loss, over_ranks
 from .recorder import StepRecorder
 from .resume import to_json, warn_fresh
@@ -84,6 +86,9 @@ _USER_MAX_GRAD_NORM = "_clipamp_user_max_grad_norm"
 #: Where a ``train()``'s ``TrainerState`` (a new one per call, not saved: not a field) names the callback that
 #: began it: a second one in the same ``train()`` would norm the gradients the first clipped.
 _BEGUN_BY = "_clipamp_callback"
+#: The advice's settings as a ``Trainer`` user writes them: ``TrainingArguments(max_grad_norm=, max_steps=)`` and
+#: the callback's own keywords (``ClipampCallback(start=…, window=…)``).
+HF_SPELLING = Spelling(threshold="max_grad_norm", length="max_steps")
 
 
 class _NormOnly(float):
@@ -149,7 +154,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
             skip_nonfinite=skip_nonfinite,
             verbose=verbose,
         )
-        self.recorder = StepRecorder(calibrate=calibrate, **settings)
+        self.recorder = StepRecorder(calibrate=calibrate, spelling=HF_SPELLING, **settings)
         self.apply = apply
         #: The constructor's arguments, as JSON: ``Trainer(restore_callback_states_from_checkpoint=True)``
         #: builds the callback it resumes with from them.

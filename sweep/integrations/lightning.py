@@ -65,6 +65,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
+from clipamp_engine.spelling import Spelling
+
 from ..tracking.tracker import ended_as
 from .recorder import StepRecorder
 from .resume import warn_fresh
@@ -78,6 +80,9 @@ PRECISION_DTYPES = {
     "32-true": "fp32",
     "64-true": "fp64",
 }
+#: The advice's settings as a Lightning user writes them: ``Trainer(gradient_clip_val=, max_steps=)`` and the
+#: callback's own keywords (``ClipampCallback(start=…, window=…)``).
+LIGHTNING_SPELLING = Spelling(threshold="gradient_clip_val", length="max_steps")
 
 
 def precision_dtype(precision: str) -> str:
@@ -138,6 +143,7 @@ class ClipampCallback(pl.Callback):
             run_name=run_name,
             skip_nonfinite=skip_nonfinite,
             verbose=verbose,
+            spelling=LIGHTNING_SPELLING,
         )
         self.apply, self.max_norm = apply, max_norm
         self._user_clip: Any = None

@@ -51,6 +51,7 @@ from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.csvlog import StepCSVWriter
 from clipamp_engine.norms import clip_coefficient, grads_of
 from clipamp_engine.records import SkipLog, StepLog
+from clipamp_engine.spelling import ENGINE, Spelling
 
 from ..errors import one_line
 from ..run.artifacts import json_text
@@ -95,6 +96,7 @@ class StepRecorder:
         skip_nonfinite: drop a non-finite gradient so that the optimizer step changes nothing
             (default: ``apply``; off, the host's run is left as it is).
         verbose: print the CSV path, each window's recommendation and the verdicts.
+        spelling: how the advice names the settings: the host's (its τ and length, the integration's keywords).
     """
 
     def __init__(
@@ -108,7 +110,9 @@ class StepRecorder:
         run_name: str | None = None,
         skip_nonfinite: bool | None = None,
         verbose: bool = True,
+        spelling: Spelling = ENGINE,
     ) -> None:
+        self.spelling = spelling
         if "cap" in (calibrate or {}):
             raise ValueError(
                 "cap: the τ until the first window closes is the host's own (max_grad_norm, gradient_clip_val, "
@@ -119,7 +123,7 @@ class StepRecorder:
         unknown = sorted(set(self.options) - set(RECOMMENDED))
         if unknown:
             raise ValueError(f"calibration options {', '.join(unknown)} are not among {', '.join(accepted)}")
-        self.policy = CalibratedClip(**self.options)  # validates the options now
+        self.policy = CalibratedClip(**self.options, spelling=spelling)  # validates the options now
         self.apply, self.csv_path, self.tracking = bool(apply), csv_path, tracking
         self.experiment, self.run_name, self.verbose = experiment, run_name, verbose
         self.skip_nonfinite = self.apply if skip_nonfinite is None else bool(skip_nonfinite)
@@ -161,7 +165,7 @@ class StepRecorder:
         atexit.register(self._at_exit)
         self.set_user_tau(user_tau)
         cap = self.user_tau if self.apply else None  # apply: the host's τ until the first window closes
-        self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps)
+        self.policy = CalibratedClip(**{**self.options, "cap": cap}, total_steps=total_steps, spelling=self.spelling)
         self.records, self._announced, self.step = RunRecords(), 0, 0
         self.lengths = [[0, total_steps]]  # a resume continues the checkpoint's
         tags, params = tags or {}, {**(params or {}), "total_steps": total_steps}  # as the calibration knows it

@@ -10,20 +10,22 @@ from clipamp_engine.clip.calibrated import CalibratedClip
 
 def placement_line(policy: CalibratedClip) -> str:
     """Where the first window lies and why (``start=auto``: the warm-up and settling it waited for, or the
-    run's length that left no room to), as the app's report says it."""
-    return f"window placement (start={policy.start}): {policy.placement.reason}"
+    run's length that left no room to), as the app's report says it, in the host's spelling."""
+    sp = policy.spelling
+    start = sp.set("start", sp.auto if policy.start == "auto" else policy.start)
+    return f"window placement ({start}): {policy.placement.reason}"
 
 
 def no_window(policy: CalibratedClip) -> str:
     """Why a run ended before its first window held two norms, and what places one."""
     if policy.placement is not None:
         return f"the {policy.window}-step window starts at step {policy.placement.start}"
-    detector = policy.detector
+    detector, sp = policy.detector, policy.spelling
     waited = "the LR was still rising" if detector.warmup_end is None else "the norms had not settled"
     if policy.total_steps is None:  # no deadline: the window waits for the warm-up and the transient
         return (
-            f"{waited} and the run's length is unknown, so start='auto' waits on: give its length (total_steps=, "
-            "max_steps) to place the window within it, or start=N"
+            f"{waited} and the run's length is unknown, so {sp.set('start', sp.auto)} waits on: give its length "
+            f"({sp.name('length')}) to place the window within it, or {sp.set('start', 'N')}"
         )
     return f"{waited}; the window would have started by step {detector.latest} (the run ended before)"
 

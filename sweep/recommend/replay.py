@@ -30,6 +30,7 @@ from clipamp_engine.calibration import CalibrationError
 from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.norms import CLIP_EPS
 from clipamp_engine.records import SkipLog, StepLog
+from clipamp_engine.spelling import Spelling
 from sweep.errors import UserError
 from sweep.recommend.series import NormSeries
 
@@ -53,6 +54,17 @@ class Options:
 #: The ``Options`` a run logs as ``calibrate.<name>`` params (the app's config, the trainer integrations'
 #: ``recorder.options``): for an MLflow run they are this command's defaults (``run_options``).
 RUN_SETTINGS = ("window", "every", "quantile", "start", "validate", "target_clip", "candidates", "confidence")
+#: The advice's settings as this command takes them: its flags (``--start 200``, ``--quantile band``), the log's
+#: length, and the ``max_grad_norm`` its last line writes in each trainer's terms.
+RECOMMEND_SPELLING = Spelling(
+    threshold="max_grad_norm",
+    length="the log's length",
+    **{k: f"--{k}" for k in ("start", "window", "every", "validate", "quantile")},
+    named="{}",
+    assign="{} {}",
+    auto="auto",
+    band="band",
+)
 
 
 def run_settings(params: dict[str, str]) -> dict[str, Any]:
@@ -193,6 +205,7 @@ def _policy(options: Options, total_steps: int | None) -> CalibratedClip:
             tuple(options.target_clip),
             options.confidence,
             total_steps=total_steps,
+            spelling=RECOMMEND_SPELLING,
         )
     except ValueError as e:
         raise UserError(as_flags(str(e))) from None

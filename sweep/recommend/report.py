@@ -3,7 +3,8 @@
 The window placement, the quantile table with intervals, the candidate thresholds and their clipping
 ratios, the recommended τ, the band verdict on the steps after the window and the drift across
 windows are ``sweep.report.calibration``'s renderings of the ``CalibratedClip`` (the ones a calibrate
-run prints); the diagnosis is ``clipamp_engine.diagnosis`` over the logged series.
+run prints, the settings they name spelled as this command's flags: ``replay.RECOMMEND_SPELLING``); the
+diagnosis is ``clipamp_engine.diagnosis`` over the logged series.
 """
 
 from __future__ import annotations
@@ -19,13 +20,6 @@ from clipamp_engine.diagnosis import Finding, format_findings
 from sweep.recommend.replay import Options
 from sweep.recommend.series import NormSeries, sampling_note, smoothing_note, unclipped_note
 from sweep.report import calibration
-
-RUNNER_NAMES = (
-    "the report below is a calibrate run's: its calibrate.window, calibrate.start, calibrate.every, "
-    "calibrate.validate and calibrate.quantile are --window, --start, --every, --validate and --quantile here, "
-    "and its steps the log's length, or a Trainer state's max_steps where longer (where it says raise steps: a "
-    "longer log, or a shorter --window)"
-)
 
 
 @dataclass
@@ -69,7 +63,7 @@ def caveats(series: NormSeries, options: Options) -> list[str]:
             "no learning rate in the log: --start auto cannot see a warm-up and waits only for the norms' "
             "rolling median to settle (counted from the log's second point); pass --lr NAME or --start N"
         )
-    return out + s.notes + [RUNNER_NAMES]
+    return out + s.notes
 
 
 def outcome_notes(clip: CalibratedClip, options: Options) -> list[str]:

@@ -3,7 +3,9 @@
 From the run's ``CalibratedClip`` (the same object ``sweep.run.calibration`` turns into metrics
 and ``quantiles.json``): where the window was and why, each quantile's order-statistic interval
 at the policy's ``confidence`` (and the window, in steps, a ±10% interval needs), the τ adopted, predicted vs realised
-clipping on the validation steps with the verdict and next action, and the drift between windows.
+clipping on the validation steps with the verdict and next action, and the drift between windows. The
+settings it names are spelled as the policy's front end writes them (``clip.spelling``: the app's overrides
+in a calibrate run, ``python -m sweep.recommend``'s flags in a recommendation).
 """
 
 from __future__ import annotations
@@ -40,9 +42,15 @@ def _level(clip: CalibratedClip) -> str:
     return f"{clip.confidence * 100:.4g}%"
 
 
+def _start(clip: CalibratedClip) -> str:
+    """The policy's ``start`` as its front end writes it: ``calibrate.start=auto``, ``--start 200``."""
+    sp = clip.spelling
+    return sp.set("start", sp.auto if clip.start == "auto" else clip.start)
+
+
 def _needs(ci, per_norm: float = 1.0) -> str:
     """The window a bound, or a ±10% interval, needs: counted in norms by the statistics, said in steps
-    (``calibrate.window``'s unit) at the window's own ``per_norm`` steps per finite norm, which skipped
+    (the ``window`` option's unit) at the window's own ``per_norm`` steps per finite norm, which skipped
     steps and a log sampled every N steps raise above 1."""
     if not ci.bounded:
         need = min_window(ci.q, ci.confidence)
@@ -70,9 +78,9 @@ def steps(clip: CalibratedClip, w) -> str:
 
 def markdown(clip: CalibratedClip) -> list[str]:
     """Report lines: placement, the first window's quantiles with intervals, the check, drift."""
-    lines = []
+    lines, sp = [], clip.spelling
     if clip.placement is not None:
-        lines += [f"**Window placement** (`calibrate.start={clip.start}`): {clip.placement.reason}.", ""]
+        lines += [f"**Window placement** (`{_start(clip)}`): {clip.placement.reason}.", ""]
     if not clip.summaries:
         return lines + ["No calibration window closed in this run.", ""]
     w = clip.summaries[0]
@@ -94,7 +102,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
         lines.append(f"| {t:.4g} | {r:.1%}{' ← recommended' if t == w.recommended_max_norm else ''} |")
     lines += [
         "",
-        f"**Recommended `clip.max_norm={w.recommended_max_norm:.4g}`** (τ = Quantile_{w.quantile:.4g} of "
+        f"**Recommended `{sp.set('threshold', f'{w.recommended_max_norm:.4g}')}`** (τ = Quantile_{w.quantile:.4g} of "
         f"the window's finite pre-clip norms, {_level(clip)} interval {_interval(w.tau_ci)}; target band "
         f"[{clip.band[0]:.0%}, {clip.band[1]:.0%}]).",
         "",
@@ -110,7 +118,10 @@ def markdown(clip: CalibratedClip) -> list[str]:
             "",
         ]
     else:
-        lines += ["No validation step after the window: raise steps (or lower calibrate.window).", ""]
+        lines += [
+            f"No validation step after the window: raise {sp.name('length')} (or lower {sp.name('window')}).",
+            "",
+        ]
     if len(clip.summaries) > 1:
         lines += [
             "## Drift across windows",
@@ -126,8 +137,9 @@ def markdown(clip: CalibratedClip) -> list[str]:
 def tables(clip: CalibratedClip) -> list[Any]:
     """Terminal renderables: the window's quantiles with intervals, candidates, the verdict lines."""
     out: list[Any] = []
+    sp = clip.spelling
     if clip.placement is not None:
-        out.append(f"window placement (calibrate.start={clip.start}): {clip.placement.reason}")
+        out.append(f"window placement ({_start(clip)}): {clip.placement.reason}")
     if not clip.summaries:
         return out
     w = clip.summaries[0]
@@ -152,8 +164,8 @@ def tables(clip: CalibratedClip) -> list[Any]:
         c.add_row(_f(tau) + (" ←" if tau == w.recommended_max_norm else ""), f"{r:.1%}")
     out.append(c)
     out.append(
-        f"[bold green]Recommended clip.max_norm={w.recommended_max_norm:.4g}[/] (Quantile_{w.quantile:.4g}, "
-        f"{_level(clip)} interval {_interval(w.tau_ci)})"
+        f"[bold green]Recommended {sp.set('threshold', f'{w.recommended_max_norm:.4g}')}[/] "
+        f"(Quantile_{w.quantile:.4g}, {_level(clip)} interval {_interval(w.tau_ci)})"
     )
     check = clip.checks()[0]
     if check is not None:
@@ -162,7 +174,7 @@ def tables(clip: CalibratedClip) -> list[Any]:
     else:
         out.append(
             "[yellow]validation:[/] none: no step after the window, so nothing checks τ against the band "
-            "(raise steps, or lower calibrate.window or calibrate.start)"
+            f"(raise {sp.name('length')}, or lower {sp.name('window')} or {sp.name('start')})"
         )
     if len(clip.summaries) > 1:
         out.append(_drift_table(clip))
@@ -179,6 +191,7 @@ def separable(a: QuantileCI, b: QuantileCI) -> bool:
 def drift_lines(clip: CalibratedClip) -> list[str]:
     """The drift count and the latest window's line: drift, no drift beyond the intervals' width, or windows
     too short to judge it (intervals that cannot separate say nothing about drift)."""
+    sp = clip.spelling
     drifted = [s for s, d in zip(clip.summaries, clip.drift()) if d]
     blind = sum(not separable(a.tau_ci, b.tau_ci) for a, b in zip(clip.summaries, clip.summaries[1:]))
     first = clip.summaries[0]
@@ -194,7 +207,7 @@ def drift_lines(clip: CalibratedClip) -> list[str]:
     elif blind:
         verdict = (
             "windows too short to judge drift (interval ±∞), so nothing says whether the first window's τ holds: "
-            "lengthen calibrate.window until the quantile table bounds τ"
+            f"lengthen {sp.name('window')} until the quantile table bounds τ"
         )
     else:
         width = max(s.tau_ci.rel_width for s in clip.summaries) / 2
@@ -202,14 +215,15 @@ def drift_lines(clip: CalibratedClip) -> list[str]:
     last = clip.summaries[-1]
     return [
         count,
-        f"latest window, steps {steps(clip, last)}: clip.max_norm={last.recommended_max_norm:.4g}, the τ in force "
+        f"latest window, steps {steps(clip, last)}: {sp.set('threshold', f'{last.recommended_max_norm:.4g}')}, "
+        "the τ in force "
         f"at the end; {verdict}",
     ]
 
 
 def _drift_table(clip: CalibratedClip) -> Table:
     """Every window's τ with its interval, its ratio to the previous one and its own validation."""
-    t = Table(title="Windows (calibrate.every)")
+    t = Table(title=f"Windows ({clip.spelling.name('every')})")
     for col in ("window", "τ", f"{_level(clip)} interval", "τ / previous", "separate?", "validation"):
         t.add_column(col, justify="right")
     for row in _window_rows(clip, drift="drift"):

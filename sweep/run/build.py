@@ -8,11 +8,23 @@ import torch
 
 from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
 from clipamp_engine.forensics import StepForensics
+from clipamp_engine.spelling import Spelling
 from sweep.config.schema import Config, OptimConfig, forensics_on
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from sweep.run.faults import FaultInjector
 from sweep.startup import resume_gc
+
+#: The app's spelling of the settings the calibration's advice names: its config overrides (``clip.max_norm=``,
+#: ``steps=``, ``calibrate.*``), as ``python -m sweep`` takes them.
+APP_SPELLING = Spelling(
+    threshold="clip.max_norm",
+    length="steps",
+    **{k: f"calibrate.{k}" for k in ("start", "window", "every", "validate", "quantile")},
+    named="{}",
+    auto="auto",
+    band="null",
+)
 
 
 def fused_supported(params: list[torch.Tensor]) -> bool:
@@ -71,7 +83,12 @@ def build_clip_policy(
     mode = cfg.clip.mode
     try:
         return make_clip_policy(
-            mode, named_params=named_model(model), optimizer=optimizer, total_steps=total_steps, **clip_options(cfg)
+            mode,
+            named_params=named_model(model),
+            optimizer=optimizer,
+            total_steps=total_steps,
+            spelling=APP_SPELLING,
+            **clip_options(cfg),
         )
     except ValueError as e:
         if isinstance(e, UserError):

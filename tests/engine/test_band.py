@@ -111,47 +111,47 @@ def test_a_band_may_start_at_0_or_end_at_1(band):
 def test_inside_the_band_keeps_tau():
     c = check_band(2.0, predicted=0.022, clipped=3, steps=140, band=(0.01, 0.05))
     assert c.inside and c.consistent and c.within_2x
-    assert "inside the band" in c.verdict and c.action.startswith("keep clip.max_norm=2")
+    assert "inside the band" in c.verdict and c.action.startswith("keep max_norm=2")
 
 
 def test_a_few_steps_outside_the_band_are_called_noise_not_drift():
     c = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05))
     assert not c.inside and c.consistent and not c.within_2x
     assert "below the band" in c.verdict and "consistent with the window" in c.verdict
-    assert "train longer after the window (raise steps); ≈910 steps see ~20 clips at 2.2%" in c.action
+    assert "train longer after the window (raise total_steps=); ≈910 steps see ~20 clips at 2.2%" in c.action
     capped = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate")
-    assert "raise calibrate.validate; ≈910 steps" in capped.action
+    assert "raise validate=; ≈910 steps" in capped.action
     ended = check_band(
         2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate", room=100, validate=100
     )  # the run ends at the last validation step: a larger calibrate.validate adds none
-    assert "raise steps and calibrate.validate (the run ends 100 steps after the window); ≈910 steps" in ended.action
+    assert "raise total_steps= and validate= (the run ends 100 steps after the window); ≈910 steps" in ended.action
     capped_run = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), room=100, validate=150)
-    assert "train longer after the window (raise steps and calibrate.validate); ≈910" in capped_run.action
+    assert "train longer after the window (raise total_steps= and validate=); ≈910" in capped_run.action
     cut = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="every")
-    assert "space the windows further apart (calibrate.every)" in cut.action
+    assert "space the windows further apart (every=)" in cut.action
 
 
 def test_norms_that_fell_after_the_window_are_drift_down():
     # the default run: τ = p95 of a window over the warm-up, nothing clipped afterwards
     c = check_band(4.0, predicted=0.05, clipped=0, steps=200, band=(0.01, 0.05))
     assert not c.consistent and c.factor == 0 and "drifted" in c.verdict
-    assert "calibrate.start=auto" in c.action
+    assert "start='auto'" in c.action
     placed = check_band(4.0, predicted=0.05, clipped=0, steps=200, band=(0.01, 0.05), placed_auto=True)
-    assert "start it later (calibrate.start=N, past the step the automatic placement chose)" in placed.action
-    assert "start=auto" not in placed.action  # the window was placed that way already
+    assert "start it later (start=N, past the step the automatic placement chose)" in placed.action
+    assert "start='auto'" not in placed.action  # the window was placed that way already
 
 
 def test_norms_that_rose_after_the_window_are_drift_up():
     c = check_band(1.0, predicted=0.02, clipped=30, steps=100, band=(0.01, 0.05))
     assert not c.consistent and c.factor == pytest.approx(15.0) and "15× the prediction" in c.verdict
-    assert "rose after the window" in c.action and "calibrate.every" in c.action
+    assert "rose after the window" in c.action and "every=" in c.action
     again = check_band(1.0, predicted=0.02, clipped=30, steps=100, band=(0.01, 0.05), repeating=True)
-    assert "later windows" in again.action and "calibrate.every" not in again.action  # the run already repeats
+    assert "later windows" in again.action and "every=" not in again.action  # the run already repeats
 
 
 def test_a_prediction_outside_the_band_points_at_the_band_quantile():
     c = check_band(1.0, predicted=0.10, clipped=11, steps=100, band=(0.01, 0.05))
-    assert c.consistent and not c.inside and "calibrate.quantile=null" in c.action
+    assert c.consistent and not c.inside and "quantile=None" in c.action
 
 
 def test_a_window_too_short_for_the_band_is_told_to_lengthen_not_to_set_the_quantile_it_has():
@@ -168,14 +168,14 @@ def test_a_window_too_short_for_the_band_is_told_to_lengthen_not_to_set_the_quan
     assert c.consistent and not c.inside
     assert c.action == (
         "the window is too short to resolve the band: its 10 norms give ratios in steps of 10.0% and "
-        f"τ = Quantile_0.970 leaves 10.0% above it; a window of ≥ {need} norms (calibrate.window) predicts "
+        f"τ = Quantile_0.970 leaves 10.0% above it; a window of ≥ {need} norms (window=) predicts "
         "a ratio inside the band"
     )
-    assert "calibrate.quantile=null" not in c.action
+    assert "quantile=None" not in c.action
     fixed = check_band(1.4, predicted, clipped=40, steps=390, band=band, quantile=0.9, norms=10)
     assert fixed.action == (
-        "the window itself predicts 10.0%, outside the band: aim at the band with calibrate.quantile=null "
-        f"(τ = Quantile_0.970); and a window of ≥ {need} norms (calibrate.window) predicts a ratio inside the band"
+        "the window itself predicts 10.0%, outside the band: aim at the band with quantile=None "
+        f"(τ = Quantile_0.970); and a window of ≥ {need} norms (window=) predicts a ratio inside the band"
     )
 
 
@@ -204,5 +204,5 @@ def test_norms_that_repeat_at_tau_are_told_so_not_to_lengthen_the_window():
     assert c.consistent and not c.inside
     assert c.action == (
         "τ = Quantile_0.970 of the window leaves 0.0% above it: its norms repeat (ties at τ), which no quantile or "
-        "window length resolves; set clip.max_norm from the quantile table"
+        "window length resolves; set max_norm= from the quantile table"
     )

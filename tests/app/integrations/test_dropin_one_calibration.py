@@ -1,5 +1,6 @@
 """One calibration procedure everywhere: one norm sequence through the runner's policy, the own-loop API,
-the HF callback and the Lightning callback gives the same window, τ, interval and verdict."""
+the HF callback and the Lightning callback gives the same window, τ, interval, verdict and next action (the
+action each front end prints names the settings as its user writes them: compared spelled alike)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from clipamp_engine.clip.calibrated import recommended_calibration
+from clipamp_engine.spelling import ENGINE
 from clipamp_engine.step import AmpTrainState
 from sweep.config.schema import calibrated
-from sweep.run.build import build_clip_policy
+from sweep.run.build import APP_SPELLING, build_clip_policy
 from tests.app.helpers import compose_cfg
 
 STEPS, WARMUP = 500, 20
@@ -116,7 +118,10 @@ def through_the_lightning_callback(tmp_path):
 
 
 def _answer(policy):
+    """What the policy concluded; its next action spelled as the app's, whichever front end built it."""
+    own, policy.spelling = policy.spelling, APP_SPELLING
     s, check = policy.summaries[0], policy.checks()[0]
+    policy.spelling = own
     return {
         "placement": policy.placement.as_dict(),
         "window": (s.start_step, s.end_step),
@@ -135,11 +140,17 @@ def test_one_norm_sequence_gives_one_answer_at_every_entry_point(tmp_path):
     cfg = calibrated(compose_cfg("+experiment=calibrate"))
     assert cfg.steps == STEPS
     runner = through_the_engine(build_clip_policy(cfg, total_steps=cfg.steps))
-    answers = {
-        "own loop": _answer(through_the_engine(recommended_calibration(total_steps=STEPS))),
-        "hf callback": _answer(through_the_hf_callback()),
-        "lightning callback": _answer(through_the_lightning_callback(tmp_path)),
+    from sweep.integrations.hf_trainer import HF_SPELLING
+    from sweep.integrations.lightning import LIGHTNING_SPELLING
+
+    policies = {
+        "own loop": (through_the_engine(recommended_calibration(total_steps=STEPS)), ENGINE),
+        "hf callback": (through_the_hf_callback(), HF_SPELLING),
+        "lightning callback": (through_the_lightning_callback(tmp_path), LIGHTNING_SPELLING),
     }
+    assert runner.spelling == APP_SPELLING
+    assert {name: p.spelling for name, (p, _) in policies.items()} == {n: sp for n, (_, sp) in policies.items()}
+    answers = {name: _answer(p) for name, (p, _) in policies.items()}
     expected = _answer(runner)
     assert expected["placement"]["start"] > WARMUP  # the window waited for the warm-up and the transient
     assert expected["validation"][1] == STEPS - expected["window"][1]  # every later step checks τ

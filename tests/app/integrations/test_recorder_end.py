@@ -30,7 +30,7 @@ def run(tmp_path, total_steps=None, **calibrate) -> StepRecorder:
             None,
             {},
             "the norms had not settled and the run's length is unknown, so start='auto' waits on: give its length "
-            "(total_steps=, max_steps) to place the window within it, or start=N",
+            "(total_steps=) to place the window within it, or start=N",
         ),
         (
             100,
@@ -58,13 +58,19 @@ def test_a_window_cut_short_is_still_summarised_without_that_line(tmp_path, caps
 
 def test_the_first_window_says_where_it_lies_and_why_as_recommend_does_on_its_csv(tmp_path, capsys):
     """A run whose norms never settle, of known length: the window is placed by the run's end, and the live
-    line says so in the words ``python -m sweep.recommend`` uses for the same CSV."""
+    line says so in the words ``python -m sweep.recommend`` uses for the same CSV, each naming the settings as
+    its own user writes them (the recorder's keywords, ``start=N``; the command's flags, ``--start N``): the
+    same line once the settings are spelled alike."""
     from sweep.recommend.cli import main
+    from sweep.recommend.replay import RECOMMEND_SPELLING
 
     rec = run(tmp_path, total_steps=STEPS)
     assert (rec.summary.start_step, rec.summary.end_step) == (STEPS - 2 * WINDOW + 1, STEPS - WINDOW)
     live = [line for line in capsys.readouterr().out.splitlines() if "window placement (" in line]
-    assert len(live) == 1 and live[0].startswith("clipamp: window placement (start=auto): ")
+    assert len(live) == 1 and live[0].startswith("clipamp: window placement (start='auto'): ")
     assert main([str(tmp_path / "steps.csv"), "--window", str(WINDOW)]) == 0
     offline = [line for line in capsys.readouterr().out.splitlines() if line.startswith("window placement")]
-    assert len(offline) == 1 and offline[0].split("): ", 1)[1] == live[0].split("): ", 1)[1]
+    assert len(offline) == 1 and offline[0].startswith("window placement (--start auto): ")
+    said = live[0].split("): ", 1)[1]
+    assert "start=N" in said  # the deadline's advice: what places the window otherwise
+    assert offline[0].split("): ", 1)[1] == said.replace("start=N", RECOMMEND_SPELLING.set("start", "N"))

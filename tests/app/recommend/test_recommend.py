@@ -20,6 +20,7 @@ from clipamp_engine.placement import auto_window_start
 from clipamp_engine.records import CANONICAL_COLUMNS
 from sweep.commands import python_command
 from sweep.recommend import cli
+from sweep.recommend.replay import RECOMMEND_SPELLING
 
 N = 400
 
@@ -172,7 +173,7 @@ def test_a_runs_own_csv_gives_the_tau_the_run_calibrated(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=30)
-    policy = CalibratedClip(40, start="auto", total_steps=240)
+    policy = CalibratedClip(40, start="auto", total_steps=240, spelling=RECOMMEND_SPELLING)  # its texts compared too
 
     def loss_fn(out, y):  # (loss_sum, token_count): the records carry token counts
         return ((out - y) ** 2).sum(), y.numel()
@@ -209,7 +210,7 @@ def test_defaults_are_the_runners(tmp_path, capsys):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=30)
-    policy = recommended_calibration(total_steps=500)
+    policy = recommended_calibration(total_steps=500, spelling=RECOMMEND_SPELLING)  # its texts compared too
     state = AmpTrainState(model, opt, torch.nn.functional.mse_loss, dtype="fp32", clip=policy, scheduler=warmup)
     g = torch.Generator().manual_seed(1)
     with StepCSVWriter(tmp_path / "steps.csv") as writer:
@@ -381,7 +382,7 @@ def test_repeated_steps_keep_the_last_value_and_several_runs_are_refused(tmp_pat
     resumed = np.r_[steps, steps[200:]]  # a run resumed from step 200 logs steps 201.. again
     values = np.r_[norms * 10, norms[200:]]
     rec = parse([str(write_csv(tmp_path / "log.csv", {"step": resumed, "grad_norm": values})), "--start", "200"])
-    assert "200 repeated step(s)" in rec.notes[-2]
+    assert "200 repeated step(s)" in rec.notes[-1]
     assert rec.tau == pytest.approx(numpy_tau(steps, np.r_[norms[:200] * 10, norms[200:]], 201, 300), rel=1e-12)
     for run in ("a", "b"):
         writer = SummaryWriter(str(tmp_path / "tb" / run))
@@ -581,12 +582,12 @@ def test_a_sampled_per_step_series_with_a_warmup_is_not_read_as_a_running_mean(t
         assert "running mean" in smoothing_note(rec.series)
 
 
-def test_the_runners_advice_is_translated_for_a_log(tmp_path, capsys):
-    """A 300-step log and the default 200-step window: the placement's runner advice ("raise steps") comes
-    with what it means for a log (a longer log, or a shorter --window)."""
+def test_the_advice_for_a_log_names_this_commands_flags(tmp_path, capsys):
+    """A 300-step log and the default 200-step window: the placement's advice names what the user of this
+    command changes (a longer log, ``--start``), never the app's overrides (``calibrate.start=``, ``steps``)."""
     steps, lr, norms = trace(300)
     path = write_csv(tmp_path / "log.csv", {"step": steps, "lr": lr, "grad_norm": norms})
     assert cli.main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "raise steps to let calibrate.start=auto wait" in out
-    assert "its steps the log's length, or a Trainer state's max_steps where longer (where it says raise" in out
+    assert "window placement (--start auto): " in out and "raise the log's length to let --start auto wait" in out
+    assert "calibrate." not in out and "raise steps" not in out

@@ -12,6 +12,7 @@ from clipamp_engine.calibration import window_for_width
 from clipamp_engine.clip import CalibratedClip
 from clipamp_engine.records import StepLog
 from sweep.report.calibration import markdown, tables
+from sweep.run.build import APP_SPELLING
 from sweep.run.calibration import calibration_metrics as metrics
 from sweep.run.calibration import calibration_payload as payload
 
@@ -23,7 +24,9 @@ def _driven(every=0, n=400, q=None, confidence=0.95, fall_after=None):
     norms = (1 + 9 * np.exp(-steps / 15)) * rng.lognormal(0, 0.3, n)
     if fall_after is not None:
         norms[fall_after:] *= 0.54  # the norms' level falls to 0.54× for good
-    clip = CalibratedClip(window=100, every=every, start="auto", quantile=q, confidence=confidence, total_steps=n)
+    clip = CalibratedClip(
+        window=100, every=every, start="auto", quantile=q, confidence=confidence, total_steps=n, spelling=APP_SPELLING
+    )  # as a calibrate run builds it
     for s, lr, g in zip(steps, lrs, norms):
         tau = clip.threshold
         hit = tau is not None and g > tau

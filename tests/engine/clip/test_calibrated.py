@@ -331,14 +331,14 @@ def test_auto_in_a_run_too_short_to_wait_starts_at_step_1_and_says_why():
 @pytest.mark.parametrize(
     ("options", "steps", "fix"),
     [
-        ({"validate": 0, "every": 0}, 60, "train longer after the window (raise steps)"),  # the run ended
-        ({"validate": 10, "every": 0}, 1000, "raise calibrate.validate"),  # validate held them to 10, steps remain
+        ({"validate": 0, "every": 0}, 60, "train longer after the window (raise total_steps=)"),  # the run ended
+        ({"validate": 10, "every": 0}, 1000, "raise validate="),  # validate held them to 10, steps remain
         # validate held them to 10, but the run ends 30 steps after the window: validate alone cannot reach ≈600
-        ({"validate": 10, "every": 0}, 60, "raise steps and calibrate.validate (the run ends 30 steps after"),
-        ({"validate": 10, "every": 0}, 40, "raise steps and calibrate.validate (the run ends 10 steps after"),
+        ({"validate": 10, "every": 0}, 60, "raise total_steps= and validate= (the run ends 30 steps after"),
+        ({"validate": 10, "every": 0}, 40, "raise total_steps= and validate= (the run ends 10 steps after"),
         # the run ended them at 15; more steps alone stop at validate=20, far short of ≈600
-        ({"validate": 20, "every": 0}, 45, "train longer after the window (raise steps and calibrate.validate)"),
-        ({"validate": 0, "every": 40}, 80, "space the windows further apart (calibrate.every)"),  # the next window
+        ({"validate": 20, "every": 0}, 45, "train longer after the window (raise total_steps= and validate=)"),
+        ({"validate": 0, "every": 40}, 80, "space the windows further apart (every=)"),  # the next window
     ],
 )
 def test_too_few_held_out_steps_name_what_ended_them(options, steps, fix):
@@ -364,7 +364,7 @@ def test_next_action_names_later_windows_only_where_the_run_has_one():
     single = CalibratedClip(window=100, start=60, quantile=0.9, total_steps=400)
     _drive(single, norms, lrs)
     assert once.checks()[0].action == single.checks()[0].action
-    assert "later windows" not in once.checks()[0].action and "calibrate.every" in once.checks()[0].action
+    assert "later windows" not in once.checks()[0].action and "every=" in once.checks()[0].action
     repeated = CalibratedClip(window=100, every=150, start=60, quantile=0.9, total_steps=330)
     _drive(repeated, norms[:330], lrs[:330])  # windows 61-160 and 211-310, then no room for a third
     first, last = repeated.checks()

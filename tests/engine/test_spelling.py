@@ -1,0 +1,61 @@
+"""The calibration's advice, by default, names the settings as a user of the engine in their own loop sets them:
+``CalibratedClip``'s keywords (through ``recommended_calibration``), ``AmpTrainState(max_norm=…)`` and the run's
+``total_steps``, never the app's overrides (``calibrate.start=N``, ``clip.max_norm=``, ``steps``)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from clipamp_engine.clip.calibrated import CalibratedClip, recommended_calibration
+from clipamp_engine.spelling import ENGINE, Spelling
+from clipamp_engine.step import AmpTrainState
+from tests.engine.spelling_cases import APP_WORDS, advice, keywords
+
+TEXTS = advice(ENGINE)
+
+
+def _keywords_of(*callables) -> set[str]:
+    return {name for c in callables for name in inspect.signature(c).parameters if name not in ("self", "overrides")}
+
+
+@pytest.mark.parametrize("branch", sorted(TEXTS))
+def test_the_engines_advice_names_only_its_own_keywords(branch):
+    text = TEXTS[branch]
+    allowed = _keywords_of(CalibratedClip, AmpTrainState, recommended_calibration)
+    named = keywords(text)
+    assert named and named <= allowed, (text, named - allowed)
+    assert not APP_WORDS.search(text), text
+
+
+def test_a_policy_built_with_a_spelling_names_its_settings_in_every_text():
+    """The spelling travels from the constructor to each text: the placement (fixed, and the deadline a run too
+    short to wait gets), the window's warning, the check's action."""
+    flags = Spelling(
+        length="the log's length",
+        **{k: f"--{k}" for k in ("start", "window", "every", "validate", "quantile")},
+        named="{}",
+        assign="{} {}",
+        auto="auto",
+        band="band",
+    )
+    fixed = CalibratedClip(window=5, start=3, quantile=0.99, spelling=flags)
+    assert fixed.placement.reason.startswith("--start 3: the window starts at step 4")
+    for step in range(1, 12):
+        fixed.observe(_record(step, 1.0 + step % 3))
+    [summary] = fixed.summaries
+    assert summary.warnings and "lengthen --window to ≥" in summary.warnings[0]
+    assert "use a lower --quantile" in summary.warnings[0]
+    [check] = fixed.checks()
+    assert "with --quantile band" in check.action and "(--window)" in check.action and not keywords(check.action)
+    tight = CalibratedClip(window=20, start="auto", total_steps=40, spelling=flags)
+    assert tight.placement.reason.endswith("(raise the log's length to let --start auto wait)")
+
+
+def _record(step: int, norm: float):
+    from clipamp_engine.records import StepLog
+
+    return StepLog(
+        step=step, lr=1e-3, grad_l2_pre_clip=norm, grad_l2_post_clip=norm, loss=1.0, scaler_scale=None, clipped=False
+    )
