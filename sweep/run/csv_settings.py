@@ -52,7 +52,8 @@ def write_settings(
     if path.exists() and not _ours(path):
         warnings.warn(
             f"clipamp: {path} exists and is not clipamp's: left as it is, so `python -m sweep.recommend "
-            f"{Path(csv_path).name}` reads this run with its own defaults: pass the calibrate.* options there",
+            f"{Path(csv_path).name}` reads this run with its own defaults: pass the run's options there as its "
+            "flags (--window, --start, --every, --validate, --quantile)",
             UserWarning,
             stacklevel=3,
         )

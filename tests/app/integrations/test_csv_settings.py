@@ -228,9 +228,11 @@ def resumed_with_another_length(tmp_path, first, then, saved_at, tracking):
 def test_a_file_of_that_name_that_is_not_clipamps_is_left_alone(tmp_path):
     csv = tmp_path / "steps.csv"
     (tmp_path / "steps.clipamp.yaml").write_bytes(USER_CONFIG)
-    with pytest.warns(UserWarning, match="steps.clipamp.yaml exists and is not clipamp's: left as it is"):
+    with pytest.warns(UserWarning, match="steps.clipamp.yaml exists and is not clipamp's: left as it is") as w:
         through_accelerate(csv, total_steps=STEPS, window=10)
     assert (tmp_path / "steps.clipamp.yaml").read_bytes() == USER_CONFIG
+    said = str(w[0].message)  # what to pass the command instead: its flags, not the app's overrides
+    assert "as its flags (--window, --start, --every, --validate, --quantile)" in said and "calibrate." not in said
 
 
 @pytest.mark.slow  # a real transformers.Trainer
