@@ -277,10 +277,16 @@ class RunTracker:
         self._steps_buffered = 0
 
     def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
-        """Summary metrics, sent at once (non-finite dropped)."""
-        if self.outbox is not None:
-            return self.outbox.send(metric_batch(metrics, step))
-        log_metrics(self.client, self.run_id, metrics, step)
+        """Metrics of one step (a closed window's figures, an eval, the summary; non-finite dropped), sent at
+        once, but for a step after a held one (``hold_after``): those wait with the per-step metrics and share
+        their fate (a resume computes them again). A value the run holds already (``reopen``) is never sent again."""
+        batch = [m for m in metric_batch(metrics, step) if (m.key, m.step) not in self.logged]
+        if self.held_after is not None and step > self.held_after:
+            self._buffer.extend(batch)
+        elif self.outbox is not None:
+            self.outbox.send(batch)
+        elif batch:
+            self.client.log_batch(self.run_id, metrics=batch)
 
     def artifact_path(self, name: str) -> Path:
         """Where to write artifact ``name`` (it is part of the run once written, or at ``end``)."""
