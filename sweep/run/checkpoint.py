@@ -365,13 +365,13 @@ def load_resumable(
     run_name: str,
     uri: str,
     resume: str,
-    steps: int,
     params: dict[str, str] | None = None,
     task: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """``(run_id, checkpoint)`` of the run ``resume`` names; ``UserError`` if it cannot continue to ``steps``,
-    if ``params`` (the config as logged) differ from the run's in a key outside ``RESUME_MAY_CHANGE``, or if
-    ``task`` (what the command builds) is not what the run trained on (``refuse_other_task``)."""
+    """``(run_id, checkpoint)`` of the run ``resume`` names, the checkpoint's ``steps`` the run's length (what
+    ``sweep.run.resume_length`` checks a resume's ``steps=`` against); ``UserError`` if ``params`` (the config as
+    logged) differ from the run's in a key outside ``RESUME_MAY_CHANGE``, or if ``task`` (what the command builds)
+    is not what the run trained on (``refuse_other_task``)."""
     run_id = find_resumable(client, experiment_id, run_name, uri, resume)
     logged = client.get_run(run_id).data if params is not None or task is not None else None
     if params is not None:
@@ -388,8 +388,6 @@ def load_resumable(
     if not path.exists():
         raise UserError(f"resume={run_id}: no checkpoint at {path}; the run cannot be resumed")
     ckpt = _read_checkpoint(path, run_id)
-    if ckpt["step"] >= steps:
-        raise UserError(
-            f"resume={run_id}: the checkpoint is at step {ckpt['step']} >= steps={steps}; raise steps= to train further"
-        )
+    if not isinstance(ckpt.get("steps"), int) and str(logged and logged.params.get("steps")).isdigit():
+        ckpt["steps"] = int(logged.params["steps"])  # the run's length, from a checkpoint that does not hold it
     return run_id, ckpt

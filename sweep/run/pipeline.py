@@ -44,6 +44,7 @@ from sweep.run.faults import FaultInjector
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
 from sweep.run.nothing_trained import nothing_trained
 from sweep.run.resume_csv import open_steps_csv, resumed_rows
+from sweep.run.resume_length import check_resume_steps
 from sweep.run.summary import summary_metrics, tau_tags, window_metrics
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 from sweep.tracking.busy import store_locked
@@ -164,8 +165,9 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
         run_id = find_resumable(store.client, store.experiment_id, spec.name, store.uri, str(cfg.resume))
         lock = lock_run(store.uri, run_id)
         try:
-            where = (store.client, store.experiment_id, spec.name, store.uri, run_id, cfg.steps)
+            where = (store.client, store.experiment_id, spec.name, store.uri, run_id)
             run_id, ckpt = load_resumable(*where, logged_params(cfg), task.description)
+            check_resume_steps(cfg, ckpt, run_id)  # a lower steps= only where the remaining steps train alike
             return RunTracker.reopen(store.client, run_id, flush_every=flush, upto=ckpt["step"]), ckpt, lock
         except BaseException:
             lock.release()
@@ -270,19 +272,8 @@ class _ActiveRun:
             {"pipeline": state.pipeline, "ranks": str(launch.world)}
         )  # update path (clipamp_engine.fused); ranks
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
-        run = cls(
-            cfg,
-            tracker,
-            task,
-            hooks,
-            state,
-            faults,
-            _NoCSV(),
-            RunRecords(),
-            start,
-            checkpoint_path(uri, tracker.run_id),
-            launch,
-        )
+        ckpt_file = checkpoint_path(uri, tracker.run_id)
+        run = cls(cfg, tracker, task, hooks, state, faults, _NoCSV(), RunRecords(), start, ckpt_file, launch)
         if ckpt is not None:  # decided before anything is written: a refused resume leaves steps.csv as it was
             run.restore(ckpt, csv_path, columns)
         if csv_path is not None:
@@ -349,7 +340,8 @@ class _ActiveRun:
             yield self.launch.shard(self.hooks.batch(i, batch) if self.hooks.batch is not None else batch)
 
     def checkpoint(self, step: int) -> None:
-        if save_run_checkpoint(self.ckpt_file, self.state, self.launch, step=step, run_id=self.tracker.run_id):
+        where = {"step": step, "run_id": self.tracker.run_id, "steps": self.cfg.steps}  # steps: the run's length
+        if save_run_checkpoint(self.ckpt_file, self.state, self.launch, **where):
             self.checkpointed = step
             self.tracker.hold_after(step)  # the store holds the steps this checkpoint holds, no later one
 

@@ -1,0 +1,65 @@
+"""A resume's ``steps=`` against the run's length: raised, the run trains further (the LR schedule and the
+calibration layout follow the new length); lowered, the run ends sooner, which is accepted only when the steps
+it still trains are exactly those the run as started would have trained (its first ``steps`` steps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sweep.config.schema import Config
+from sweep.errors import UserError
+from sweep.run.build import build_clip_policy, lr_factor
+
+
+def check_resume_steps(cfg: Config, ckpt: dict[str, Any], run_id: str) -> None:
+    """``UserError`` when ``cfg.steps`` leaves nothing to train after the checkpoint, or is below the run's length
+    (``ckpt["steps"]``) and the steps after the checkpoint up to ``cfg.steps`` would not train as the run as
+    started trains them: another LR (a schedule that decays over ``steps``) or another calibration layout (a
+    window placed, cut or repeated by the run's length). Both lengths are named."""
+    steps, done, length = cfg.steps, ckpt["step"], ckpt.get("steps")
+    was = f" (the run's steps={length})" if length is not None else ""
+    if steps <= done:
+        raise UserError(
+            f"resume={run_id}: steps={steps} is not above the checkpoint's step {done}{was}: nothing is left to "
+            f"train; raise steps= to train further, or start a new run (drop resume=)"
+        )
+    if length is None or steps >= length:
+        return
+    why = _changed_lr(cfg, done, steps, length) or _changed_layout(cfg, ckpt, done, steps, length)
+    if why is not None:
+        raise UserError(
+            f"resume={run_id}: steps={steps} is lower than the run's steps={length}, and {why}: a resume ends a "
+            f"run sooner only where its remaining steps train as they would have; resume with steps={length} or "
+            f"more, or start a new run with steps={steps} (drop resume=)"
+        )
+
+
+def _changed_lr(cfg: Config, done: int, steps: int, length: int) -> str | None:
+    """The first remaining step whose LR factor (``lr_factor``) the shorter length changes."""
+    for s in range(done, steps):  # the factor of step s + 1
+        was, now = lr_factor(s, cfg.optim, length), lr_factor(s, cfg.optim, steps)
+        if was != now:
+            return (
+                f"optim.schedule={cfg.optim.schedule} would change the LR of step {s + 1} "
+                f"(x{was:.4g} of optim.lr, now x{now:.4g})"
+            )
+    return None
+
+
+def _changed_layout(cfg: Config, ckpt: dict[str, Any], done: int, steps: int, length: int) -> str | None:
+    """``clip=calibrated``: where its windows lie over the run's length (``CalibratedClip``, from the checkpoint)."""
+    if cfg.clip.mode != "calibrated":
+        return None
+    state = ckpt["engine"]["clip"]
+    was, now = build_clip_policy(cfg, total_steps=length), build_clip_policy(cfg, total_steps=steps)
+    was.load_state_dict(state)
+    now.load_state_dict(state)
+    if was.placement is None and was.detector.latest != now.detector.latest:
+        return (
+            f"calibrate.start=auto has not placed its window yet and would place it by step "
+            f"{now.detector.latest}, not {was.detector.latest}"
+        )
+    for s in range(done + 1, steps + 1):
+        if was.phase(s) != now.phase(s):
+            return f"step {s} would be in phase {now.phase(s)}, not {was.phase(s)}"
+    return None
