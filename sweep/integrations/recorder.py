@@ -141,7 +141,11 @@ class StepRecorder:
         return {k: v for k, v in self.options.items() if k != "cap"}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a host's checkpoint keeps of this recorder, as JSON (``sweep.integrations.resume``)."""
+        """What a host's checkpoint keeps of this recorder, as JSON (``sweep.integrations.resume``). From then on
+        the MLflow run takes no step after this one until the next checkpoint or the run's end: a resume from
+        this checkpoint trains those steps again (``RunTracker.hold_after``)."""
+        if self.tracker is not None:
+            self.tracker.hold_after(self.step)
         return checkpoint_state(self)
 
     # -- run begin / end -------------------------------------------------------------------------

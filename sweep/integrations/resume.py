@@ -196,7 +196,7 @@ def resume(
     if tracker is not None:  # the steps' metrics the store lacks (a kill cuts its sends short)
         for i, row in enumerate(recorder.records.rows):
             tracker.add_step(row["step"], recorder.records.step_metrics(i))
-        tracker.flush()
+        tracker.hold_after(step)  # the checkpoint's: the steps after it wait for the next one (or the end)
     recorder.say(f"steps.csv: {path} (resumed at step {step})")
 
 
