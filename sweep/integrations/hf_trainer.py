@@ -69,7 +69,8 @@ from transformers.trainer_callback import ExportableState
 
 from clipamp_engine.spelling import Spelling
 
-from .hf_forward import ForwardDtype, loss_shifts_labels, model_loss, over_ranks
+from .forward_dtype import ForwardDtype
+from .hf_forward import loss_shifts_labels, model_loss, over_ranks
 from .recorder import StepRecorder
 from .resume import to_json, warn_fresh
 
@@ -356,9 +357,7 @@ class ClipampCallback(TrainerCallback, ExportableState):
         self._skipped = bool(getattr(optimizer, "step_was_skipped", False))
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._dtype is not None and self._dtype.seen is not None:  # the first forward showed the dtype it ran in
-            if self.recorder.tracker is not None:
-                self.recorder.tracker.set_tags({"dtype": self._dtype.seen})
+        if self._dtype is not None and self._dtype.tag(self.recorder.tracker):  # the first forward showed its dtype
             self._dtype = None
         self.recorder.record(state.global_step, self._lr, self._measured, scale=self._scale, skipped=self._skipped)
         self._unlogged.append(self._measured.loss)

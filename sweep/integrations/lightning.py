@@ -68,6 +68,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from clipamp_engine.spelling import Spelling
 
 from ..tracking.tracker import ended_as
+from .forward_dtype import ForwardDtype
 from .recorder import StepRecorder
 from .resume import warn_fresh
 
@@ -87,7 +88,9 @@ LIGHTNING_SPELLING = Spelling(threshold="gradient_clip_val", length="max_steps")
 
 def precision_dtype(precision: str) -> str:
     """The dtype of ``Trainer(precision=...)``'s forward, as the other runs' ``dtype`` tag says it (the report's
-    and the MLflow view's column); a setting not in :data:`PRECISION_DTYPES` as Lightning spells it."""
+    and the MLflow view's column); a setting not in :data:`PRECISION_DTYPES` as Lightning spells it. The run's
+    tag until its first training forward shows the dtype it ran in (``ForwardDtype``: bf16 weights under
+    ``32-true`` compute in bf16)."""
     return PRECISION_DTYPES.get(precision, precision)
 
 
@@ -154,6 +157,7 @@ class ClipampCallback(pl.Callback):
         self._measured = None
         self._clipped_by = None  # manual optimization: the τ a clip_gradients call in this step clipped at
         self._watch = None  # the wrapper _watch_clip put on the precision plugin
+        self._dtype: ForwardDtype | None = None  # reads the dtype the fit's first training forward runs in
 
     @property
     def policy(self):
@@ -257,6 +261,8 @@ class ClipampCallback(pl.Callback):
             },
         )
         self._loss, self._losses, self._recording = None, 0, True
+        compiled = getattr(pl_module, "_compiler_ctx", None) is not None  # hooks would split the compiled graph
+        self._dtype = None if compiled else ForwardDtype(pl_module, trainer.strategy.root_device.type)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._give_clip_back(trainer)
@@ -273,7 +279,11 @@ class ClipampCallback(pl.Callback):
         self.recorder.abort(ended_as(type(exception)))
 
     def _give_clip_back(self, trainer: pl.Trainer) -> None:
-        """``gradient_clip_val`` as the user set it; the precision plugin's own ``clip_gradients``."""
+        """``gradient_clip_val`` as the user set it; the precision plugin's own ``clip_gradients``; no dtype hook
+        left on the module."""
+        if self._dtype is not None:
+            self._dtype.remove()
+            self._dtype = None
         plugin = trainer.precision_plugin
         if self._watch is not None and plugin.__dict__.get("clip_gradients") is self._watch:
             del plugin.clip_gradients  # the watch of a manual fit: the plugin's own method again
@@ -328,3 +338,5 @@ class ClipampCallback(pl.Callback):
         skipped = no_loss or (scaler is not None and float(scaler.get_scale()) < self._scale)  # sync (fp16)
         why = "no_loss" if no_loss else ""
         self.recorder.record(trainer.global_step, self._lr, m, scale=self._scale, skipped=skipped, why=why)
+        if self._dtype is not None and self._dtype.tag(self.recorder.tracker):  # e.g. bf16 weights under 32-true
+            self._dtype = None

@@ -349,3 +349,29 @@ def test_the_dtype_tag_is_what_the_forward_ran_in(tmp_path, store, precision):
     ran = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[seen[0]]
     tags = MlflowClient(store).get_run(cb.recorder.tracker.run_id).data.tags
     assert (tags["dtype"], tags["precision"]) == (ran, precision)
+
+
+class InWeightsDtype(Tiny):
+    """``Tiny`` fed in its weights' dtype (a model loaded in bf16), its loss in fp32."""
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0].to(self.net.weight.dtype)
+        return F.mse_loss(self.net(x).float(), batch[1])
+
+
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32])
+def test_the_dtype_tag_follows_the_weights_a_32_bit_fit_leaves_alone(tmp_path, store, weights):
+    """``32-true`` casts neither the module nor the inputs: a model whose weights are bf16 computes in bf16, and its
+    ``dtype`` tag says so (the dtype of the layer's output, seen by a hook, is the reference)."""
+    from mlflow import MlflowClient
+
+    out = []
+    module = InWeightsDtype()
+    module.net.to(weights)
+    module.net.register_forward_hook(lambda m, a, y: out.append(y.dtype))
+    cb = ClipampCallback(tracking=store, csv_path=tmp_path / "steps.csv", verbose=False)
+    fit(tmp_path, module, 2, [cb], max_steps=2, precision="32-true")
+    tags = MlflowClient(store).get_run(cb.recorder.tracker.run_id).data.tags
+    assert out[0] == weights
+    assert (tags["dtype"], tags["precision"]) == ({torch.bfloat16: "bf16"}.get(weights, "fp32"), "32-true")
+    assert not module.net._forward_pre_hooks  # the dtype's one-shot hooks are gone
