@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.helpers import CONF, EXPERIMENTS, REPO, run_cli
+from tests.app.helpers import CONF, EXPERIMENTS, REPO, TINY, run_cli
 
 COPY_IGNORE = shutil.ignore_patterns(
     ".git",
@@ -159,7 +159,7 @@ def test_installed_wheel_runs_calibrate_from_an_empty_folder(wheel, tmp_path):
     assert Path(where).is_relative_to(venv), f"sweep imported from {where}, not the installed wheel"
 
     run = subprocess.run(
-        [str(venv / "bin" / "clipamp"), "+experiment=calibrate", "steps=20", "calibrate.window=10"],
+        [str(venv / "bin" / "clipamp"), "+experiment=calibrate", *TINY, "steps=20", "calibrate.window=10"],
         cwd=work,
         env=clean_env(),
         capture_output=True,
