@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from tests.app.helpers import REPO, TINY, csv_of, repo_pythonpath
+from tests.app.helpers import REPO, TINY, csv_of, repo_pythonpath, store_in
 
 PROGRAM = textwrap.dedent(
     """
@@ -130,9 +130,9 @@ def _app(tmp_path, torchrun: bool) -> tuple[subprocess.CompletedProcess, pd.Data
 
 
 @pytest.mark.slow
-def test_the_app_in_torchrun_s_environment_ends_without_teardown_and_keeps_everything(tmp_path):
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "torchrun").mkdir()
+def test_the_app_in_torchrun_s_environment_ends_without_teardown_and_keeps_everything(tmp_path, store_template):
+    for folder in ("plain", "torchrun"):
+        store_in(tmp_path / folder, store_template)  # the default store, migrated already
     plain, plain_rows, plain_run = _app(tmp_path / "plain", torchrun=False)
     left, rows, run = _app(tmp_path / "torchrun", torchrun=True)
     assert "teardown ran" in plain.stdout and "teardown ran" not in left.stdout
