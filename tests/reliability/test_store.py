@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from sweep.commands import mlflow_command
 from sweep.errors import UserError
 from sweep.tracking.tracker import Store
-from tests.app.helpers import REPO, TINY
+from tests.app.helpers import REPO, TINY, run_cli_here
 from tests.reliability.helpers import assert_one_line_error, finish, open_and_log, start_cli
 
 # Without the lock every repetition fails (the control below: MLflow's migrations collide, e.g.
@@ -201,8 +201,10 @@ def _deleted_experiment(store_uri: str) -> None:
 
 
 @pytest.mark.slow
-def test_store_problems_are_one_line_errors(tmp_path, store_template):
-    """Each broken store at once, through the CLI: exit 2, one line with the fix, no traceback, store untouched."""
+def test_store_problems_are_one_line_errors(tmp_path, store_template, capsys, monkeypatch):
+    """Each broken store through the CLI's entry point: exit 2, one line with the fix, no traceback, store
+    untouched. One as ``python -m sweep`` in a new process (the exit status Python gives), the others in this
+    process (``run_cli_here``: no interpreter start-up, which is most of a refused command's seconds)."""
     import optuna
 
     cases = {  # name → (args, expected fragments)
@@ -232,12 +234,15 @@ def test_store_problems_are_one_line_errors(tmp_path, store_template):
     optuna.create_study(storage=f"sqlite:///{dirs['optuna']}/mlruns/optuna.db", study_name="s")
     web, port = _http_server(dirs["web"])
     cases["web"][0].append(f"tracking.uri=http://127.0.0.1:{port}")
+    argv = {name: ["+experiment=train", *TINY, "steps=2", *args] for name, (args, _) in cases.items()}
     try:
-        procs = {
-            name: start_cli("+experiment=train", *TINY, "steps=2", *args, cwd=dirs[name])
-            for name, (args, _) in cases.items()
+        junk = start_cli(*argv["junk"], cwd=dirs["junk"])
+        results = {
+            name: run_cli_here(*args, cwd=dirs[name], capsys=capsys, monkeypatch=monkeypatch)
+            for name, args in argv.items()
+            if name != "junk"
         }
-        results = {name: finish(p) for name, p in procs.items()}
+        results["junk"] = finish(junk)
     finally:
         web.terminate()
         web.wait()
