@@ -15,7 +15,7 @@ from sweep import app
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
 from sweep.tasks.build import build_task
 from sweep.tracking.tracker import Store
-from tests.app.helpers import compose_cfg, run_cli
+from tests.app.helpers import compose_cfg, run_cli, run_cli_here
 
 from .test_hf import TINY_LLAMA, grad_norm, write_corpus
 
@@ -32,7 +32,7 @@ HF_TINY = [
 ]
 
 
-def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
+def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path, store):  # the default store, migrated already
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     r = run_cli(
         "+experiment=calibrate",
@@ -48,7 +48,7 @@ def test_calibrate_cli_on_a_jsonl_with_sources(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("clipamp").experiment_id])
     m = run.data.metrics
     for key in (
@@ -174,8 +174,11 @@ def test_sweep_runs_both_dtypes(tmp_path, store):
         assert (df["scaler_scale"] > 1).all() == (trial["dtype"] == "fp16")  # fp16 ran with the loss scaler
 
 
-def test_cli_errors_are_one_line_exit_2(tmp_path):
-    r = run_cli("+experiment=calibrate", "model=hf", "model.config.model_type=nope", cwd=tmp_path)
+def test_cli_errors_are_one_line_exit_2(tmp_path, store, capsys, monkeypatch):
+    """Through the CLI's entry point in this process (``run_cli_here``: no interpreter start-up); the store
+    is made already (the refusal comes after it opens)."""
+    here = {"capsys": capsys, "monkeypatch": monkeypatch}
+    r = run_cli_here("+experiment=calibrate", "model=hf", "model.config.model_type=nope", cwd=tmp_path, **here)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: model.config.model_type='nope' is not a")
     assert "Traceback" not in r.stderr
