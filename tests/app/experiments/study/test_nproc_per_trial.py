@@ -20,6 +20,7 @@ from sweep import app
 from sweep.config import validate
 from sweep.errors import UserError
 from tests.app.experiments.study.test_sweep import children, optuna_study, sweep_cfg
+from tests.app.helpers import store_in
 
 
 @pytest.mark.parametrize(
@@ -52,8 +53,8 @@ def test_constrained_torchrun_trials_without_pruner_are_accepted():
     validate(sweep_cfg("sqlite:///unused.db", "study.nproc_per_trial=2", "study=constrained", "study.pruner=none"))
 
 
-def _sweep(root: Path, nproc: int):
-    uri = f"sqlite:///{root}/mlruns/mlflow.db"
+def _sweep(root: Path, nproc: int, template: Path):
+    uri = store_in(root, template)  # root/mlruns/mlflow.db, migrated already
     cfg = sweep_cfg(
         uri, "study.anchor=null", "study.n_trials=2", "study.dtypes=[fp32]", f"study.nproc_per_trial={nproc}"
     )
@@ -65,10 +66,9 @@ def _sweep(root: Path, nproc: int):
 
 
 @pytest.mark.slow
-def test_torchrun_trials_are_the_one_process_trials(tmp_path):
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    ref_trials, ref_runs, ref_rows = _sweep(tmp_path / "one", 1)
-    trials, runs, rows = _sweep(tmp_path / "two", 2)
+def test_torchrun_trials_are_the_one_process_trials(tmp_path, store_template):
+    ref_trials, ref_runs, ref_rows = _sweep(tmp_path / "one", 1, store_template)
+    trials, runs, rows = _sweep(tmp_path / "two", 2, store_template)
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
     assert sorted(runs) == [0, 1]
     for t, ref in zip(trials, ref_trials):
@@ -89,9 +89,9 @@ def test_torchrun_trials_are_the_one_process_trials(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_trial_job_is_a_failed_trial_with_its_one_line(tmp_path, monkeypatch):
+def test_a_failed_trial_job_is_a_failed_trial_with_its_one_line(tmp_path, store, monkeypatch):
     monkeypatch.setenv("CLIPAMP_TEST_RANK_FAULT", "raise:1:3")  # the jobs' rank 1 raises at its 3rd step
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store
     cfg = sweep_cfg(
         uri,
         "study.anchor=null",
