@@ -158,7 +158,7 @@ def test_fp16_skips_or_clips_the_spike_and_continues_finite(spiked):
 
 
 @pytest.mark.slow
-def test_an_fp16_run_that_does_not_survive_ends_failed_in_one_line_with_everything_kept(tmp_path, monkeypatch):
+def test_an_fp16_run_that_does_not_survive_ends_failed_in_one_line_with_everything_kept(store, monkeypatch):
     """The verdict is the real one, turned to a failure: the command's error is one line with exit
     status 4 (no traceback), and the parent ends FAILED only after every child, the table and the
     figure are written."""
@@ -166,8 +166,10 @@ def test_an_fp16_run_that_does_not_survive_ends_failed_in_one_line_with_everythi
 
     real = E.fp16_outcome
     monkeypatch.setattr(E, "fp16_outcome", lambda arm, cfg, twin=None: (False, real(arm, cfg, twin)[1]))
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
-    cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE, f"tracking.uri={uri}")
+    uri = store
+    # the replay's shortest run with the spike at AT: the last horizon is +20, not +100
+    short = [f"steps={AT + 20}", "spike.horizons=[1,5,20]"]
+    cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE, *short, f"tracking.uri={uri}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
