@@ -52,7 +52,7 @@ def test_a_reset_task_starts_counting_again():
 
 
 @pytest.mark.slow
-def test_a_piped_run_prints_progress_while_it_trains(tmp_path):
+def test_a_piped_run_prints_progress_while_it_trains(tmp_path, store):  # the run's store, migrated already
     """stdout is a pipe (as under nohup): the step-40 line is read while the process still runs, and the
     first step after the calibration window (31, after the window 1–30) gets its own line with the τ set
     there (validate: the held-out steps at τ)."""
