@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from sweep.distributed.launch import Launch, resolve_strategy
 from sweep.errors import UserError
 from sweep.tasks.build import Batch
-from tests.app.helpers import TINY, csv_of
+from tests.app.helpers import TINY, csv_of, store_in
 
 #: PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack, which says in what phase it died
 ENV = {
@@ -196,8 +196,9 @@ def _killed(tmp: Path, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> pd.DataFrame:
+def one_process(tmp_path_factory, store_template) -> pd.DataFrame:
     tmp = tmp_path_factory.mktemp("one")
+    store_in(tmp, store_template)  # its default store, migrated already
     return pd.read_csv(csv_of(_run([sys.executable, "-m", "sweep", *RUN, f"steps={STEPS}"], tmp).stdout))
 
 
@@ -234,7 +235,7 @@ def test_calibrate_under_torchrun_is_the_one_process_run(tmp_path, one_process):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, one_process, strategy):
+def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, store, one_process, strategy):
     rows, run_id, resumed = _kill_and_resume(tmp_path, f"dist.strategy={strategy}")
     assert "resumed run " + run_id in resumed.stdout
     _assert_same_run(rows, one_process)
@@ -245,7 +246,7 @@ def test_sigterm_to_torchrun_then_resume_continues_like_one_process(tmp_path, on
 
 
 @pytest.mark.slow
-def test_a_ddp_run_resumes_in_one_process(tmp_path, one_process):
+def test_a_ddp_run_resumes_in_one_process(tmp_path, store, one_process):
     """A DDP checkpoint is a one-process checkpoint: started with an explicit dist.strategy=ddp, the
     run continues in one process (dist.strategy=none) and ends as the one-process run."""
     rows, run_id, resumed = _kill_and_resume(tmp_path, "dist.strategy=ddp", resume_in_one_process="none")
@@ -255,7 +256,7 @@ def test_a_ddp_run_resumes_in_one_process(tmp_path, one_process):
 
 
 @pytest.mark.slow
-def test_fsdp2_shards_that_cannot_be_read_are_one_line_and_the_run_stays_killed(tmp_path):
+def test_fsdp2_shards_that_cannot_be_read_are_one_line_and_the_run_stays_killed(tmp_path, store):
     """torch.distributed.checkpoint raises CheckpointException, a BaseException: without its conversion a
     resume over missing shards ended in a traceback."""
     import shutil
