@@ -238,7 +238,7 @@ def check_calibrate(cfg: Config) -> None:
     defaults = ours if cfg.run == "calibrate" else None  # the fix a message suggests: the run's own default
     engine_check(lambda: CalibratedClip(**options, total_steps=cfg.steps), "calibrate", c, options, defaults)
     skip = c.start if isinstance(c.start, int) else 0  # auto starts at step 1 in a run too short to wait
-    if cfg.run == "calibrate" and skip + c.window > cfg.steps:
+    if cfg.run == "calibrate" and skip + c.window > cfg.steps and not cfg.resume:  # a resume: resume_length's
         start = f"calibrate.start={skip} + " if skip else ""
         lower = "calibrate.window or calibrate.start" if skip else "calibrate.window"
         raise UserError(

@@ -25,13 +25,27 @@ def check_resume_steps(cfg: Config, ckpt: dict[str, Any], run_id: str) -> None:
         )
     if length is None or steps >= length:
         return
-    why = _changed_lr(cfg, done, steps, length) or _changed_layout(cfg, ckpt, done, steps, length)
+    new_run = f"start a new run with steps={steps}"
+    if short := _window_past(cfg, steps):  # a new run of that length would be refused as it stands
+        why, new_run = short, f"{new_run} and a calibrate.window that fits in it"
+    else:
+        why = _changed_lr(cfg, done, steps, length) or _changed_layout(cfg, ckpt, done, steps, length)
     if why is not None:
         raise UserError(
             f"resume={run_id}: steps={steps} is lower than the run's steps={length}, and {why}: a resume ends a "
             f"run sooner only where its remaining steps train as they would have; resume with steps={length} or "
-            f"more, or start a new run with steps={steps} (drop resume=)"
+            f"more, or {new_run} (drop resume=)"
         )
+
+
+def _window_past(cfg: Config, steps: int) -> str | None:
+    """A calibrate run's window that does not close by ``steps`` (the check ``validate`` makes of a new run's
+    window, which a resume leaves to this refusal: it cannot change the window)."""
+    c = cfg.calibrate
+    skip = c.start if isinstance(c.start, int) else 0  # auto starts at step 1 in a run too short to wait
+    if cfg.run != "calibrate" or skip + c.window <= steps:
+        return None
+    return f"calibrate.window={c.window} (from step {skip + 1}) would not close by step {steps}"
 
 
 def _changed_lr(cfg: Config, done: int, steps: int, length: int) -> str | None:

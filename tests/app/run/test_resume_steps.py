@@ -22,12 +22,12 @@ RUN = ["+experiment=train", *TINY, "steps=12", "checkpoint_every=4", "optim.warm
 QUIET = RunHooks(announce=lambda m: None)
 
 
-def _killed(store, *overrides):
-    """A run of ``RUN`` stopped after step 7 (KILLED, its checkpoint at step 4): (cfg, Store, run id, its CSV rows)."""
-    cfg = compose_cfg(*RUN, *overrides, f"tracking.uri={store}")
+def _killed(store, *overrides, run=RUN, spec="train"):
+    """A run of ``run`` stopped after step 7 (KILLED, its checkpoint at step 4): (cfg, Store, run id, its CSV rows)."""
+    cfg = compose_cfg(*run, *overrides, f"tracking.uri={store}")
     s = Store.open(store, cfg.tracking.experiment)
     with pytest.raises(KeyboardInterrupt) as e:
-        run_training(cfg, s, RunSpec("train"), RunHooks(step=kill_after(7), announce=lambda m: None))
+        run_training(cfg, s, RunSpec(spec), RunHooks(step=kill_after(7), announce=lambda m: None))
     assert (e.value.run_ended, e.value.checkpointed) == ("KILLED", 4)
     run_id = s.client.search_runs([s.experiment_id])[0].info.run_id
     return cfg, s, run_id, s.client.get_run(run_id).info.artifact_uri.removeprefix("file://") + "/steps.csv"
@@ -90,3 +90,26 @@ def test_a_lower_steps_is_refused_where_it_moves_the_calibration(start, refused)
     with pytest.raises(UserError) as e:
         check_resume_steps(lower, ckpt, "r")
     assert f"steps=300 is lower than the run's steps=400, and {refused}" in str(e.value)
+
+
+def test_a_lower_steps_below_the_window_is_the_resumes_own_refusal(store):
+    """``resume=true steps=N`` below a calibrate run's window: the config check does not tell the user to lower
+    calibrate.window (a resume refuses another window); the resume's refusal names both lengths and what works."""
+    from sweep.config.validate import validate
+
+    window = ["+experiment=calibrate", *RUN[1:], "calibrate.window=10", "calibrate.start=0", "optim.schedule=constant"]
+    cfg, s, run_id, csv = _killed(store, run=window, spec="calibrate")
+    lower = dataclasses.replace(cfg, steps=6, resume="true")
+    validate(lower)  # the resume decides
+    with pytest.raises(UserError) as e:
+        run_training(lower, s, RunSpec("calibrate"), QUIET)
+    assert str(e.value) == (
+        f"resume={run_id}: steps=6 is lower than the run's steps=12, and calibrate.window=10 (from step 1) would "
+        "not close by step 6: a resume ends a run sooner only where its remaining steps train as they would have; "
+        "resume with steps=12 or more, or start a new run with steps=6 and a calibrate.window that fits in it "
+        "(drop resume=)"
+    )
+    assert s.client.get_run(run_id).info.status == "KILLED"
+    assert checkpoint_path(store, run_id).exists()
+    with pytest.raises(UserError, match="lower calibrate.window, or raise steps"):
+        validate(dataclasses.replace(cfg, steps=6))  # a new run still may lower the window
