@@ -34,6 +34,7 @@ from typing import Any
 from clipamp_engine.csvlog import StepCSVWriter
 
 from ..errors import one_line
+from ..run.csv_settings import resumed_lengths
 from ..run.summary import read_rows
 
 #: A ``sweep.integrations.recorder.StepRecorder`` (not imported: the recorder imports this module).
@@ -198,15 +199,6 @@ def resume(
             tracker.add_step(row["step"], recorder.records.step_metrics(i))
         tracker.hold_after(step)  # the checkpoint's: the steps after it wait for the next one (or the end)
     recorder.say(f"steps.csv: {path} (resumed at step {step})")
-
-
-def resumed_lengths(saved: list | None, step: int, total_steps: int | None) -> list[list]:
-    """The run's length as its calibration knew it, ``[[after_step, total_steps], …]`` (from step ``after_step`` + 1
-    on), after a resume at ``step`` for a run of ``total_steps``: the checkpoint's up to ``step`` (a length set after
-    it belongs to the steps the resume drops), then ``total_steps`` where it changed (a new ``max_steps``). A
-    checkpoint saved without them: the run's length is taken as this one's throughout."""
-    kept = [[int(a), n] for a, n in saved or [] if int(a) < step] or [[0, total_steps]]
-    return kept if kept[-1][1] == total_steps else [*kept, [step, total_steps]]
 
 
 def _reopen(store, label: str, state: dict[str, Any]):

@@ -47,7 +47,7 @@ def run_report_markdown(cfg: Config, result: RunResult) -> str:
     lines = [
         f"# clipamp {cfg.run}: {cfg.model.name} on {cfg.data.name}, {cfg.amp.dtype}",
         "",
-        f"- steps: {cfg.steps}, seed {cfg.seed}, clip: {clip}",
+        f"- steps: {cfg.steps}{_earlier(result.earlier_lengths)}, seed {cfg.seed}, clip: {clip}",
         f"- skipped steps: {int(m.get('steps_skipped', 0))} (skip ratio {pct(m['skip_ratio'])})",
         f"- final training loss (last 10 steps): {fmt(m['final_loss'])}, "
         f"eval loss: {fmt(m.get('eval_loss', math.nan))}",
@@ -70,6 +70,14 @@ def run_report_markdown(cfg: Config, result: RunResult) -> str:
     if findings:
         lines += ["## Norm-pattern diagnosis", "", findings, ""]
     return "\n".join(lines)
+
+
+def _earlier(lengths: list[dict]) -> str:
+    """A resumed run's earlier lengths (MLflow's param ``steps`` keeps the first; the tags ``resumed.*`` these)."""
+    if not lengths:
+        return ""
+    was = "; ".join(f"steps={e['total_steps']} through step {e['through_step']}" for e in lengths)
+    return f" (resumed: {was}; MLflow tag resumed.total_steps, param steps the first length)"
 
 
 def _windows_markdown(result: RunResult) -> list[str]:

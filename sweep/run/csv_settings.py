@@ -86,9 +86,19 @@ def earlier_lengths(lengths: list[list]) -> list[dict[str, int | None]]:
     return [{"through_step": int(e), "total_steps": _length(n)} for e, (_, n) in zip(ends, lengths)]
 
 
-#: An integration's MLflow run whose resume changed its length (its param ``total_steps`` is the first length,
-#: and params cannot change): these tags, read as the params they name, give the lengths as the settings file does.
+#: An integration's or the app's MLflow run whose resume changed its length (its param ``total_steps`` or
+#: ``steps`` is the first length, and params cannot change): these tags, read as the params they name, give the
+#: lengths as the settings file does.
 LENGTH_TAGS = {"resumed.total_steps": "total_steps", "resumed.earlier_lengths": "earlier_lengths"}
+
+
+def resumed_lengths(saved: list | None, step: int, total_steps: int | None) -> list[list]:
+    """The run's length as its calibration knew it, ``[[after_step, total_steps], …]`` (from step ``after_step`` + 1
+    on), after a resume at ``step`` for a run of ``total_steps``: the checkpoint's up to ``step`` (a length set after
+    it belongs to the steps the resume drops), then ``total_steps`` where it changed (a new ``max_steps``). A
+    checkpoint saved without them: the run's length is taken as this one's throughout."""
+    kept = [[int(a), n] for a, n in saved or [] if int(a) < step] or [[0, total_steps]]
+    return kept if kept[-1][1] == total_steps else [*kept, [step, total_steps]]
 
 
 def length_tags(lengths: list[list]) -> dict[str, str]:

@@ -44,7 +44,7 @@ from sweep.run.faults import FaultInjector
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
 from sweep.run.nothing_trained import nothing_trained
 from sweep.run.resume_csv import open_steps_csv, resumed_rows
-from sweep.run.resume_length import check_resume_steps
+from sweep.run.resume_length import check_resume_steps, record_resumed_length
 from sweep.run.summary import summary_metrics, tau_tags, window_metrics
 from sweep.tasks.build import Batch, Task, build_task, evaluate
 from sweep.tracking.busy import store_locked
@@ -62,6 +62,7 @@ class RunResult:
     records: RunRecords = field(default_factory=RunRecords)
     status: str = "FINISHED"
     calibration: CalibratedClip | None = None  # a calibrate run's policy: placement, checks, drift
+    earlier_lengths: list[dict] = field(default_factory=list)  # a resume's: resume_length.resumed_length_tags
 
 
 @dataclass
@@ -168,7 +169,9 @@ def open_run(cfg: Config, store: Store, spec: RunSpec, task: Task) -> tuple[RunT
             where = (store.client, store.experiment_id, spec.name, store.uri, run_id)
             run_id, ckpt = load_resumable(*where, logged_params(cfg), task.description)
             check_resume_steps(cfg, ckpt, run_id)  # a lower steps= only where the remaining steps train alike
-            return RunTracker.reopen(store.client, run_id, flush_every=flush, upto=ckpt["step"]), ckpt, lock
+            tracker = RunTracker.reopen(store.client, run_id, flush_every=flush, upto=ckpt["step"])
+            record_resumed_length(tracker, store.client.get_run(run_id).data.tags, ckpt, cfg.steps)
+            return tracker, ckpt, lock
         except BaseException:
             lock.release()
             raise
@@ -248,6 +251,7 @@ class _ActiveRun:
     ckpt_file: Path
     launch: Launch
     windows_seen: int = 0  # calibration windows already logged
+    earlier_lengths: list[dict] = field(default_factory=list)  # the run's lengths before a resume changed it
     checkpointed: int | None = None  # the step of the run's latest checkpoint
 
     @classmethod
@@ -285,6 +289,7 @@ class _ActiveRun:
         (for the summary and plots, rank 0) from the CSV's rows, which must be steps 1..the checkpoint's;
         then the per-step metrics of those rows that the tracking store lacks (a kill can cut sends short)."""
         run_id, step = self.tracker.run_id, self.start_step
+        self.earlier_lengths = ckpt.get("earlier_lengths", [])
         try:
             restore_run_checkpoint(self.ckpt_file, self.state, ckpt, self.launch)
         except UserError:
@@ -385,6 +390,7 @@ class _ActiveRun:
         self.tracker.set_tags(tau_tags(self.records.rows))
         csv_path = self.tracker.artifact_path("steps.csv")
         result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records, calibration=cal)
+        result.earlier_lengths = self.earlier_lengths
         write_data_artifacts(self.cfg, self.tracker, result.metrics, result.windows, result.calibration)
         if self.hooks.artifacts is not None:
             self.hooks.artifacts(self.cfg, self.tracker, result)

@@ -9,6 +9,7 @@ from typing import Any
 from sweep.config.schema import Config
 from sweep.errors import UserError
 from sweep.run.build import build_clip_policy, lr_factor
+from sweep.run.csv_settings import LENGTH_TAGS, length_tags, resumed_lengths
 
 
 def check_resume_steps(cfg: Config, ckpt: dict[str, Any], run_id: str) -> None:
@@ -36,6 +37,29 @@ def check_resume_steps(cfg: Config, ckpt: dict[str, Any], run_id: str) -> None:
             f"run sooner only where its remaining steps train as they would have; resume with steps={length} or "
             f"more, or {new_run} (drop resume=)"
         )
+
+
+def resumed_length_tags(tags: dict[str, str], ckpt: dict[str, Any], steps: int) -> dict[str, str]:
+    """The run's ``LENGTH_TAGS`` after a resume at ``ckpt["step"]`` with ``steps=`` (its MLflow param ``steps`` is
+    the first length, and params cannot change), as an integration's resume writes them: ``resumed.total_steps``
+    the length now, ``resumed.earlier_lengths`` each earlier length with the last step trained for it. ``{}`` for a
+    run whose length never changed; a run resumed back to its first length has them rewritten, not left stale."""
+    from ast import literal_eval  # the tag as length_tags writes it
+
+    earlier = literal_eval(tags.get("resumed.earlier_lengths", "[]"))
+    afters = [0, *(e["through_step"] for e in earlier)]
+    saved = [[a, n] for a, n in zip(afters, [*(e["total_steps"] for e in earlier), ckpt.get("steps", steps)])]
+    lengths = resumed_lengths(saved, int(ckpt["step"]), steps)
+    return length_tags(lengths) if len(lengths) > 1 or any(k in tags for k in LENGTH_TAGS) else {}
+
+
+def record_resumed_length(tracker: Any, tags: dict[str, str], ckpt: dict[str, Any], steps: int) -> None:
+    """The resumed run's ``resumed_length_tags`` set on it (``tags``: its tags so far), and its earlier lengths
+    in ``ckpt["earlier_lengths"]`` (``[]``: none) for the run's result and report."""
+    from ast import literal_eval
+
+    tracker.set_tags(new := resumed_length_tags(tags, ckpt, steps))
+    ckpt["earlier_lengths"] = literal_eval(new.get("resumed.earlier_lengths", "[]"))
 
 
 def _window_past(cfg: Config, steps: int) -> str | None:

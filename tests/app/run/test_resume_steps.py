@@ -14,7 +14,7 @@ from sweep.errors import UserError
 from sweep.run.build import build_clip_policy
 from sweep.run.checkpoint import checkpoint_path
 from sweep.run.pipeline import RunHooks, RunSpec, run_training
-from sweep.run.resume_length import check_resume_steps
+from sweep.run.resume_length import check_resume_steps, resumed_length_tags
 from sweep.tracking.tracker import Store
 from tests.app.helpers import TINY, compose_cfg, kill_after
 
@@ -113,3 +113,27 @@ def test_a_lower_steps_below_the_window_is_the_resumes_own_refusal(store):
     assert checkpoint_path(store, run_id).exists()
     with pytest.raises(UserError, match="lower calibrate.window, or raise steps"):
         validate(dataclasses.replace(cfg, steps=6))  # a new run still may lower the window
+
+
+def test_a_raised_steps_is_in_the_runs_tags_and_report_as_an_integrations(store):
+    """MLflow's param ``steps`` keeps the first length (params cannot change): a resume to another length records
+    it in the tags an integration's resume writes (``resumed.total_steps``, ``resumed.earlier_lengths``), which
+    ``python -m sweep.recommend`` reads as the run's length, and the report names both lengths."""
+    from sweep.recommend.run_config import run_params
+    from sweep.report.run import run_report_markdown
+
+    cfg, s, run_id, csv = _killed(store, "optim.schedule=constant")
+    result = run_training(dataclasses.replace(cfg, steps=16, resume="true"), s, RunSpec("train"), QUIET)
+    run = s.client.get_run(run_id)
+    assert run.data.params["steps"] == "12"
+    assert run.data.tags["resumed.total_steps"] == "16"
+    assert run.data.tags["resumed.earlier_lengths"] == "[{'through_step': 4, 'total_steps': 12}]"
+    assert run_params(run.data.params, run.data.tags)["total_steps"] == "16"
+    report = run_report_markdown(dataclasses.replace(cfg, steps=16), result)
+    assert "- steps: 16 (resumed: steps=12 through step 4; MLflow tag resumed.total_steps, param steps the " in report
+    tags = {k: run.data.tags[k] for k in ("resumed.total_steps", "resumed.earlier_lengths")}
+    assert resumed_length_tags({}, {"step": 4, "steps": 12}, 12) == {}  # the length unchanged: no tags
+    assert resumed_length_tags(tags, {"step": 8, "steps": 16}, 12) == {  # lowered again: the tags follow
+        "resumed.total_steps": "12",
+        "resumed.earlier_lengths": "[{'through_step': 4, 'total_steps': 12}, {'through_step': 8, 'total_steps': 16}]",
+    }
