@@ -111,7 +111,8 @@ class CalibratedClip(ClipPolicy):
         self.cap = None if cap is None else positive("cap", cap)
         if not (start == "auto" or (isinstance(start, int) and not isinstance(start, bool) and start >= 0)):
             raise ValueError(
-                f"start={start!r} must be 'auto' or a number of steps >= 0 (0: the window starts at step 1)"
+                f"{spelling.set('start', repr(start))} must be {spelling.auto} or a number of steps >= 0 (0: the "
+                "window starts at step 1)"
             )
         if not isinstance(validate, int) or validate < 0:
             raise ValueError(f"validate={validate!r} must be a number of steps >= 0 (0: every step after the window)")

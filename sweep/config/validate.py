@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable
 from typing import Any
 
 from clipamp_engine.clip import CLIP_MODES, clip_mode_options, make_clip_policy
 from clipamp_engine.clip.calibrated import RECOMMENDED, CalibratedClip
 from clipamp_engine.scaling import HysteresisScaler
 from clipamp_engine.step import DTYPES
+from sweep.config.engine_check import engine_check
 from sweep.config.keys import given
 from sweep.config.schema import CALIBRATED, FAULTS, RUNS, CalibrateConfig, ClipConfig, Config, forensics_on
+from sweep.config.spelling import APP_SPELLING
 from sweep.config.validate_spike import check_spike
 from sweep.distributed.launch import forensics_refusal
 from sweep.errors import UserError
@@ -221,13 +222,6 @@ def refuse_pruning_overrides(run: str | None, mode: str, overrides: list[str]) -
             )
 
 
-#: What a null ``calibrate.*`` value means, added to the engine's message about that key.
-_NULL_MEANS = {
-    "calibrate.quantile": "aim τ at calibrate.target_clip",
-    "calibrate.cap": "no clipping during the window",
-}
-
-
 def check_calibrate(cfg: Config) -> None:
     """``calibrate.*`` as the engine's ``CalibratedClip`` takes it (it checks the ranges), and a window
     that fits in a calibrate run."""
@@ -236,7 +230,13 @@ def check_calibrate(cfg: Config) -> None:
     options = dataclasses.asdict(c)
     ours = {k: list(v) if isinstance(v, tuple) else v for k, v in RECOMMENDED.items()}  # +experiment=calibrate's
     defaults = ours if cfg.run == "calibrate" else None  # the fix a message suggests: the run's own default
-    engine_check(lambda: CalibratedClip(**options, total_steps=cfg.steps), "calibrate", c, options, defaults)
+    engine_check(
+        lambda: CalibratedClip(**options, total_steps=cfg.steps, spelling=APP_SPELLING),
+        "calibrate",
+        c,
+        options,
+        defaults,
+    )
     skip = c.start if isinstance(c.start, int) else 0  # auto starts at step 1 in a run too short to wait
     if cfg.run == "calibrate" and skip + c.window > cfg.steps and not cfg.resume:  # a resume: resume_length's
         start = f"calibrate.start={skip} + " if skip else ""
@@ -253,42 +253,6 @@ def calibrate_start(value: Any) -> Any:
 
 def _options(cls: type) -> list[str]:
     return [n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD]
-
-
-def engine_check(
-    build: Callable[[], object], group: str, node: Any, options: dict[str, Any], defaults: dict[str, Any] | None = None
-) -> None:
-    """Build an engine object from ``group``'s ``options`` (``node``: the config group): its ``ValueError``
-    becomes a one-line ``UserError`` whose option names are config keys (``window=1`` →
-    ``calibrate.window=1``), ending with the fix: the first key it names that differs from its
-    default (``defaults``, else the schema's), at that default."""
-    try:
-        build()
-    except ValueError as e:
-        names = "|".join(sorted(options, key=len, reverse=True))
-        line = " ".join(str(e).split())
-        line = re.sub(rf"(?<![\w.])({names})(?= ?(?:=|<=|>=|<|>))", rf"{group}.\1", line)
-        line = re.sub(rf"(?<=<= )({names})\b", rf"{group}.\1", line)
-        line = re.sub(r"\bclip mode '(\w+)'", r"clip=\1", line)  # the engine's name for what the app spells so
-        named = re.findall(rf"{group}\.({names})\b", line)
-        defaults = defaults if defaults is not None else dataclasses.asdict(type(node)())
-        changed = [k for k in named if getattr(node, k) != defaults.get(k)] or named
-        if changed:
-            key, default = f"{group}.{changed[0]}", defaults.get(changed[0])
-            fix, meaning = f"{key}={_shown(default)}", _NULL_MEANS.get(key)
-            if meaning:
-                fix += f" ({meaning})" if default is None else f", or null ({meaning})"
-            line += f": pass e.g. {fix}"
-        raise UserError(line) from None
-
-
-def _shown(value: Any) -> str:
-    """A value as an override would spell it (``[0.01,0.05]``, ``null``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(map(_shown, value)) + "]"
-    return str(value)
 
 
 def check_study(cfg: Config) -> None:

@@ -8,23 +8,12 @@ import torch
 
 from clipamp_engine import AmpTrainState, ClipPolicy, HysteresisScaler, make_clip_policy
 from clipamp_engine.forensics import StepForensics
-from clipamp_engine.spelling import Spelling
 from sweep.config.schema import Config, OptimConfig, forensics_on
+from sweep.config.spelling import APP_SPELLING
 from sweep.config.validate import clip_options
 from sweep.errors import UserError
 from sweep.run.faults import FaultInjector
 from sweep.startup import resume_gc
-
-#: The app's spelling of the settings the calibration's advice names: its config overrides (``clip.max_norm=``,
-#: ``steps=``, ``calibrate.*``), as ``python -m sweep`` takes them.
-APP_SPELLING = Spelling(
-    threshold="clip.max_norm",
-    length="steps",
-    **{k: f"calibrate.{k}" for k in ("start", "window", "every", "validate", "quantile")},
-    named="{}",
-    auto="auto",
-    band="null",
-)
 
 
 def fused_supported(params: list[torch.Tensor]) -> bool:

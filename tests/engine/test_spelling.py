@@ -59,3 +59,16 @@ def _record(step: int, norm: float):
     return StepLog(
         step=step, lr=1e-3, grad_l2_pre_clip=norm, grad_l2_post_clip=norm, loss=1.0, scaler_scale=None, clipped=False
     )
+
+
+def test_a_refused_start_names_auto_as_the_spelling_writes_it():
+    """The constructor's refusal of ``start`` is advice too: ``start='auto'`` for the engine, ``calibrate.start=auto``
+    in the app (whose config check shows the engine's line), ``--start auto`` for a command's flags."""
+    flags = Spelling(start="--start", named="{}", assign="{} {}", auto="auto")
+    for spelling, line in [
+        (ENGINE, "start=-3 must be 'auto' or a number of steps >= 0"),
+        (flags, "--start -3 must be auto or a number of steps >= 0"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            CalibratedClip(window=5, start=-3, spelling=spelling)
+        assert str(e.value).startswith(line), str(e.value)

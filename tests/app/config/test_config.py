@@ -71,10 +71,10 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
     "overrides,message",
     [
         (["calibrate.quantile=1.5"], "calibrate.quantile=1.5 must be in (0, 1)"),
-        (["calibrate.start=later"], "calibrate.start='later' must be 'auto' or a number of steps >= 0"),
+        (["calibrate.start=later"], "calibrate.start='later' must be auto or a number of steps >= 0"),
         (  # the fix is +experiment=calibrate's own default (auto, window 200, null quantile), not the schema's
             ["calibrate.start=-3"],
-            "calibrate.start=-3 must be 'auto' or a number of steps >= 0 (0: the window starts at step 1): "
+            "calibrate.start=-3 must be auto or a number of steps >= 0 (0: the window starts at step 1): "
             "pass e.g. calibrate.start=auto",
         ),
         (
