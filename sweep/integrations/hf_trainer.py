@@ -87,9 +87,10 @@ _USER_MAX_GRAD_NORM = "_clipamp_user_max_grad_norm"
 #: Where a ``train()``'s ``TrainerState`` (a new one per call, not saved: not a field) names the callback that
 #: began it: a second one in the same ``train()`` would norm the gradients the first clipped.
 _BEGUN_BY = "_clipamp_callback"
-#: The advice's settings as a ``Trainer`` user writes them: ``TrainingArguments(max_grad_norm=, max_steps=)`` and
-#: the callback's own keywords (``ClipampCallback(start=…, window=…)``).
-HF_SPELLING = Spelling(threshold="max_grad_norm", length="max_steps")
+#: The advice's settings as a ``Trainer`` user writes them: ``TrainingArguments(max_grad_norm=, max_steps=)`` (or
+#: ``num_train_epochs=``, which sets the length where ``max_steps`` does not) and the callback's own keywords
+#: (``ClipampCallback(start=…, window=…)``).
+HF_SPELLING = Spelling(threshold="max_grad_norm", length="max_steps|num_train_epochs")
 
 
 class _NormOnly(float):

@@ -84,6 +84,8 @@ PRECISION_DTYPES = {
 #: The advice's settings as a Lightning user writes them: ``Trainer(gradient_clip_val=, max_steps=)`` and the
 #: callback's own keywords (``ClipampCallback(start=…, window=…)``).
 LIGHTNING_SPELLING = Spelling(threshold="gradient_clip_val", length="max_steps")
+#: Under manual optimization, where the user's τ is ``ClipampCallback(max_norm=)`` (Lightning's clip does not run).
+MANUAL_SPELLING = Spelling(threshold="max_norm", length="max_steps")
 
 
 def precision_dtype(precision: str) -> str:
@@ -211,6 +213,7 @@ class ClipampCallback(pl.Callback):
             self._clip_taken = True
         if not pl_module.automatic_optimization:  # a clip before opt.step() would leave only clipped norms to see
             self._watch_clip(trainer.precision_plugin)
+        self.recorder.spelling = LIGHTNING_SPELLING if pl_module.automatic_optimization else MANUAL_SPELLING
 
     def _watch_clip(self, plugin) -> None:
         """Note each ``clip_gradients`` call of this fit's precision plugin (``self.clip_gradients`` in a manual

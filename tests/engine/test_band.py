@@ -118,17 +118,17 @@ def test_a_few_steps_outside_the_band_are_called_noise_not_drift():
     c = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05))
     assert not c.inside and c.consistent and not c.within_2x
     assert "below the band" in c.verdict and "consistent with the window" in c.verdict
-    assert "train longer after the window (raise total_steps=); ≈910 steps see ~20 clips at 2.2%" in c.action
+    assert "train longer after the window (raise total_steps=N); ≈910 steps see ~20 clips at 2.2%" in c.action
     capped = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate")
-    assert "raise validate=; ≈910 steps" in capped.action
+    assert "raise validate=N; ≈910 steps" in capped.action
     ended = check_band(
         2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate", room=100, validate=100
     )  # the run ends at the last validation step: a larger calibrate.validate adds none
-    assert "raise total_steps= and validate= (the run ends 100 steps after the window); ≈910 steps" in ended.action
+    assert "raise total_steps=N and validate=N (the run ends 100 steps after the window); ≈910 steps" in ended.action
     capped_run = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), room=100, validate=150)
-    assert "train longer after the window (raise total_steps= and validate=); ≈910" in capped_run.action
+    assert "train longer after the window (raise total_steps=N and validate=N); ≈910" in capped_run.action
     cut = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="every")
-    assert "space the windows further apart (every=)" in cut.action
+    assert "space the windows further apart (every=N)" in cut.action
 
 
 def test_norms_that_fell_after_the_window_are_drift_down():
@@ -168,14 +168,14 @@ def test_a_window_too_short_for_the_band_is_told_to_lengthen_not_to_set_the_quan
     assert c.consistent and not c.inside
     assert c.action == (
         "the window is too short to resolve the band: its 10 norms give ratios in steps of 10.0% and "
-        f"τ = Quantile_0.970 leaves 10.0% above it; a window of ≥ {need} norms (window=) predicts "
+        f"τ = Quantile_0.970 leaves 10.0% above it; a window of ≥ {need} norms (window=N) predicts "
         "a ratio inside the band"
     )
     assert "quantile=None" not in c.action
     fixed = check_band(1.4, predicted, clipped=40, steps=390, band=band, quantile=0.9, norms=10)
     assert fixed.action == (
         "the window itself predicts 10.0%, outside the band: aim at the band with quantile=None "
-        f"(τ = Quantile_0.970); and a window of ≥ {need} norms (window=) predicts a ratio inside the band"
+        f"(τ = Quantile_0.970); and a window of ≥ {need} norms (window=N) predicts a ratio inside the band"
     )
 
 
@@ -204,5 +204,5 @@ def test_norms_that_repeat_at_tau_are_told_so_not_to_lengthen_the_window():
     assert c.consistent and not c.inside
     assert c.action == (
         "τ = Quantile_0.970 of the window leaves 0.0% above it: its norms repeat (ties at τ), which no quantile or "
-        "window length resolves; set max_norm= from the quantile table"
+        "window length resolves; set max_norm=τ from the quantile table"
     )

@@ -155,6 +155,6 @@ def test_short_window_warning_counts_the_window_it_needs_in_steps():
                 cal.add(_log(int(s) + 1, math.nan, skipped=True))
         return cal.summary().warnings[0]
 
-    assert "needs ≥ 368 norms" in warning(range(1, 101)) and "window= to ≥ 368 steps" in warning(range(1, 101))
-    assert "window= to ≥ 1840 steps" in warning(range(5, 501, 5))  # a log sampled every 5 steps
-    assert "window= to ≥ 736 steps" in warning(range(1, 201, 2), skipped=range(100))  # half skipped
+    assert "needs ≥ 368 norms" in warning(range(1, 101)) and "window=N to ≥ 368 steps" in warning(range(1, 101))
+    assert "window=N to ≥ 1840 steps" in warning(range(5, 501, 5))  # a log sampled every 5 steps
+    assert "window=N to ≥ 736 steps" in warning(range(1, 201, 2), skipped=range(100))  # half skipped

@@ -128,3 +128,48 @@ def _recommend_report(tmp_path, capsys, np) -> str:
     out = capsys.readouterr().out.splitlines()
     assert "raise the log's length to let --start auto wait" in "\n".join(out)
     return "\n".join(line for line in out if not line.startswith("max_grad_norm="))
+
+
+#: A setting named with nothing after its ``=`` (``raise validate=``): the advice names keywords with a value.
+BARE = re.compile(r"[\w.]=(?=[\s),;:]|$)")
+
+
+@pytest.mark.parametrize("host", sorted(HOSTS))
+def test_an_integrations_advice_names_each_keyword_with_a_value(host):
+    """A keyword front end names a setting as its user writes it, ``validate=N``, ``max_norm=τ``, ``quantile=q``:
+    never a bare ``validate=``."""
+    make, _ = HOSTS[host]()
+    for branch, text in advice(make(tracking=None).spelling).items():
+        assert not BARE.search(text), (branch, text)
+    from clipamp_engine.spelling import ENGINE
+
+    for branch, text in advice(ENGINE).items():
+        assert not BARE.search(text), (branch, text)
+    assert "raise total_steps=N to let start='auto' wait" in advice(ENGINE)["no room to wait"]
+
+
+def test_the_hf_run_length_names_max_steps_and_num_train_epochs():
+    """A ``Trainer`` run's length is ``max_steps`` or, where that is not set, ``num_train_epochs``: advice that
+    asks for a longer run names both."""
+    make, _ = HOSTS["transformers"]()
+    texts = advice(make(tracking=None).spelling)
+    assert texts["no room to wait"].endswith("(raise max_steps=N (or num_train_epochs=N) to let start='auto' wait)"), (
+        texts["no room to wait"]
+    )
+    assert texts["no validation step"].endswith("raise validate=N or max_steps=N (or num_train_epochs=N)")
+
+
+def test_a_manual_optimization_fit_names_tau_as_the_callbacks_max_norm(tmp_path):
+    """Under manual optimization Lightning's ``gradient_clip_val`` does not clip: the user's τ is
+    ``ClipampCallback(max_norm=)``, and the callback's advice names that; an automatic fit after it names
+    ``Trainer(gradient_clip_val=)`` again."""
+    from tests.app.integrations.test_lightning_records import ManualAccumulation, Tiny, callback, fit
+
+    cb = callback(tmp_path, max_norm=1.0, window=3, start=0)
+    fit(tmp_path, ManualAccumulation(), 8, [cb], max_steps=4)
+    manual = advice(cb.recorder.policy.spelling)
+    assert "keep max_norm=2;" in manual["inside"] and "set max_norm=τ from" in manual["outside: ties"]
+    assert not any("gradient_clip_val" in text for text in manual.values())
+    cb.max_norm = None
+    fit(tmp_path / "auto", Tiny(), 8, [cb], max_steps=4)
+    assert "keep gradient_clip_val=2;" in advice(cb.recorder.policy.spelling)["inside"]

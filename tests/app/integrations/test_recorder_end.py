@@ -30,7 +30,7 @@ def run(tmp_path, total_steps=None, **calibrate) -> StepRecorder:
             None,
             {},
             "the norms had not settled and the run's length is unknown, so start='auto' waits on: give its length "
-            "(total_steps=) to place the window within it, or start=N",
+            "(total_steps=N) to place the window within it, or start=N",
         ),
         (
             100,
