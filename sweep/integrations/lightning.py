@@ -58,6 +58,7 @@ One optimizer step of Lightning (2.x, automatic optimization) and where the call
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,20 @@ PRECISION_DTYPES = {
     "64-true": "fp64",
 }
 #: The advice's settings as a Lightning user writes them: ``Trainer(gradient_clip_val=, max_steps=)`` and the
-#: callback's own keywords (``ClipampCallback(start=…, window=…)``).
+#: callback's own keywords (``ClipampCallback(start=…, window=…)``); a fit its epochs end says ``max_epochs=``
+#: (``length_spelling``).
 LIGHTNING_SPELLING = Spelling(threshold="gradient_clip_val", length="max_steps")
 #: Under manual optimization, where the user's τ is ``ClipampCallback(max_norm=)`` (Lightning's clip does not run).
 MANUAL_SPELLING = Spelling(threshold="max_norm", length="max_steps")
+
+
+def length_spelling(spelling: Spelling, trainer: pl.Trainer, total: float) -> Spelling:
+    """``spelling`` with the ``Trainer`` argument that ends a fit of ``total`` steps as its length:
+    ``max_epochs`` where the epochs end it first (no ``max_steps``, or more than the epochs take), since a
+    higher ``max_steps`` would not lengthen that fit; else ``max_steps``, also the one way to give a length to
+    a fit Lightning cannot count (``total`` inf)."""
+    by_epochs = math.isfinite(total) and (trainer.max_steps == -1 or total < trainer.max_steps)
+    return replace(spelling, length="max_epochs" if by_epochs else "max_steps")
 
 
 def precision_dtype(precision: str) -> str:
@@ -233,6 +244,7 @@ class ClipampCallback(pl.Callback):
         tau = self.max_norm if self.max_norm is not None else self._user_clip
         schedule = accumulation_schedule(trainer)
         total = planned_steps(trainer)
+        self.recorder.spelling = length_spelling(self.recorder.spelling, trainer, total)  # τ's: on_fit_start's
         resume, self._resume = self._resume, None
         if resume is not None and resume.get("step") == 0:  # saved before any step (the Tuner's lr_find restores one)
             resume = None

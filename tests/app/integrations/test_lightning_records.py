@@ -3,6 +3,8 @@ that accumulates fewer micro-batches, manual accumulation, the fit's length, ski
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 import torch
@@ -375,3 +377,22 @@ def test_the_dtype_tag_follows_the_weights_a_32_bit_fit_leaves_alone(tmp_path, s
     assert out[0] == weights
     assert (tags["dtype"], tags["precision"]) == ({torch.bfloat16: "bf16"}.get(weights, "fp32"), "32-true")
     assert not module.net._forward_pre_hooks  # the dtype's one-shot hooks are gone
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [dict(max_epochs=1), dict(max_steps=1000, max_epochs=1), dict(max_steps=12)],
+    ids=["max_epochs", "max_steps_beyond_max_epochs", "max_steps"],
+)
+def test_the_advice_to_lengthen_the_fit_names_the_argument_that_lengthens_it(tmp_path, capsys, limits):
+    """A 12-step fit leaves a 10-step window no room to wait for the norms: the placement says to raise the
+    run's length, naming the ``Trainer`` argument that ends this fit. Doubling that argument, as a user does
+    next, doubles the fit (where the epochs end it, a higher ``max_steps`` would change nothing)."""
+    first = fit(
+        tmp_path, Tiny(), 12, [ClipampCallback(tracking=None, csv_path=tmp_path / "a.csv", window=10)], **limits
+    )
+    said = re.search(r"raise (\w+)= to let start='auto' wait", capsys.readouterr().out)
+    assert said and said.group(1) in limits, (said, limits)
+    name = said.group(1)
+    longer = fit(tmp_path, Tiny(), 12, [callback(tmp_path, window=10)], **{**limits, name: 2 * limits[name]})
+    assert longer.global_step == 24 and first.global_step == 12
