@@ -120,6 +120,28 @@ def run_options(options: Options, series: NormSeries, args: argparse.Namespace) 
     return dataclasses.replace(options, **used), [note]
 
 
+def whose(message: str, series: NormSeries, args: argparse.Namespace) -> str:
+    """``message`` (an option refused) with each option it names that the run's own settings gave, not the
+    command line, said to be the run's and where it was read: the user did not pass it, and passes it to
+    override it."""
+    flags = [f"--{k.replace('_', '-')}" for k in series.settings or {} if getattr(args, k) is None]
+    named = [flag for flag in flags if f"{flag} " in message]
+    if not named:
+        return message
+    return (
+        f"{message} ({', '.join(named)}: the run's, read from {series.settings_from}; pass "
+        f"{'it' if len(named) == 1 else 'them'} here to override)"
+    )
+
+
+def replay_options(replayed: NormSeries, grid: Options, series: NormSeries, args: argparse.Namespace):
+    """``replay(replayed, grid)``; an option it refuses that the run gave is said to be the run's (``whose``)."""
+    try:
+        return replay(replayed, grid)
+    except UserError as e:
+        raise UserError(whose(str(e), series, args)) from None
+
+
 def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommendation:
     """Read ``path``, refuse what cannot calibrate, replay it through ``CalibratedClip``, diagnose it."""
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
@@ -163,7 +185,7 @@ def recommend(path: str, options: Options, args: argparse.Namespace) -> Recommen
             "longer log"
         )
     replayed, gaps = with_gaps_skipped(series)
-    clip = replay(replayed, grid)
+    clip = replay_options(replayed, grid, series, args)
     moved += lone_norm_window(clip, replayed.steps)
     if series.settings and not clip.summaries:  # the run's own settings: its first window, as its end left it
         moved += early_stop(clip, series)

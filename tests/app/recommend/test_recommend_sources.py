@@ -349,3 +349,26 @@ def test_a_run_that_did_not_calibrate_keeps_the_commands_defaults(tmp_path, stor
             assert rec.tau == _recommend([*where, "--window", "200"]).tau
         else:
             assert rec.tau == pytest.approx(numpy_tau(steps, norms, 101, 160, 0.95), rel=1e-12)
+
+
+def test_an_option_refused_beside_the_runs_own_setting_says_it_is_the_runs(tmp_path, capsys):
+    """An integration's CSV calibrated with every=20 (its steps.clipamp.yaml): ``--window 122``, as a short
+    window's warning asks, is refused beside ``--every 20``, which the command line did not pass: the line says
+    that option is the run's and where it was read, and passing it (``--every 0``) is then accepted."""
+    from clipamp_engine.clip.calibrated import RECOMMENDED
+    from sweep.run.csv_settings import write_settings
+    from tests.app.recommend.test_recommend import write_csv
+
+    steps, lr, norms = trace()
+    path = write_csv(tmp_path / "steps.csv", {"step": steps, "grad_l2_pre_clip": norms, "lr": lr})
+    options = {**{k: v for k, v in RECOMMENDED.items() if k != "cap"}, "window": 20, "every": 20}
+    write_settings(path, run="trainer", options=options, lengths=[[0, int(steps[-1])]], apply=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(path), "--window", "122"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --every 20 must be 0 (one window) or an integer >= --window 122 (--every: the run's, read from the "
+        f"run's config {tmp_path / 'steps.clipamp.yaml'} (calibrate.*); pass it here to override)"
+    ]
+    assert cli.main([str(path), "--window", "122", "--every", "0"]) == 0
+    assert "Calibration window, steps" in capsys.readouterr().out
