@@ -13,16 +13,18 @@ from sweep.run.csv_settings import LENGTH_TAGS, length_tags, resumed_lengths
 
 
 def check_resume_steps(cfg: Config, ckpt: dict[str, Any], run_id: str) -> None:
-    """``UserError`` when ``cfg.steps`` leaves nothing to train after the checkpoint, or is below the run's length
+    """``UserError`` when ``cfg.steps`` leaves nothing to train after the checkpoint (the run's length named as the
+    way on: a length between the two may be refused too), or is below the run's length
     (``ckpt["steps"]``) and the steps after the checkpoint up to ``cfg.steps`` would not train as the run as
     started trains them: another LR (a schedule that decays over ``steps``) or another calibration layout (a
     window placed, cut or repeated by the run's length). Both lengths are named."""
     steps, done, length = cfg.steps, ckpt["step"], ckpt.get("steps")
     was = f" (the run's steps={length})" if length is not None else ""
     if steps <= done:
+        further = f"resume with steps={length} or more" if length is not None else "raise steps="
         raise UserError(
             f"resume={run_id}: steps={steps} is not above the checkpoint's step {done}{was}: nothing is left to "
-            f"train; raise steps= to train further, or start a new run (drop resume=)"
+            f"train; {further} to train further, or start a new run with steps={steps} (drop resume=)"
         )
     if length is None or steps >= length:
         return

@@ -5,6 +5,7 @@ is refused in one line naming both lengths, and the run stays KILLED with its ch
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pandas as pd
 import pytest
@@ -44,8 +45,8 @@ def _killed(store, *overrides, run=RUN, spec="train"):
         ),
         (
             3,
-            "steps=3 is not above the checkpoint's step 4 (the run's steps=12): nothing is left to train; raise "
-            "steps= to train further, or start a new run (drop resume=)",
+            "steps=3 is not above the checkpoint's step 4 (the run's steps=12): nothing is left to train; resume "
+            "with steps=12 or more to train further, or start a new run with steps=3 (drop resume=)",
         ),
     ],
 )
@@ -137,3 +138,17 @@ def test_a_raised_steps_is_in_the_runs_tags_and_report_as_an_integrations(store)
         "resumed.total_steps": "12",
         "resumed.earlier_lengths": "[{'through_step': 4, 'total_steps': 12}, {'through_step': 8, 'total_steps': 16}]",
     }
+
+
+def test_the_way_on_from_a_steps_with_nothing_left_is_a_length_the_resume_takes():
+    """``steps=`` at or below the checkpoint's step is refused naming the run's length as the way on: that length
+    resumes, where a mere raise (``steps=8``, still below the cosine run's 12) is refused in turn."""
+    cfg = compose_cfg(*RUN)
+    ckpt = {"step": 4, "steps": 12}
+    with pytest.raises(UserError) as e:
+        check_resume_steps(dataclasses.replace(cfg, steps=3), ckpt, "r")
+    said = re.search(r"resume with steps=(\d+) or more", str(e.value))
+    assert said, str(e.value)
+    check_resume_steps(dataclasses.replace(cfg, steps=int(said.group(1))), ckpt, "r")
+    with pytest.raises(UserError, match="steps=8 is lower than the run's steps=12"):
+        check_resume_steps(dataclasses.replace(cfg, steps=8), ckpt, "r")
