@@ -391,7 +391,7 @@ def test_the_advice_to_lengthen_the_fit_names_the_argument_that_lengthens_it(tmp
     first = fit(
         tmp_path, Tiny(), 12, [ClipampCallback(tracking=None, csv_path=tmp_path / "a.csv", window=10)], **limits
     )
-    said = re.search(r"raise (\w+)= to let start='auto' wait", capsys.readouterr().out)
+    said = re.search(r"raise (\w+)=N to let start='auto' wait", capsys.readouterr().out)
     assert said and said.group(1) in limits, (said, limits)
     name = said.group(1)
     longer = fit(tmp_path, Tiny(), 12, [callback(tmp_path, window=10)], **{**limits, name: 2 * limits[name]})
