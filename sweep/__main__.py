@@ -6,6 +6,7 @@ store) print one line and exit 2; Ctrl-C / SIGTERM end the run as KILLED and exi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -139,7 +140,9 @@ def precheck(argv: list[str]) -> None:
                 refuse_other_range_keys(cfg.run, cfg.study.mode, cfg.study.anchor, job)
                 refuse_scaler_keys(cfg.run, cfg.amp.dtype, job, overrides)
     except Exception as e:  # Hydra/OmegaConf composition and schema errors
-        fail(_user_line(_unknown_override(e) or _not_a_list(e, overrides) or _two_groups(e) or e))
+        fail(
+            _user_line(_unknown_override(e) or _not_a_list(e, overrides) or _two_groups(e) or _no_table(overrides) or e)
+        )
 
 
 def _jobs(overrides: list[str]) -> list[list[str]]:
@@ -187,6 +190,32 @@ def _unknown_override(e: Exception) -> Exception | None:
             f"overridden; NAME one of {', '.join(RUNS)})"
         )
     return unknown_key(found.group(1)) if found else None
+
+
+def _no_table(overrides: list[str]) -> UserError | None:
+    """OmegaConf's "'NoneType' object has no attribute 'get'" (or "Unexpected type for root") for entries of
+    ``clip.patterns`` under a clip mode that holds no table there (only ``clip=per_group`` starts one): that
+    mode's own refusal of the key, as ``clip_options`` words it for any option the mode does not take (a calibrate
+    run's: the clip group's, ``refuse_clip_overrides``)."""
+    table = [o for o in overrides if o.lstrip("+~").startswith("clip.patterns")]
+    if not table:
+        return None
+    from hydra import compose, initialize_config_dir
+
+    from sweep.config.validate import clip_options
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = to_config(compose(config_name="config", overrides=[o for o in overrides if o not in table]))
+        if cfg.clip.patterns is not None:
+            return None
+        refuse_clip_overrides(cfg.run, overrides)  # a calibrate run's clip=calibrated reads calibrate.* only
+        clip_options(dataclasses.replace(cfg, clip=dataclasses.replace(cfg.clip, patterns={"": 1.0})))
+    except UserError as e:
+        return e
+    except Exception:
+        return None
+    return None
 
 
 def _two_groups(e: Exception) -> UserError | None:

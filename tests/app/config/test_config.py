@@ -197,6 +197,15 @@ BAD_INPUTS = [  # (arguments, what the one line must say); each also runs with s
     (["+experiment=calibrate", "stepz=3"], "stepz is not a key of the config: did you mean steps?"),
     (["+experiment=calibrate", "+stepz=3"], "stepz is not a key of the config: did you mean steps?"),
     (["+experiment=train", "+clip.maxnorm=1"], "clip.maxnorm is not a key of clip: did you mean clip.max_norm?"),
+    (  # only clip=per_group starts a clip.patterns table: entries elsewhere are the mode's refusal, not OmegaConf's
+        ["+experiment=train", "+clip.patterns={attn: 0.5}"],
+        "error: clip=norm does not take clip.patterns; its options are max_norm",
+    ),
+    (
+        ["+experiment=train", "clip=zscore", "++clip.patterns.attn=0.5"],
+        "error: clip=zscore does not take clip.patterns",
+    ),
+    (["+experiment=calibrate", "clip.patterns={attn: 0.5}"], "error: clip.patterns={attn: 0.5}: +experiment=calibrate"),
     (["+experiment=nope"], "Could not find 'experiment/nope'"),
     ([], "no experiment chosen: add +experiment=NAME"),
     (["+experiment=calibrate", "clip=norm"], "error: clip=norm: +experiment=calibrate trains at its calibrated τ"),
