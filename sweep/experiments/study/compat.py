@@ -31,16 +31,14 @@ _PLAIN = re.compile(r"[\w./:@+~-]+")
 
 
 def _override(value: Any) -> str:
-    """``value`` as a Hydra override's right-hand side: ``null``, ``true``, ``[0.01,0.2]``, ``{attn:0.5}``,
-    ``0.1``, and a string quoted where Hydra would read it as something else."""
+    """``value`` as a Hydra override's right-hand side: ``null``, ``true``, ``[0.01,0.2]``, ``0.1``, and a string
+    quoted where Hydra would read it as something else (a table is set entry by entry: ``_way_back``)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
         return "[" + ",".join(_override(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_override(v)}" for k, v in value.items()) + "}"
     if isinstance(value, str) and (not _PLAIN.fullmatch(value) or value.lower() in ("null", "true", "false")):
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return str(value)
