@@ -243,9 +243,9 @@ def check_band(
     names the settings as ``spelling`` writes them (``clipamp_engine.spelling``)."""
     low, high = validate_band(band)
     if steps < 1:
-        raise ValueError(
-            f"no validation step was taken: raise {spelling.name('validate')} or {spelling.name('length')}"
-        )
+        more = spelling.name("validate")
+        more += f" or {spelling.name('length')}" if spelling.lengthen == "raise" else f", or {spelling.longer_run()}"
+        raise ValueError(f"no validation step was taken: raise {more}")
     realised = clipped / steps
     lo, hi = clopper_pearson(clipped, steps, confidence)
     inside = low <= realised <= high
@@ -304,9 +304,9 @@ def _more_held_out(need: int, held_out_by: str, room: int | None, validate: int,
     if held_out_by == "validate" and (room is None or room >= need):
         return f"raise {sp.name('validate')}"
     if held_out_by == "validate":
-        return f"raise {sp.name('length')} and {sp.name('validate')} (the run ends {room} steps after the window)"
+        return f"{sp.longer_run('validate')} (the run ends {room} steps after the window)"
     capped = 0 < validate < need  # more steps alone stop at validate
-    more = f"raise {sp.name('length')}" + (f" and {sp.name('validate')}" if capped else "")
+    more = sp.longer_run("validate" if capped else None)
     return f"train longer after the window ({more})"
 
 

@@ -163,6 +163,9 @@ class StartDetector:
             + (f"(warm-up over at step {self.warmup_end})" if self._lr_seen else "(no LR in the records)")
         )
         m = self._medians[-1] if self._medians else None
+        sp = self.spelling
+        # the deadline moves with the run's length: where that is only told, the loop must lengthen with it
+        longer = "use a longer run" if sp.lengthen == "raise" else f"{sp.longer_run()},"
         return Placement(
             step + 1,
             self.warmup_end,
@@ -171,7 +174,7 @@ class StartDetector:
             "deadline",
             f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
             f"leaves room for the window and its validation steps: its quantiles may still include "
-            f"a transient (use a longer run or {self.spelling.set('start', 'N')})",
+            f"a transient ({longer} or {sp.set('start', 'N')})",
         )
 
     def state_dict(self) -> dict[str, Any]:

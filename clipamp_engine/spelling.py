@@ -8,6 +8,12 @@ callback's keywords and the host's arguments in a trainer, a command's flags —
 them as that front end spells them. ``Spelling`` says how; ``CalibratedClip(spelling=…)`` renders every
 text it writes with it (``ENGINE``, its own keywords, by default). The texts are rendered where a window
 is placed, summarised or checked, never per step.
+
+The run's length is a setting of two kinds. Where it sets how long the host trains (the app's ``steps``, a
+trainer's ``max_steps``), a longer run is that setting raised. Where it only tells the calibration how long
+the user's own loop runs (``total_steps`` of ``CalibratedClip`` and ``ClipampAccelerate``), raising it alone
+lengthens nothing: the window moves later and fewer held-out steps remain before the loop ends. The advice
+then asks for both, the loop lengthened and its new length passed (``Spelling.longer_run``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class Spelling:
             the threshold is always ``name=value``, the keyword or override every front end sets it with.
         auto: ``start``'s automatic placement as a value (``'auto'``, ``auto``).
         band: ``quantile``'s value that aims τ at the target band (``None``, ``null``, ``band``).
+        lengthen: how a longer run is asked for: ``"loop"``, the length setting only tells the calibration how
+            long the user's loop runs (lengthen the loop to N steps and pass that N); ``"raise"``, raising the
+            setting lengthens the run.
     """
 
     threshold: str = "max_norm"
@@ -47,6 +56,11 @@ class Spelling:
     assign: str = "{}={}"
     auto: str = "'auto'"
     band: str = "None"
+    lengthen: Literal["loop", "raise"] = "loop"
+
+    def __post_init__(self) -> None:
+        if self.lengthen not in ("loop", "raise"):
+            raise ValueError(f"lengthen={self.lengthen!r} must be 'loop' or 'raise'")
 
     def name(self, setting: Setting) -> str:
         """``setting`` named without a value: ``every=N``, ``calibrate.every``, ``--every``; a setting spelled two
@@ -58,6 +72,15 @@ class Spelling:
         """``value`` written to ``setting`` (its first name): ``start=200``, ``calibrate.start=200``,
         ``--start 200``."""
         return ("{}={}" if setting == "threshold" else self.assign).format(self._names(setting)[0], value)
+
+    def longer_run(self, also: Setting | None = None) -> str:
+        """The advice for a longer run, and with it a larger ``also`` if given: ``raise max_steps=N and
+        validate=N`` where the length setting lengthens the run; ``lengthen your loop to N steps and pass
+        total_steps=N, and raise validate=N`` where it only tells the calibration the loop's length."""
+        length = self.name("length")
+        if self.lengthen == "raise":
+            return f"raise {length}" + (f" and {self.name(also)}" if also else "")
+        return f"lengthen your loop to N steps and pass {length}" + (f", and raise {self.name(also)}" if also else "")
 
     def _names(self, setting: Setting) -> list[str]:
         return getattr(self, setting).split("|")

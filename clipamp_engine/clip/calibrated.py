@@ -131,7 +131,7 @@ class CalibratedClip(ClipPolicy):
                 "deadline",
                 f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
                 f"before a {window}-step window and its validation: the window starts at "
-                f"step 1 (raise {spelling.name('length')} to let {spelling.set('start', spelling.auto)} wait)",
+                f"step 1 ({spelling.longer_run()} to let {spelling.set('start', spelling.auto)} wait)",
             )
         self.windows = self._windows()
         self.summaries: list[CalibrationSummary] = []

@@ -13,4 +13,5 @@ APP_SPELLING = Spelling(
     named="{}",
     auto="auto",
     band="null",
+    lengthen="raise",
 )

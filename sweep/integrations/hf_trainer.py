@@ -90,7 +90,7 @@ _BEGUN_BY = "_clipamp_callback"
 #: The advice's settings as a ``Trainer`` user writes them: ``TrainingArguments(max_grad_norm=, max_steps=)`` (or
 #: ``num_train_epochs=``, which sets the length where ``max_steps`` does not) and the callback's own keywords
 #: (``ClipampCallback(start=…, window=…)``).
-HF_SPELLING = Spelling(threshold="max_grad_norm", length="max_steps|num_train_epochs")
+HF_SPELLING = Spelling(threshold="max_grad_norm", length="max_steps|num_train_epochs", lengthen="raise")
 
 
 class _NormOnly(float):

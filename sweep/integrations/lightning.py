@@ -85,9 +85,9 @@ PRECISION_DTYPES = {
 #: The advice's settings as a Lightning user writes them: ``Trainer(gradient_clip_val=, max_steps=)`` and the
 #: callback's own keywords (``ClipampCallback(start=…, window=…)``); a fit its epochs end says ``max_epochs=``
 #: (``length_spelling``).
-LIGHTNING_SPELLING = Spelling(threshold="gradient_clip_val", length="max_steps")
+LIGHTNING_SPELLING = Spelling(threshold="gradient_clip_val", length="max_steps", lengthen="raise")
 #: Under manual optimization, where the user's τ is ``ClipampCallback(max_norm=)`` (Lightning's clip does not run).
-MANUAL_SPELLING = Spelling(threshold="max_norm", length="max_steps")
+MANUAL_SPELLING = Spelling(threshold="max_norm", length="max_steps", lengthen="raise")
 
 
 def length_spelling(spelling: Spelling, trainer: pl.Trainer, total: float) -> Spelling:

@@ -64,6 +64,7 @@ RECOMMEND_SPELLING = Spelling(
     assign="{} {}",
     auto="auto",
     band="band",
+    lengthen="raise",
 )
 
 

@@ -119,7 +119,7 @@ def markdown(clip: CalibratedClip) -> list[str]:
         ]
     else:
         lines += [
-            f"No validation step after the window: raise {sp.name('length')} (or lower {sp.name('window')}).",
+            f"No validation step after the window: {sp.longer_run()} (or lower {sp.name('window')}).",
             "",
         ]
     if len(clip.summaries) > 1:
@@ -174,7 +174,7 @@ def tables(clip: CalibratedClip) -> list[Any]:
     else:
         out.append(
             "[yellow]validation:[/] none: no step after the window, so nothing checks τ against the band "
-            f"(raise {sp.name('length')}, or lower {sp.name('window')} or {sp.name('start')})"
+            f"({sp.longer_run()}, or lower {sp.name('window')} or {sp.name('start')})"
         )
     if len(clip.summaries) > 1:
         out.append(_drift_table(clip))

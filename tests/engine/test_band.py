@@ -15,6 +15,8 @@ from clipamp_engine.records import StepLog
 
 stats = pytest.importorskip("scipy.stats")
 ROOT = Path(__file__).resolve().parents[2]
+#: A longer run where ``total_steps`` only tells the policy the loop's length: the advice asks for both.
+LOOP = "lengthen your loop to N steps and pass total_steps=N"
 
 
 def _bench():
@@ -118,15 +120,15 @@ def test_a_few_steps_outside_the_band_are_called_noise_not_drift():
     c = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05))
     assert not c.inside and c.consistent and not c.within_2x
     assert "below the band" in c.verdict and "consistent with the window" in c.verdict
-    assert "train longer after the window (raise total_steps=N); ≈910 steps see ~20 clips at 2.2%" in c.action
+    assert f"train longer after the window ({LOOP}); ≈910 steps see ~20 clips at 2.2%" in c.action
     capped = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate")
     assert "raise validate=N; ≈910 steps" in capped.action
     ended = check_band(
         2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="validate", room=100, validate=100
     )  # the run ends at the last validation step: a larger calibrate.validate adds none
-    assert "raise total_steps=N and validate=N (the run ends 100 steps after the window); ≈910 steps" in ended.action
+    assert f"{LOOP}, and raise validate=N (the run ends 100 steps after the window); ≈910 steps" in ended.action
     capped_run = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), room=100, validate=150)
-    assert "train longer after the window (raise total_steps=N and validate=N); ≈910" in capped_run.action
+    assert f"train longer after the window ({LOOP}, and raise validate=N); ≈910" in capped_run.action
     cut = check_band(2.0, predicted=0.022, clipped=0, steps=100, band=(0.01, 0.05), held_out_by="every")
     assert "space the windows further apart (every=N)" in cut.action
 

@@ -39,6 +39,7 @@ def test_a_policy_built_with_a_spelling_names_its_settings_in_every_text():
         assign="{} {}",
         auto="auto",
         band="band",
+        lengthen="raise",
     )
     fixed = CalibratedClip(window=5, start=3, quantile=0.99, spelling=flags)
     assert fixed.placement.reason.startswith("--start 3: the window starts at step 4")
@@ -72,3 +73,37 @@ def test_a_refused_start_names_auto_as_the_spelling_writes_it():
         with pytest.raises(ValueError) as e:
             CalibratedClip(window=5, start=-3, spelling=spelling)
         assert str(e.value).startswith(line), str(e.value)
+
+
+def _own_loop(steps: int, total_steps: int) -> CalibratedClip:
+    """A loop of ``steps`` iterations (a 5-step LR warm-up, then steady log-normal norms) whose policy is told
+    ``total_steps``: each record reaches it as ``AmpTrainState.step`` hands it over, clipped at the τ in force."""
+    import numpy as np
+
+    from clipamp_engine.records import StepLog
+
+    clip = recommended_calibration(total_steps=total_steps, window=20)
+    norms = np.random.default_rng(0).lognormal(0, 0.2, steps)
+    for step, norm in enumerate(norms.tolist(), start=1):
+        tau = clip.threshold
+        post = norm if tau is None else min(norm, tau)
+        lr = 1e-3 * min(1.0, step / 5)
+        clip.observe(StepLog(step, lr, norm, post, loss=1.0, scaler_scale=1.0, clipped=post < norm, max_norm=tau))
+    return clip
+
+
+def test_the_engines_advice_for_a_longer_run_lengthens_the_loop_as_well_as_total_steps():
+    """``total_steps`` only tells the policy how long the loop runs. A 40-step loop leaves ``start='auto'`` no room
+    to wait; raising ``total_steps`` alone moves the deadline past the loop's end, so no window closes and
+    nothing is checked. The advice asks for the loop lengthened and its length passed, and doing just that
+    places the window after the warm-up and checks τ on more held-out steps."""
+    short = _own_loop(40, total_steps=40)
+    assert short.placement.rule == "deadline" and short.placement.start == 1 and short.checks()[0].steps == 20
+    advice = short.placement.reason
+    assert advice.endswith("(lengthen your loop to N steps and pass total_steps=N to let start='auto' wait)"), advice
+    told_only = _own_loop(40, total_steps=120)  # the length raised, the loop not
+    assert told_only.summaries == [] and told_only.checks() == []
+    followed = _own_loop(120, total_steps=120)
+    [check] = followed.checks()
+    assert followed.placement.rule == "auto" and followed.placement.start > 5  # after the warm-up
+    assert check.steps > 20

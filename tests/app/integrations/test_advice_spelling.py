@@ -145,7 +145,27 @@ def test_an_integrations_advice_names_each_keyword_with_a_value(host):
 
     for branch, text in advice(ENGINE).items():
         assert not BARE.search(text), (branch, text)
-    assert "raise total_steps=N to let start='auto' wait" in advice(ENGINE)["no room to wait"]
+    assert (
+        "lengthen your loop to N steps and pass total_steps=N to let start='auto' wait"
+        in advice(ENGINE)["no room to wait"]
+    )
+
+
+@pytest.mark.parametrize(
+    "host,longer",
+    [
+        ("accelerate", "lengthen your loop to N steps and pass total_steps=N"),  # the length only tells the policy
+        ("lightning", "raise max_steps=N"),  # the host's length: raising it lengthens the fit
+        ("transformers", "raise max_steps=N (or num_train_epochs=N)"),
+    ],
+)
+def test_a_longer_run_is_asked_for_as_each_host_lengthens_one(host, longer):
+    """accelerate's loop is the user's: ``total_steps=`` tells the calibration its length and lengthens nothing,
+    so the advice asks for the loop lengthened and its length passed; a trainer's ``max_steps`` lengthens the fit."""
+    make, _ = HOSTS[host]()
+    texts = advice(make(tracking=None).spelling)
+    assert texts["no room to wait"].endswith(f"({longer} to let start='auto' wait)"), texts["no room to wait"]
+    assert f"train longer after the window ({longer})" in texts["few: the run ended"], texts["few: the run ended"]
 
 
 def test_the_hf_run_length_names_max_steps_and_num_train_epochs():

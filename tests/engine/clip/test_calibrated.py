@@ -16,6 +16,8 @@ from clipamp_engine.placement import auto_window_start
 from clipamp_engine.records import StepLog
 
 TOTAL = 13
+#: A longer run where ``total_steps`` only tells the policy the loop's length: the advice asks for both.
+LOOP = "lengthen your loop to N steps and pass total_steps=N"
 SKIP_STEPS = {2, 6}  # NaN inputs: refused before backward, inside the first and second windows
 
 
@@ -331,13 +333,13 @@ def test_auto_in_a_run_too_short_to_wait_starts_at_step_1_and_says_why():
 @pytest.mark.parametrize(
     ("options", "steps", "fix"),
     [
-        ({"validate": 0, "every": 0}, 60, "train longer after the window (raise total_steps=N)"),  # the run ended
+        ({"validate": 0, "every": 0}, 60, f"train longer after the window ({LOOP})"),  # the run ended
         ({"validate": 10, "every": 0}, 1000, "raise validate=N"),  # validate held them to 10, steps remain
         # validate held them to 10, but the run ends 30 steps after the window: validate alone cannot reach ≈600
-        ({"validate": 10, "every": 0}, 60, "raise total_steps=N and validate=N (the run ends 30 steps after"),
-        ({"validate": 10, "every": 0}, 40, "raise total_steps=N and validate=N (the run ends 10 steps after"),
+        ({"validate": 10, "every": 0}, 60, f"{LOOP}, and raise validate=N (the run ends 30 steps after"),
+        ({"validate": 10, "every": 0}, 40, f"{LOOP}, and raise validate=N (the run ends 10 steps after"),
         # the run ended them at 15; more steps alone stop at validate=20, far short of ≈600
-        ({"validate": 20, "every": 0}, 45, "train longer after the window (raise total_steps=N and validate=N)"),
+        ({"validate": 20, "every": 0}, 45, f"train longer after the window ({LOOP}, and raise validate=N)"),
         ({"validate": 0, "every": 40}, 80, "space the windows further apart (every=N)"),  # the next window
     ],
 )
