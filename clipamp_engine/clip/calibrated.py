@@ -232,6 +232,43 @@ class CalibratedClip(ClipPolicy):
         self._adopt(summary)
         return True
 
+    def planned_held_out(self, index: int) -> int | None:
+        """The held-out steps the run's length plans for closed window ``index``: until its ``validate`` steps end,
+        the next window closes or the run's ``total_steps`` end (``None``: the length is unknown)."""
+        if self.total_steps is None:
+            return None
+        end = self.summaries[index].end_step
+        nxt = self.windows.next_start(end) if self.every else None
+        until = self.windows.window_at(nxt)[-1] if nxt is not None else self.total_steps
+        return min(until - end, self.validate) if self.validate else until - end
+
+    def stopped_early(self, step: int) -> str | None:
+        """One line when the run stopped at ``step``, before the ``total_steps`` its windows were placed for: what
+        the stop cut from the calibration, with the figures (``None``: it ran its length, or the length is unknown).
+        Call it after ``close_early``, which summarises a first window the stop cut short."""
+        if self.total_steps is None or step >= self.total_steps:
+            return None
+        sp = self.spelling  # a length the user told (their loop's): as they passed it; a host's: its step count
+        said = f"the run stopped at step {step} of " + (
+            sp.set("length", self.total_steps) if sp.lengthen == "loop" else f"{self.total_steps} steps"
+        )
+        if not self.summaries:
+            first = self.windows.window_at(self.windows.first) if self.windows is not None else None
+            where = f" (steps {first[0]}–{first[-1]})" if first else ""
+            return f"{said}, before its first {self.window}-step window{where} closed: no τ was recommended or checked"
+        last, taken = self.summaries[-1], self.validation[-1][1]
+        planned = self.windows.window_at(last.start_step)
+        if last.end_step < planned[-1]:  # the first window, summarised as it stood by close_early
+            return (
+                f"{said}, inside its window (steps {planned[0]}–{planned[-1]}): τ={last.recommended_max_norm:.4g} is "
+                f"from {last.end_step - last.start_step + 1} of its {len(planned)} steps, and no held-out step "
+                "checked it"
+            )
+        need = self.planned_held_out(len(self.summaries) - 1)
+        cut = f"{taken} held-out steps instead of {need}" if taken < need else f"its {need} held-out steps"
+        never = "" if self._calibrator is None else f"; the window from step {self._calibrator.steps[0]} never closed"
+        return f"{said}: the check of τ={last.recommended_max_norm:.4g} covered {cut}{never}"
+
     def _adopt(self, summary: CalibrationSummary) -> None:
         tau = summary.recommended_max_norm
         if not tau > 0:

@@ -61,7 +61,7 @@ from ..run.loop import RunRecords
 from ..run.summary import summary_metrics
 from .resume import checkpoint_state, new_run, open_store
 from .resume import resume as restore
-from .window_lines import interval, no_window, placement_line
+from .window_lines import check_lines, interval, no_window, placement_line
 
 #: The recorders of this process with a run open: a resume that continues another's run takes it over.
 _OPEN: weakref.WeakSet = weakref.WeakSet()
@@ -236,8 +236,8 @@ class StepRecorder:
             print(f"clipamp: MLflow run {tracker.run_id} ended as {status} at step {self.step}", file=sys.stderr)
 
     def end(self, step: int) -> dict[str, float]:
-        """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it
-        stands (a later one is dropped: the τ in force came from the window before it)."""
+        """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it stands (a
+        later one is dropped: the τ in force came from the one before), and a stop before ``total_steps`` is said."""
         if not self.policy.summaries:
             try:
                 closed = self.policy.close_early()
@@ -256,12 +256,14 @@ class StepRecorder:
         windows = list(self.policy.summaries)
         cfg = SimpleNamespace(calibrate=SimpleNamespace(quantile=self.policy.quantile))
         metrics = summary_metrics(cfg, self.records, windows)
-        for i, check in enumerate(self.policy.checks(), 1):
-            if check is not None:
-                self.say(f"window {i} τ={check.tau:.4g}: {check.verdict}; next: {check.action}")
+        stopped = self.policy.stopped_early(step) if self.policy.summaries else None  # else: the no-window line
+        for line in [*check_lines(self.policy), *([stopped] if stopped else [])]:
+            self.say(line)
         if self.tracker is not None:
             self.tracker.log_metrics(metrics, step=step)
-            payload = {"metrics": metrics, **calibration_payload(self.policy)}
+            if stopped:  # the MLflow view's column: a run whose check the stop cut
+                self.tracker.set_tags({"stopped_early": stopped})
+            payload = {"metrics": metrics, **calibration_payload(self.policy), "stopped_early": stopped}
             self.tracker.artifact_path("quantiles.json").write_text(json_text(payload))
             self.tracker.end("FINISHED")
         return metrics

@@ -1,5 +1,5 @@
 """The lines a ``StepRecorder`` says about its calibration windows: where the first lies and why, a
-quantile's interval, and why a run ended with none (what places one)."""
+quantile's interval, each window's check at the end, and why a run ended with none (what places one)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def no_window(policy: CalibratedClip) -> str:
             f"({sp.name('length')}) to place the window within it, or {sp.set('start', 'N')}"
         )
     return f"{waited}; the window would have started by step {detector.latest} (the run ended before)"
+
+
+def check_lines(policy: CalibratedClip) -> list[str]:
+    """Each closed window's check at the run's end: its τ, the verdict and the next action."""
+    checks = enumerate(policy.checks(), 1)
+    return [f"window {i} τ={c.tau:.4g}: {c.verdict}; next: {c.action}" for i, c in checks if c is not None]
 
 
 def interval(ci) -> str:
