@@ -263,7 +263,8 @@ class NormCalibrator:
 
     Args:
         quantile: q for the recommendation τ = Quantile_q (0 < q < 1).
-        candidates: fixed thresholds whose would-be clipping ratio is reported too.
+        candidates: fixed thresholds whose would-be clipping ratio is reported too (any order, none twice;
+            ``[]``: none beside the quantiles and τ).
         confidence: level of the quantiles' order-statistic intervals.
         spelling: how the summary's warning names the options (``clipamp_engine.spelling``).
     """

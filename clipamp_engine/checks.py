@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections import Counter
 from typing import Any
 
 import torch
@@ -294,7 +295,10 @@ def _check_scalar(loss: Any, what: str) -> None:
 
 
 def check_calibrator_options(quantile: float, candidates: Any, confidence: Any) -> None:
-    """A calibration window's options, refused when the policy is built (not when its window closes)."""
+    """A calibration window's options, refused when the policy is built (not when its window closes).
+
+    ``candidates`` is a set of thresholds in any order; none (``[]``) is a set too: the window then reports the
+    clipping ratio at its quantiles and τ only. A threshold listed twice says nothing more and is refused."""
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile={quantile!r} must be in (0, 1), e.g. 0.95")
     if not (is_number(confidence) and 0.0 < confidence < 1.0):
@@ -303,6 +307,12 @@ def check_calibrator_options(quantile: float, candidates: Any, confidence: Any) 
         raise ValueError(
             f"candidates={list(candidates)!r} must be finite numbers > 0 (fixed thresholds whose clipping "
             "ratio the window reports)"
+        )
+    twice = sorted(c for c, n in Counter(map(float, candidates)).items() if n > 1)
+    if twice:
+        raise ValueError(
+            f"candidates={list(candidates)!r} lists {', '.join(f'{c:g}' for c in twice)} more than once: each is one "
+            "threshold whose clipping ratio the window reports, so drop the repeat"
         )
 
 

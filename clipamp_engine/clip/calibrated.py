@@ -69,7 +69,8 @@ class CalibratedClip(ClipPolicy):
         window: steps per window (>= 2).
         every: steps between window starts (0: one window; else >= ``window``).
         quantile: q of τ = Quantile_q (0 < q < 1), or ``None`` to aim at ``target_clip``.
-        candidates: fixed thresholds whose would-be clipping ratio each summary reports.
+        candidates: fixed thresholds whose would-be clipping ratio each summary reports, in any order, none listed
+            twice (``[]``: none; the summary reports the ratio at its quantiles and τ only).
         cap: τ until the first window closes (``None``: no clipping then).
         start: ``"auto"``, or the number of steps before the first window (0: it starts at step 1).
         validate: held-out steps after each window that check τ (0: all while τ is in force).

@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--every", type=int, help=f"steps between window starts (default 0: one window; {RUN})")
     ap.add_argument("--validate", type=int, help=f"held-out steps after a window (default 0: all; {RUN})")
     ap.add_argument("--target-clip", type=float, nargs=2, metavar=("LOW", "HIGH"), help=f"default 0.01 0.05 ({RUN})")
-    ap.add_argument("--candidates", type=float, nargs="+", metavar="TAU", help=f"default 0.5 1 2 5 ({RUN})")
+    ap.add_argument("--candidates", type=float, nargs="*", metavar="TAU", help=f"default 0.5 1 2 5, none alone ({RUN})")
     ap.add_argument("--confidence", type=float, help=f"level of the quantile intervals (default {o.confidence}; {RUN})")
     ap.add_argument("--track", action="store_true", help="also log each recommendation as an MLflow run")
     ap.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db")

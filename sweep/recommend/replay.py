@@ -103,7 +103,7 @@ def as_flag(name: str, value: Any) -> str:
         value = "band"
     elif isinstance(value, list | tuple):
         value = " ".join(f"{v:g}" for v in value)
-    return f"--{name.replace('_', '-')} {value}"
+    return f"--{name.replace('_', '-')} {value}".rstrip()  # an empty list: the flag alone
 
 
 _OPTION = re.compile(rf"\b({'|'.join(RUN_SETTINGS)})=(\[[^\]]*\]|[^\s,;)]+)")

@@ -134,12 +134,35 @@ def test_summary_carries_intervals_prediction_and_the_short_window_warning():
         (dict(confidence=0), r"confidence=0 must be in \(0, 1\)"),
         (dict(candidates=[1.0, -1.0]), r"candidates=\[1.0, -1.0\] must be finite numbers > 0"),
         (dict(candidates=["x"]), r"candidates=\['x'\] must be finite numbers > 0"),
+        (dict(candidates=[float("nan")]), r"candidates=\[nan\] must be finite numbers > 0"),
+        (dict(candidates=[1.0, 2.0, 1]), r"^candidates=\[1.0, 2.0, 1\] lists 1 more than once: each is one threshold "),
     ],
 )
 def test_a_bad_confidence_or_candidate_is_refused_when_the_policy_is_built(option, message):
     """Not when the first window closes, hundreds of steps into the run."""
     with pytest.raises(ValueError, match=message):
         make_clip_policy("calibrated", **option)
+
+
+NORMS = np.random.default_rng(3).lognormal(0.0, 0.3, 50)
+
+
+def _summary(candidates):
+    cal = NormCalibrator(quantile=0.95, candidates=candidates)
+    for i, n in enumerate(NORMS):
+        cal.add(_log(i + 1, float(n)))
+    return cal.summary()
+
+
+def test_candidates_are_a_set_of_thresholds_none_included():
+    """``[]`` reports the clipping ratio at the window's quantiles and τ only, each as numpy counts it; the order
+    of the candidates does not matter."""
+    none, some = _summary([]), _summary([5.0, 0.5])
+    assert some.candidate_clip_ratios == _summary([0.5, 5.0]).candidate_clip_ratios
+    assert list(none.candidate_clip_ratios) == sorted(np.quantile(NORMS, QS).tolist())  # τ is p95 here
+    for tau, ratio in none.candidate_clip_ratios.items():
+        assert ratio == np.mean(NORMS > tau) == some.candidate_clip_ratios[tau]
+    assert none.recommended_max_norm == some.recommended_max_norm and {0.5, 5.0} < set(some.candidate_clip_ratios)
 
 
 def test_short_window_warning_counts_the_window_it_needs_in_steps():

@@ -113,6 +113,11 @@ def test_clip_quantile_is_refused_naming_calibrate_quantile_in_a_calibrate_run(r
             "calibrate.candidates=[-1.0] must be finite numbers > 0 (fixed thresholds whose clipping ratio the "
             "window reports): pass e.g. calibrate.candidates=[0.5,1.0,2.0,5.0]",
         ),
+        (
+            ["calibrate.candidates=[2,0.5,2]"],
+            "calibrate.candidates=[2.0, 0.5, 2.0] lists 2 more than once: each is one threshold whose clipping ratio "
+            "the window reports, so drop the repeat: pass e.g. calibrate.candidates=[0.5,1.0,2.0,5.0]",
+        ),
         (["calibrate.quantile=0"], "calibrate.quantile=0.0 must be in (0, 1)"),
         (["amp.dtype=fp8"], "amp.dtype='fp8' is not one of bf16, fp16, fp32"),
         (["steps=0"], "steps=0 must be >= 1"),
@@ -135,6 +140,21 @@ def test_semantic_checks_name_the_value(overrides, message):
     with pytest.raises(UserError) as e:
         validate(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_candidates_is_a_calibration_that_reports_the_quantiles_and_tau_only():
+    """``calibrate.candidates=[]`` passes and builds the policy the engine builds with ``candidates=()``, as
+    ``python -m sweep.recommend --candidates`` (the flag alone) replays it; a run's ``[]`` param reads back so."""
+    from clipamp_engine.clip import CalibratedClip
+    from sweep.recommend import cli
+    from sweep.recommend.replay import as_flag, run_settings
+
+    cfg = compose_cfg("+experiment=calibrate", "calibrate.candidates=[]")
+    validate(cfg)
+    policy = build_clip_policy(calibrated(cfg), total_steps=cfg.steps)
+    assert isinstance(policy, CalibratedClip) and policy.candidates == ()
+    assert cli.parser().parse_args(["steps.csv", *as_flag("candidates", ()).split()]).candidates == []
+    assert run_settings({"calibrate.candidates": "[]"}) == {"candidates": ()}
 
 
 @pytest.mark.parametrize("value", ["-1", "0"])
