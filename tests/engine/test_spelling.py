@@ -107,3 +107,9 @@ def test_the_engines_advice_for_a_longer_run_lengthens_the_loop_as_well_as_total
     [check] = followed.checks()
     assert followed.placement.rule == "auto" and followed.placement.start > 5  # after the warm-up
     assert check.steps > 20
+
+
+def test_a_spelling_names_how_its_run_is_lengthened_or_is_refused():
+    with pytest.raises(ValueError) as e:
+        Spelling(lengthen="longer")
+    assert str(e.value) == "lengthen='longer' must be 'loop' or 'raise'"
