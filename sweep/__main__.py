@@ -291,7 +291,13 @@ def _interrupted_line(e: KeyboardInterrupt, cfg: DictConfig) -> str:
             "it completed first; the run ended FINISHED with its summary and artifacts"
             if e.finished
             else "cut short by a second signal; the run ended KILLED: steps.csv holds every step, but summary "
-            "metrics and artifacts are incomplete (nothing to resume: re-run without resume= for them)"
+            "metrics and artifacts are incomplete ("
+            + (
+                "nothing to resume: re-run without resume= for them)"
+                if getattr(e, "checkpointed", None) is None
+                else f"resume=true continues from its checkpoint at step {e.checkpointed} (the steps after it run "
+                "again) and completes them)"
+            )
         )
     if handled:
         return (

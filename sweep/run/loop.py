@@ -274,7 +274,6 @@ def run_steps(
                 tracker.flush()
                 raise RunInterrupted(signum, step)
         emit(kept(state.flush))
-    tracker.hold_after(None)  # every step trained: none left to train again
 
 
 def _seen(on_record: Callable[[StepLog], None] | None, log: StepLog, stopped: StopRun | None) -> StopRun | None:

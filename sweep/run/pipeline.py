@@ -9,7 +9,6 @@ so this layer never imports ``sweep.report``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from sweep.run.diskspace import SpaceReserve, disk_full, full_disk_error
 from sweep.run.faults import FaultInjector
 from sweep.run.loop import APP_COLUMNS, RunInterrupted, RunRecords, StopRequest, StopRun, run_steps
 from sweep.run.nothing_trained import nothing_trained
-from sweep.run.resume_csv import open_steps_csv, resumed_rows
+from sweep.run.resume_csv import NoCSV, open_steps_csv, resumed_rows
 from sweep.run.resume_length import check_resume_steps, record_resumed_length
 from sweep.run.summary import summary_metrics, tau_tags, window_metrics
 from sweep.tasks.build import Batch, Task, build_task, evaluate
@@ -97,7 +96,7 @@ def run_training(
     The CSV keeps every completed step. Under torchrun (``launch``) every rank trains its share
     of each batch and rank 0 alone records. A signal in the end-of-run phase (eval, artifacts, plots)
     waits for it: the run ends FINISHED, then ``RunInterrupted(finished=True)`` (or, inside a sweep,
-    the sweep stops before its next trial); a second signal cuts it short and the run ends KILLED.
+    the sweep stops before its next trial); a second signal cuts it short: KILLED, resumable as a kill in the loop.
     """
     hooks = hooks or RunHooks()
     launch = launch or Launch()
@@ -131,7 +130,7 @@ def run_training(
                 result = run.finish()  # a first signal here waits for it; a second one cuts it short
             except KeyboardInterrupt:
                 status = "KILLED"
-                raise RunInterrupted(stop.signum or signal.SIGINT, cfg.steps, finished=False) from None
+                raise run.cut_short(stop.signum or signal.SIGINT) from None
             nothing = nothing_trained(run.records.rows, cfg.run)
             if nothing is not None:
                 status = "FAILED"
@@ -225,16 +224,6 @@ def open_run_on_ranks(
     return SilentTracker(run_id, name), ckpt, None  # rank 0 holds the run's lock for the job
 
 
-class _NoCSV(contextlib.nullcontext):
-    """Ranks other than 0 write no CSV."""
-
-    def write(self, row: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @dataclass
 class _ActiveRun:
     """The parts of a run while it trains: engine, CSV, faults, records."""
@@ -277,7 +266,7 @@ class _ActiveRun:
         )  # update path (clipamp_engine.fused); ranks
         columns = APP_COLUMNS + state.forensics.columns + state.clip.columns
         ckpt_file = checkpoint_path(uri, tracker.run_id)
-        run = cls(cfg, tracker, task, hooks, state, faults, _NoCSV(), RunRecords(), start, ckpt_file, launch)
+        run = cls(cfg, tracker, task, hooks, state, faults, NoCSV(), RunRecords(), start, ckpt_file, launch)
         if ckpt is not None:  # decided before anything is written: a refused resume leaves steps.csv as it was
             run.restore(ckpt, csv_path, columns)
         if csv_path is not None:
@@ -386,7 +375,7 @@ class _ActiveRun:
         if cal is not None:
             metrics.update(calibration_metrics(cal))
         metrics["eval_loss"] = eval_loss
-        self.tracker.log_metrics(metrics, step=self.cfg.steps)
+        self.tracker.log_metrics(metrics, step=self.cfg.steps, summary=True)  # read back by the experiment's notes
         self.tracker.set_tags(tau_tags(self.records.rows))
         csv_path = self.tracker.artifact_path("steps.csv")
         result = RunResult(self.tracker.run_id, csv_path, metrics, list(self.windows), self.records, calibration=cal)
@@ -395,4 +384,14 @@ class _ActiveRun:
         if self.hooks.artifacts is not None:
             self.hooks.artifacts(self.cfg, self.tracker, result)
         remove_checkpoint(self.ckpt_file)
+        self.tracker.hold_after(None)  # no checkpoint left: nothing trains a step again, the store takes them all
         return result
+
+    def cut_short(self, signum: int) -> RunInterrupted:
+        """The end-of-run phase was cut short (the run ends KILLED): with the latest checkpoint still there, the
+        store keeps no step after it (a resume trains those again); else every step."""
+        e = RunInterrupted(signum, self.cfg.steps, finished=False)
+        e.checkpointed = self.checkpointed if self.ckpt_file.exists() else None  # where resume=true continues
+        if e.checkpointed is None:
+            self.tracker.hold_after(None)
+        return e

@@ -6,6 +6,7 @@ before the CSV is cut back to the checkpoint, so a refused resume leaves the fil
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -59,3 +60,13 @@ def resumed_rows(run_id: str, csv_path: Path, columns: tuple[str, ...], step: in
             f"from them; restore steps.csv or start a new run (drop resume=)"
         )
     return rows
+
+
+class NoCSV(contextlib.nullcontext):
+    """The CSV of a rank other than 0: it writes none."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -276,12 +276,14 @@ class RunTracker:
         self._buffer = [] if held is None else [m for m in self._buffer if m.step > held]
         self._steps_buffered = 0
 
-    def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
+    def log_metrics(self, metrics: dict[str, float | None], step: int = 0, *, summary: bool = False) -> None:
         """Metrics of one step (a closed window's figures, an eval, the summary; non-finite dropped), sent at
         once, but for a step after a held one (``hold_after``): those wait with the per-step metrics and share
-        their fate (a resume computes them again). A value the run holds already (``reopen``) is never sent again."""
+        their fate (a resume computes them again). A value the run holds already (``reopen``) is never sent again.
+        ``summary``: the run's summary, sent at once whatever the hold, for its end phase to read from the store
+        (the experiment's description); a resume sends its own at its last step."""
         batch = [m for m in metric_batch(metrics, step) if (m.key, m.step) not in self.logged]
-        if self.held_after is not None and step > self.held_after:
+        if self.held_after is not None and step > self.held_after and not summary:
             self._buffer.extend(batch)
         elif self.outbox is not None:
             self.outbox.send(batch)
