@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 from typing import Any
 
 from sweep.config.convert import flatten
@@ -28,6 +29,8 @@ _SEARCH_NAMES = {"space.band": "study.target_clip", "space.mode": "study.mode", 
 #: Each config key a user can set, with its schema default: what a task key's absent entry stands for.
 _DEFAULTS = flatten(dataclasses.asdict(Config()))
 _PLAIN = re.compile(r"[\w./:@+~-]+")
+_PATH_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")  # a key an override's key path names
+_KEY_ESCAPED = re.compile(r"([\\()\[\]{}:=, \t])")  # escaped in a dict key (Hydra's and OmegaConf's grammar)
 
 
 def _override(value: Any) -> str:
@@ -44,20 +47,50 @@ def _override(value: Any) -> str:
     return str(value)
 
 
+def _dict_text(table: dict[str, Any]) -> str:
+    """``table`` in the dict form Hydra's overrides and OmegaConf's ``oc.create`` read: ``{attn.c_proj:0.5}``, each
+    key's ``\\``, brackets, ``:``, ``=``, ``,`` and blanks escaped with a backslash."""
+    items = (
+        _KEY_ESCAPED.sub(r"\\\1", k) + ":" + (_dict_text(v) if isinstance(v, dict) else _override(v))
+        for k, v in table.items()
+    )
+    return "{" + ",".join(items) + "}"
+
+
+def _path_keys(table: Any) -> bool:
+    """Every key of ``table`` (nested tables too) is one an override's key path names (no dot, no symbol)."""
+    return not isinstance(table, dict) or all(_PATH_KEY.fullmatch(str(k)) and _path_keys(v) for k, v in table.items())
+
+
+def _whole_table(setting: str, old: Any, now: Any) -> str:
+    """The override that gives the table ``setting`` the study's entries ``old`` where a key path cannot name each
+    entry (``attn.c_proj``): its entries in Hydra's dict form, merged into the table set now, or, where an entry
+    must go (no override removes a dotted key) or no table is set, the whole table replaced by ``oc.create``."""
+    if isinstance(now, dict) and set(now) <= set(old) and not any(isinstance(v, dict) for v in old.values()):
+        override = f"++{setting}={_dict_text({k: v for k, v in old.items() if now.get(k) != v})}"
+    else:
+        override = f'{setting}="${{oc.create:{_dict_text(old)}}}"'
+    return shlex.quote(override)
+
+
 def _setting(key: str) -> str:
     """The config key a task key's flattened entry belongs to (``clip.patterns.attn`` → ``clip.patterns``)."""
     parts = key.split(".")
     return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in _DEFAULTS), key)
 
 
-def _way_back(stored: dict[str, Any], old: dict[str, Any], keys: list[str]) -> str:
-    """The overrides that give the task's ``keys`` the study's values (``old``: its stored task, flattened). A
-    table (``clip.patterns``) is set entry by entry, as Hydra merges a table into the one already set: ``++``
-    for the study's entries, ``~`` for the ones it did not have, ``null`` where it had none."""
+def _way_back(stored: dict[str, Any], old: dict[str, Any], keys: list[str], now: dict[str, Any]) -> str:
+    """The overrides that give the task's ``keys`` the study's values (``old``: its stored task, flattened; ``now``:
+    this invocation's, as stored). A table (``clip.patterns``) is set entry by entry, as Hydra merges a table into
+    the one already set: ``++`` for the study's entries, ``~`` for the ones it did not have, ``null`` where it had
+    none; one whose keys a key path cannot name is set as ``_whole_table`` says."""
     out: list[str] = []
     for key in keys:
         setting = _setting(key)
-        if key == "clip.mode":  # the mode's own config group: its tables too (an empty one is not an override)
+        table = _table(stored, setting)
+        if key != setting and isinstance(table, dict) and not (_path_keys(table) and _path_keys(_table(now, setting))):
+            out.append(_whole_table(setting, table, _table(now, setting)))
+        elif key == "clip.mode":  # the mode's own config group: its tables too (an empty one is not an override)
             out.insert(0, f"clip={old.get(key, _DEFAULTS[key])}")
         elif key == setting and old.get(key) != {}:  # merging an empty table changes nothing
             out.append(f"{key}={_override(old.get(key, _DEFAULTS.get(key)))}")
@@ -65,7 +98,7 @@ def _way_back(stored: dict[str, Any], old: dict[str, Any], keys: list[str]) -> s
             continue
         elif key in old:
             out.append(f"++{key}={_override(old[key])}")
-        elif _table(stored, setting) is None:
+        elif table is None:
             out.append(f"{setting}=null")
         else:
             out.append(f"~{key}")
@@ -149,7 +182,9 @@ def refuse_another_task(study, now: dict[str, Any], named: bool) -> None:
     if other:
         causes.append(f"searched another space: {listed(other)}; its trials were sampled in that one")
     searched = (f"{_key(k)}={_override(old.get(k))}" for k in search)
-    restore = " ".join(filter(None, (_way_back(stored, old, task), *searched)))
+    restore = " ".join(
+        filter(None, (_way_back(stored, old, task, json.loads(json.dumps(now, default=str))), *searched))
+    )
     if task:
         fix = f"pass {restore} to add trials to it, or another study.name (without one, the study is named after "
         fix += "its task)"

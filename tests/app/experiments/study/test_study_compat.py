@@ -118,3 +118,27 @@ def test_the_way_back_to_another_clip_mode_selects_its_group(storage):
     said = _refusal(storage, "mode", ["clip=per_group", "clip.max_norms=[2.0]"], ["clip=norm"])
     assert "clip.patterns (study: {}, now: None)" in said
     assert ": pass clip=per_group to add trials to it" in said
+
+
+@pytest.mark.parametrize(
+    ("first", "now", "way_back"),
+    [
+        (  # the study's entries set again in Hydra's dict form: a key path would split attn.c_proj in two
+            [r"+clip.patterns={attn.c_proj: 0.5, h\.0\.mlp\ x: 2.0}"],
+            [r"++clip.patterns={attn.c_proj: 0.25, h\.0\.mlp\ x: 1.0}"],
+            r"'++clip.patterns={attn.c_proj:0.5,h\\.0\\.mlp\ x:2.0}'",
+        ),
+        (  # an entry the study did not have: no override removes a dotted key, so the table is set whole
+            ["+clip.patterns={attn.c_proj: 0.5}"],
+            ["++clip.patterns={mlp.c_fc: 1.0}"],
+            """'clip.patterns="${oc.create:{attn.c_proj:0.5}}"'""",
+        ),
+        (["+clip.patterns={}"], ["++clip.patterns={mlp.c_fc: 1.0}"], """'clip.patterns="${oc.create:{}}"'"""),
+    ],
+    ids=["set", "removed", "emptied"],
+)
+def test_the_way_back_sets_a_table_whose_keys_hold_dots_as_the_study_had_it(storage, request, first, now, way_back):
+    """Parameter-name patterns hold dots (``attn.c_proj``): the printed overrides, split as a shell splits them,
+    give the study's table exactly (``_refusal`` composes them)."""
+    said = _refusal(storage, f"dotted-{request.node.callspec.id}", ["clip=per_group", *first], now)
+    assert f": pass {way_back} to add trials to it" in said
