@@ -28,7 +28,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .spelling import ENGINE, Spelling
@@ -36,38 +36,101 @@ from .spelling import ENGINE, Spelling
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the window starts and why."""
+    """Where the window starts and why: ``why`` is the reason as a code and its figures (``{"code": "fixed",
+    "skip": 0}``), which a checkpoint keeps; ``reason`` renders it as ``spelling`` names the options, so a state
+    loaded by another front end (``CalibratedClip(spelling=…)``) or a later wording shows that one's."""
 
     start: int  # first step of the window (1-based)
     warmup_end: int | None  # first step whose LR did not rise (None: not seen before `latest`)
     settled_at: int | None  # step at which the rolling median had been in band for `patience` steps
     median: float | None  # rolling median of the norms at that point (None when none was computed)
     rule: str  # "auto" | "fixed" | "deadline"
-    reason: str
+    why: dict[str, Any]
+    spelling: Spelling = field(default=ENGINE, compare=False, repr=False)
+
+    @property
+    def reason(self) -> str:
+        return _REASONS[self.why["code"]](self.why, self.spelling)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "start": self.start,
-            "warmup_end": self.warmup_end,
-            "settled_at": self.settled_at,
-            "median": self.median,
-            "rule": self.rule,
-            "reason": self.reason,
+        """What a checkpoint keeps: the reason as its code and figures, never rendered."""
+        return {k: getattr(self, k) for k in ("start", "warmup_end", "settled_at", "median", "rule")} | {
+            "why": dict(self.why)
         }
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any], spelling: Spelling = ENGINE) -> Placement:
+        """``as_dict``'s placement, its reason rendered with ``spelling``; a state saved with the reason rendered
+        (``"reason"``: a text) keeps that text."""
+        state = dict(state)
+        text = state.pop("reason", None)
+        why = state.pop("why", None) or {"code": "text", "text": text}
+        return cls(**state, why=why, spelling=spelling)
+
+
+def _fixed(why: dict[str, Any], spelling: Spelling) -> str:
+    skip = why["skip"]
+    return f"{spelling.set('start', skip)}: the window starts at step {skip + 1}" + (
+        " (it includes any LR warm-up)" if skip == 0 else ""
+    )
+
+
+def _warmup(why: dict[str, Any]) -> str:
+    if not why["lr_seen"]:
+        return (
+            f"no LR in the records, so no warm-up to wait for: placed by the norms alone from step {why['warmup_end']}"
+        )
+    return f"LR warm-up over at step {why['warmup_end']} (the LR stopped rising)"
+
+
+def _auto(why: dict[str, Any], spelling: Spelling) -> str:
+    step, first = why["step"], why["first"]
+    seen = f"steps {first}–{step}" if first is not None else f"to step {step}"  # a state saved before the steps
+    return (
+        f"{_warmup(why)}; the rolling median of {why['span']} norms varied by at most {why['band']:.0%} over its "
+        f"last {why['patience']} values ({seen}, median {why['median']:.3g}): the window starts at step {step + 1}"
+    )
+
+
+def _deadline(why: dict[str, Any], spelling: Spelling) -> str:
+    step = why["step"]
+    # the deadline moves with the run's length: where that is only told, the loop must lengthen with it
+    longer = "use a longer run" if spelling.lengthen == "raise" else f"{spelling.longer_run()},"
+    cause = (
+        "the LR was still rising"
+        if why["warmup_end"] is None
+        else f"the rolling median of the norms still varied by more than {why['band']:.0%} "
+        + (f"(warm-up over at step {why['warmup_end']})" if why["lr_seen"] else "(no LR in the records)")
+    )
+    return (
+        f"{cause} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
+        f"leaves room for the window and its validation steps: its quantiles may still include "
+        f"a transient ({longer} or {spelling.set('start', 'N')})"
+    )
+
+
+def _no_room(why: dict[str, Any], spelling: Spelling) -> str:
+    return (
+        f"the run ({why['total_steps']} steps) leaves no room to wait for the warm-up before a {why['window']}-step "
+        f"window and its validation: the window starts at step 1 ({spelling.longer_run()} to let "
+        f"{spelling.set('start', spelling.auto)} wait)"
+    )
+
+
+#: Each reason's rendering by its code; ``text``: a reason a checkpoint kept rendered (before codes).
+_REASONS = {
+    "fixed": _fixed,
+    "auto": _auto,
+    "deadline": _deadline,
+    "no_room": _no_room,
+    "text": lambda why, spelling: why["text"],
+}
 
 
 def fixed_placement(skip: int, spelling: Spelling = ENGINE) -> Placement:
     """``start=N``: the window starts after ``N`` steps (``0``: at step 1, as before); its reason names the
     option as ``spelling`` writes it."""
-    return Placement(
-        skip + 1,
-        None,
-        None,
-        None,
-        "fixed",
-        f"{spelling.set('start', skip)}: the window starts at step {skip + 1}"
-        + (" (it includes any LR warm-up)" if skip == 0 else ""),
-    )
+    return Placement(skip + 1, None, None, None, "fixed", {"code": "fixed", "skip": skip}, spelling)
 
 
 def _not_rising(previous: float, lr: float) -> bool:
@@ -123,59 +186,22 @@ class StartDetector:
                 self._median_steps.append(step)
         if len(self._medians) == self.patience and self._in_band():
             m = self._medians[-1]
-            self.placement = Placement(
-                step + 1,
-                self.warmup_end,
-                step,
-                m,
-                "auto",
-                f"{self._warmup_text()}; the rolling median of {self.span} norms varied by at most {self.band:.0%} "
-                f"over its last {self.patience} values ({self._span_text(step)}, median {m:.3g}): "
-                f"the window starts at step {step + 1}",
-            )
+            first = self._median_steps[0] if len(self._median_steps) == self.patience else None
+            figures = {"span": self.span, "band": self.band, "patience": self.patience, "first": first, "median": m}
+            why = {"code": "auto", "warmup_end": self.warmup_end, "lr_seen": self._lr_seen, "step": step, **figures}
+            self.placement = Placement(step + 1, self.warmup_end, step, m, "auto", why, self.spelling)
         elif self.latest is not None and step + 1 >= self.latest:
             self.placement = self._deadline(step)
         return self.placement
-
-    def _warmup_text(self) -> str:
-        if not self._lr_seen:
-            return (
-                f"no LR in the records, so no warm-up to wait for: placed by the norms alone from step "
-                f"{self.warmup_end}"
-            )
-        return f"LR warm-up over at step {self.warmup_end} (the LR stopped rising)"
-
-    def _span_text(self, step: int) -> str:
-        """The steps the last ``patience`` medians were taken at: as many steps as medians only where every step
-        logged a finite norm (a log every N steps, or skipped steps, spread them wider)."""
-        first = self._median_steps[0] if len(self._median_steps) == self.patience else None
-        return f"steps {first}–{step}" if first is not None else f"to step {step}"  # a state saved before the steps
 
     def _in_band(self) -> bool:
         lo, hi = min(self._medians), max(self._medians)
         return lo > 0 and hi / lo <= 1 + self.band
 
     def _deadline(self, step: int) -> Placement:
-        why = (
-            "the LR was still rising"
-            if self.warmup_end is None
-            else f"the rolling median of the norms still varied by more than {self.band:.0%} "
-            + (f"(warm-up over at step {self.warmup_end})" if self._lr_seen else "(no LR in the records)")
-        )
+        why = {"code": "deadline", "warmup_end": self.warmup_end, "lr_seen": self._lr_seen, "band": self.band}
         m = self._medians[-1] if self._medians else None
-        sp = self.spelling
-        # the deadline moves with the run's length: where that is only told, the loop must lengthen with it
-        longer = "use a longer run" if sp.lengthen == "raise" else f"{sp.longer_run()},"
-        return Placement(
-            step + 1,
-            self.warmup_end,
-            None,
-            m,
-            "deadline",
-            f"{why} by step {step}; the window starts at step {step + 1} anyway, the latest start that "
-            f"leaves room for the window and its validation steps: its quantiles may still include "
-            f"a transient ({longer} or {sp.set('start', 'N')})",
-        )
+        return Placement(step + 1, self.warmup_end, None, m, "deadline", {**why, "step": step}, self.spelling)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -195,7 +221,7 @@ class StartDetector:
         self._norms = deque(state["norms"], maxlen=self.span)
         self._medians = deque(state["medians"], maxlen=self.patience)
         self._median_steps = deque(state.get("median_steps", ()), maxlen=self.patience)
-        self.placement = Placement(**state["placement"]) if state["placement"] else None
+        self.placement = Placement.from_dict(state["placement"], self.spelling) if state["placement"] else None
 
 
 def auto_window_start(trace: Iterable[tuple[int, float, float]], **rule: Any) -> Placement | None:

@@ -124,16 +124,8 @@ class CalibratedClip(ClipPolicy):
         self.detector = StartDetector(latest=latest, spelling=spelling) if start == "auto" else None
         self.placement: Placement | None = None if start == "auto" else fixed_placement(start, spelling)
         if start == "auto" and latest == 1:  # no room to wait: the window and its validation fill the run
-            self.placement = Placement(
-                1,
-                None,
-                None,
-                None,
-                "deadline",
-                f"the run ({total_steps} steps) leaves no room to wait for the warm-up "
-                f"before a {window}-step window and its validation: the window starts at "
-                f"step 1 ({spelling.longer_run()} to let {spelling.set('start', spelling.auto)} wait)",
-            )
+            why = {"code": "no_room", "total_steps": total_steps, "window": window}
+            self.placement = Placement(1, None, None, None, "deadline", why, spelling)
         self.windows = self._windows()
         self.summaries: list[CalibrationSummary] = []
         self.validation: list[list[int]] = []  # per closed window: [clipped, taken] over its validation steps
@@ -336,7 +328,8 @@ class CalibratedClip(ClipPolicy):
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
             self.detector.latest = self._latest_start()
-        self.placement = Placement(**state["placement"]) if state.get("placement") else self.placement
+        saved = state.get("placement")
+        self.placement = Placement.from_dict(saved, self.spelling) if saved else self.placement
         self.windows = self._windows()
         self._calibrator = None
         if state["calibrator"] is not None:

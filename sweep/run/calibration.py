@@ -16,7 +16,7 @@ from clipamp_engine.clip import CalibratedClip
 def calibration_payload(clip: CalibratedClip) -> dict[str, Any]:
     """Placement, every window (intervals, drift, band check), as plain values (None, never NaN)."""
     return {
-        "placement": clip.placement.as_dict() if clip.placement else None,
+        "placement": {**clip.placement.as_dict(), "reason": clip.placement.reason} if clip.placement else None,
         "quantile": clip.quantile,
         "target_clip": list(clip.band),
         "validate": clip.validate,

@@ -1,0 +1,67 @@
+"""A calibration state keeps the window placement's reason as a code and its figures, never rendered: loaded by
+another front end (another ``Spelling``), or by a later wording, it reads as that one writes it; a state saved with
+the reason rendered still loads and shows its text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clipamp_engine.clip.calibrated import CalibratedClip
+from clipamp_engine.placement import StartDetector
+from clipamp_engine.spelling import ENGINE, Spelling
+
+FLAGS = Spelling(
+    length="the log's length",
+    **{k: f"--{k}" for k in ("start", "window", "every", "validate", "quantile")},
+    named="{}",
+    assign="{} {}",
+    auto="auto",
+    band="band",
+    lengthen="raise",  # recommend's: the log's length is the run's
+)
+
+
+def _saved(state: dict) -> dict:
+    """``state`` as a checkpoint gives it back (an integration's is JSON)."""
+    return json.loads(json.dumps(state))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 5, "start": 3},  # start=3: the window starts at step 4
+        {"window": 20, "start": "auto", "total_steps": 40},  # no room to wait: raise total_steps …
+    ],
+    ids=["fixed", "no room"],
+)
+def test_a_placement_saved_under_one_spelling_reads_in_the_loading_front_ends(options):
+    saved = _saved(CalibratedClip(**options, spelling=ENGINE).state_dict())
+    loaded = CalibratedClip(**options, spelling=FLAGS)
+    loaded.load_state_dict(saved)
+    assert loaded.placement.reason == CalibratedClip(**options, spelling=FLAGS).placement.reason
+    assert "--start" in loaded.placement.reason and "start=" not in loaded.placement.reason
+
+
+def test_a_detectors_deadline_saved_under_one_spelling_reads_in_the_loading_front_ends():
+    def placed(spelling: Spelling) -> StartDetector:
+        detector = StartDetector(latest=3, spelling=spelling)
+        for step in (1, 2):
+            detector.update(step, 1e-3 * step, 1.0)
+        return detector
+
+    loaded = StartDetector(latest=3, spelling=FLAGS)
+    loaded.load_state_dict(_saved(placed(ENGINE).state_dict()))
+    assert loaded.placement == placed(FLAGS).placement
+    assert loaded.placement.reason == placed(FLAGS).placement.reason
+    assert loaded.placement.reason.endswith("(use a longer run or --start N)")
+
+
+def test_a_state_saved_with_the_reason_rendered_still_loads_and_shows_it():
+    state = _saved(CalibratedClip(window=5, start=3).state_dict())
+    old_text = "start=3: the window starts at step 4"
+    state["placement"] = {k: v for k, v in state["placement"].items() if k != "why"} | {"reason": old_text}
+    loaded = CalibratedClip(window=5, start=3, spelling=FLAGS)
+    loaded.load_state_dict(state)
+    assert (loaded.placement.start, loaded.placement.rule, loaded.placement.reason) == (4, "fixed", old_text)
