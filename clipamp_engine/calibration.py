@@ -32,16 +32,17 @@ from typing import Any
 
 import torch
 
-from .checks import check_calibrator_options, check_window_options
+from .checks import check_calibrator_options
 from .records import StepLog
 from .spelling import ENGINE, Spelling
+from .windows import DEFAULT_WINDOW as DEFAULT_WINDOW  # re-exported: imported from here too
+from .windows import CalibrationWindows as CalibrationWindows
 
 REPORTED_QUANTILES = (0.5, 0.9, 0.95, 0.99)
 CONFIDENCE = 0.95
-#: A window's defaults, written only here: steps per window, q of τ = Quantile_q, and the fixed
-#: thresholds whose clipping ratio a summary reports (``CalibrationWindows``, ``NormCalibrator``,
-#: ``CalibratedClip``; the app's ``calibrate.*`` and the recommend CLI read them from these).
-DEFAULT_WINDOW = 100
+#: A window's defaults, written only here (steps per window: ``clipamp_engine.windows``): q of τ = Quantile_q, and
+#: the fixed thresholds whose clipping ratio a summary reports (``NormCalibrator``, ``CalibratedClip``; the app's
+#: ``calibrate.*`` and the recommend CLI read them from these).
 DEFAULT_QUANTILE = 0.95
 DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 5.0)
 
@@ -220,7 +221,17 @@ class CalibrationSummary:
     recommended_max_norm: float
     candidate_clip_ratios: dict[float, float] = field(default_factory=dict)
     cis: dict[str, QuantileCI] = field(default_factory=dict)  # "p50".."p99" and the chosen q's label
-    warnings: list[str] = field(default_factory=list)
+    notes: list[dict[str, Any]] = field(default_factory=list)  # each warning as a code and its figures (kept)
+    spelling: Spelling = field(default=ENGINE, compare=False, repr=False)  # how ``warnings`` names the options
+
+    @property
+    def warnings(self) -> list[str]:
+        """Each note rendered with ``spelling``: ``short_window`` (``short_window_warning`` of τ's interval at the
+        window's steps per norm), or a text a state kept rendered (``text``)."""
+        return [
+            n["text"] if n["code"] == "text" else short_window_warning(self.tau_ci, n["steps_per_norm"], self.spelling)
+            for n in self.notes
+        ]
 
     @property
     def tau_ci(self) -> QuantileCI:
@@ -249,13 +260,18 @@ class CalibrationSummary:
         }
 
     def as_state(self) -> dict[str, Any]:
-        """Plain values for a checkpoint; ``CalibrationSummary.from_state(state)`` restores it exactly."""
-        return dataclasses.asdict(self)
+        """Plain values for a checkpoint, the warnings as their notes (never rendered);
+        ``CalibrationSummary.from_state(state)`` restores it exactly."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "spelling"}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> CalibrationSummary:
-        cis = {k: QuantileCI(**v) for k, v in state.get("cis", {}).items()}
-        return cls(**{**state, "cis": cis})
+    def from_state(cls, state: dict[str, Any], spelling: Spelling = ENGINE) -> CalibrationSummary:
+        """``as_state``'s summary, its warnings rendered with ``spelling``; a state that kept them rendered
+        (``"warnings"``: texts) shows those texts."""
+        state = {**state, "cis": {k: QuantileCI(**v) for k, v in state.get("cis", {}).items()}}
+        texts = state.pop("warnings", None) or []
+        state.setdefault("notes", [{"code": "text", "text": t} for t in texts])
+        return cls(**state, spelling=spelling)
 
 
 class NormCalibrator:
@@ -335,7 +351,7 @@ class NormCalibrator:
         }
         first, last, k = self.steps[0], self.steps[-1], len(self.steps)  # a sampled log: its interval × k steps
         span = (last - first) / (k - 1) * k if k > 1 else k
-        warning = short_window_warning(cis[quantile_label(self.quantile)], span / len(self.norms), self.spelling)
+        short = not cis[quantile_label(self.quantile)].bounded
         return CalibrationSummary(
             start_step=self.steps[0],
             end_step=self.steps[-1],
@@ -347,53 +363,6 @@ class NormCalibrator:
             recommended_max_norm=tau,
             candidate_clip_ratios={t: self.clip_ratio_at(t) for t in thresholds},
             cis=cis,
-            warnings=[warning] if warning else [],
+            notes=[{"code": "short_window", "steps_per_norm": span / len(self.norms)}] if short else [],
+            spelling=self.spelling,
         )
-
-
-class CalibrationWindows:
-    """Where the calibration windows of a run lie: the first at step ``first``, then one every ``every`` steps.
-
-    Each window is ``window`` steps long; with ``total_steps`` known, a window cut short by the
-    end of the run is kept only if it still has 2 steps (a quantile of one norm says nothing).
-
-    Args:
-        window: steps per window (>= 2).
-        every: steps between window starts (0: one window; else >= ``window``, no overlap).
-        total_steps: the run length, if known (``None``: windows never end early).
-        first: the first window's first step (1: from the start of the run).
-    """
-
-    def __init__(
-        self, window: int = DEFAULT_WINDOW, every: int = 0, total_steps: int | None = None, first: int = 1
-    ) -> None:
-        check_window_options(window, every, total_steps, first)
-        self.window, self.every, self.total_steps, self.first = int(window), int(every), total_steps, first
-
-    def window_at(self, step: int) -> range | None:
-        """The window (a range of 1-based steps) that contains ``step``, or ``None``."""
-        if step < self.first or (self.total_steps is not None and step > self.total_steps):
-            return None
-        offset = (step - self.first) // self.every * self.every if self.every else 0
-        start = self.first + offset
-        end = start + self.window
-        if self.total_steps is not None:
-            end = min(end, self.total_steps + 1)
-        return range(start, end) if start <= step < end and end - start >= 2 else None
-
-    def next_start(self, step: int) -> int | None:
-        """The first step of the next window that opens after ``step`` (None: no more windows)."""
-        if step < self.first:
-            nxt = self.first
-        elif self.every:
-            nxt = self.first + ((step - self.first) // self.every + 1) * self.every
-        else:
-            return None
-        return nxt if self.total_steps is None or self.window_at(nxt) is not None else None
-
-    def ranges(self) -> list[range]:
-        """Every window of the run, in order (needs ``total_steps``)."""
-        if self.total_steps is None:
-            raise ValueError("the windows of a run of unknown length cannot be listed: pass total_steps")
-        starts = range(self.first, self.total_steps + 1, self.every) if self.every else [self.first]
-        return [w for w in map(self.window_at, starts) if w is not None]

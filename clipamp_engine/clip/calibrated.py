@@ -335,7 +335,7 @@ class CalibratedClip(ClipPolicy):
         if state["calibrator"] is not None:
             self._calibrator = self._new_calibrator()
             self._calibrator.load_state_dict(state["calibrator"])
-        self.summaries = [CalibrationSummary.from_state(s) for s in state["summaries"]]
+        self.summaries = [CalibrationSummary.from_state(s, self.spelling) for s in state["summaries"]]
         self.validation = [list(v) for v in state.get("validation", [[0, 0]] * len(self.summaries))]
         self._active = GlobalNormClip(self.tau) if self.summaries else self._before_first_window()
 

@@ -65,3 +65,36 @@ def test_a_state_saved_with_the_reason_rendered_still_loads_and_shows_it():
     loaded = CalibratedClip(window=5, start=3, spelling=FLAGS)
     loaded.load_state_dict(state)
     assert (loaded.placement.start, loaded.placement.rule, loaded.placement.reason) == (4, "fixed", old_text)
+
+
+def _closed(spelling: Spelling) -> CalibratedClip:
+    """A policy whose window (steps 4-8) closed too short to bound its Quantile_0.99: its summary warns."""
+    from clipamp_engine.records import StepLog
+
+    policy = CalibratedClip(window=5, start=3, quantile=0.99, spelling=spelling)
+    for step in range(1, 12):
+        norm = 1.0 + step % 3
+        policy.observe(StepLog(step=step, lr=1e-3, grad_l2_pre_clip=norm, grad_l2_post_clip=norm, loss=1.0,
+                               scaler_scale=None, clipped=False))  # fmt: skip
+    return policy
+
+
+def test_a_windows_warning_saved_under_one_spelling_reads_in_the_loading_front_ends():
+    saved = _saved(_closed(ENGINE).state_dict())
+    assert "lengthen window=N to ≥" in _closed(ENGINE).summaries[0].warnings[0]
+    loaded = CalibratedClip(window=5, start=3, quantile=0.99, spelling=FLAGS)
+    loaded.load_state_dict(saved)
+    [summary] = loaded.summaries
+    assert summary.warnings == _closed(FLAGS).summaries[0].warnings
+    assert "lengthen --window to ≥" in summary.warnings[0] and "use a lower --quantile" in summary.warnings[0]
+
+
+def test_a_windows_warning_saved_rendered_still_loads_and_shows_it():
+    state = _saved(_closed(ENGINE).state_dict())
+    [old] = _closed(ENGINE).summaries[0].warnings
+    state["summaries"] = [
+        {k: v for k, v in s.items() if k != "notes"} | {"warnings": [old]} for s in state["summaries"]
+    ]
+    loaded = CalibratedClip(window=5, start=3, quantile=0.99, spelling=FLAGS)
+    loaded.load_state_dict(state)
+    assert loaded.summaries[0].warnings == [old]
