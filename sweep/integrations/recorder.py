@@ -29,9 +29,8 @@ A host that saves checkpoints keeps ``checkpoint_state()`` in each and, resuming
 as ``begin(resume=…)``: the calibration, the ``steps.csv`` and the MLflow run go on from it
 (``sweep.integrations.resume``).
 
-The records, the ``steps.csv`` columns and the MLflow metric names are those of ``python -m sweep`` runs
-(the run's tags are the integration's own: ``run``, and the model, dtype or precision it knows).
-"""
+The records, the ``steps.csv`` columns and the MLflow metric names are those of ``python -m sweep`` runs (the
+run's tags are the integration's own: ``run``, and the model, dtype or precision it knows)."""
 
 from __future__ import annotations
 
@@ -236,8 +235,8 @@ class StepRecorder:
             print(f"clipamp: MLflow run {tracker.run_id} ended as {status} at step {self.step}", file=sys.stderr)
 
     def end(self, step: int) -> dict[str, float]:
-        """Close the CSV and the MLflow run; a first window cut short by an early stop is summarised as it stands (a
-        later one is dropped: the τ in force came from the one before), and a stop before ``total_steps`` is said."""
+        """Close the CSV and the MLflow run; a first window an early stop cut is summarised as it stands (a later one
+        is dropped), a stop before ``total_steps`` is said. Cut short (Ctrl-C), it leaves the run to the atexit hook."""
         if not self.policy.summaries:
             try:
                 closed = self.policy.close_early()
@@ -248,9 +247,8 @@ class StepRecorder:
                     self._announce()
                 else:
                     self.say(f"no calibration window by step {step}: {no_window(self.policy)}: no recommendation")
-        atexit.unregister(self._at_exit)
-        _OPEN.discard(self)
-        if self.writer is None:
+        if self.writer is None:  # a process that records nothing
+            self.abort("FINISHED")
             return {}
         self.writer.close()
         windows = list(self.policy.summaries)
@@ -266,6 +264,8 @@ class StepRecorder:
             payload = {"metrics": metrics, **calibration_payload(self.policy), "stopped_early": stopped}
             self.tracker.artifact_path("quantiles.json").write_text(json_text(payload))
             self.tracker.end("FINISHED")
+        atexit.unregister(self._at_exit)  # ended: nothing left for the exit handler
+        _OPEN.discard(self)
         return metrics
 
     # -- one optimizer step ----------------------------------------------------------------------

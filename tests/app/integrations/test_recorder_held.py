@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
+import pytest
 import torch
 from mlflow import MlflowClient
 
+from sweep.integrations import recorder
 from sweep.integrations.recorder import StepRecorder
 from sweep.run.loop import STEP_METRICS
 
@@ -47,3 +50,27 @@ def test_steps_after_the_hosts_checkpoint_hold_the_resumed_values(tmp_path, stor
     [window] = again.policy.summaries
     tau = [(m.step, m.value) for m in client.get_metric_history(run_id, "window_recommended_max_norm")]
     assert tau == [(KILL, window.recommended_max_norm)]
+
+
+def test_a_signal_in_the_recorders_end_leaves_the_run_killed_at_the_hosts_checkpoint(tmp_path, store, monkeypatch):
+    """Ctrl-C while ``end`` summarises (before the run's end sends the steps after the host's checkpoint): the
+    process's exit handler still ends the run KILLED, its store holding no step after the checkpoint, which a
+    resume from that checkpoint trains again; not left RUNNING."""
+    handlers: list = []  # the process's exit handlers (``atexit``), run below as the interpreter would at exit
+    fake = SimpleNamespace(register=handlers.append, unregister=lambda f: handlers.remove(f) if f in handlers else None)
+    monkeypatch.setattr(recorder, "atexit", fake)
+    rec = StepRecorder(calibrate={"window": 4, "start": 4}, verbose=False, tracking=store)
+    rec.begin(total_steps=12, user_tau=0.5, default_csv=tmp_path / "unused.csv")
+    saved = _steps(rec, range(1, KILL + 1), 0.1, 1e-3)
+
+    def signal(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recorder, "summary_metrics", signal)
+    with pytest.raises(KeyboardInterrupt):
+        rec.end(KILL)
+    for handler in handlers:
+        handler()
+    client, run_id = MlflowClient(store), saved["run_id"]
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, SAVE + 1))
