@@ -62,10 +62,28 @@ def _path_keys(table: Any) -> bool:
     return not isinstance(table, dict) or all(_PATH_KEY.fullmatch(str(k)) and _path_keys(v) for k, v in table.items())
 
 
+def _keys(table: dict[str, Any]) -> list[str]:
+    return [k for key, v in table.items() for k in (key, *(_keys(v) if isinstance(v, dict) else ()))]
+
+
+def _written(key: str) -> bool:
+    """Whether ``_dict_text`` writes ``key`` so that Hydra's dict grammar (OmegaConf's is the same) reads it back:
+    not ``^a``, ``#a``, ``é``, nor ``1`` or ``null``, which it reads as a number or ``None``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return list(OverridesParser.create().parse_override(f"k={_dict_text({key: 0})}").value()) == [key]
+    except Exception:  # Hydra's OverrideParseException
+        return False
+
+
 def _whole_table(setting: str, old: Any, now: Any) -> str:
     """The override that gives the table ``setting`` the study's entries ``old`` where a key path cannot name each
     entry (``attn.c_proj``): its entries in Hydra's dict form, merged into the table set now, or, where an entry
     must go (no override removes a dotted key) or no table is set, the whole table replaced by ``oc.create``."""
+    unwritten = [k for k in _keys(old) if not _written(k)]
+    if unwritten:  # set in a config file: the grammar has no quoted key
+        return f"{setting} as the study had it, {old}, from a config file (no override writes the key {unwritten[0]!r})"
     if isinstance(now, dict) and set(now) <= set(old) and not any(isinstance(v, dict) for v in old.values()):
         override = f"++{setting}={_dict_text({k: v for k, v in old.items() if now.get(k) != v})}"
     else:

@@ -142,3 +142,19 @@ def test_the_way_back_sets_a_table_whose_keys_hold_dots_as_the_study_had_it(stor
     give the study's table exactly (``_refusal`` composes them)."""
     said = _refusal(storage, f"dotted-{request.node.callspec.id}", ["clip=per_group", *first], now)
     assert f": pass {way_back} to add trials to it" in said
+
+
+def test_a_table_key_no_override_writes_is_named_for_a_config_file(storage):
+    """``^`` (a regex anchor) is no character of Hydra's dict keys: such a table came from a config file, and the
+    way back says to set it there rather than print an override Hydra refuses."""
+    cfg = compose_cfg("+experiment=sweep", "study.name=anchored", "clip=per_group", "+clip.patterns={mlp: 1.0}")
+    study = load_study(cfg, storage, "anchored")
+    stored = task_key(cfg)
+    stored["clip"]["patterns"] = {"^h\\.0\\.attn": 0.5}  # as a config file sets it
+    study.set_user_attr("task", stored)
+    with pytest.raises(UserError) as e:
+        load_study(cfg, storage, "anchored")
+    assert (
+        ": pass clip.patterns as the study had it, {'^h\\\\.0\\\\.attn': 0.5}, from a config file (no override "
+        "writes the key '^h\\\\.0\\\\.attn') to add trials to it" in str(e.value)
+    )
