@@ -19,6 +19,7 @@ import pytest
 
 from tests.app.helpers import store_in
 from tests.marks import can_select, module_marks
+from tests.schedule import slow_first
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -31,6 +32,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         if marks and not can_select(markexpr, marks):
             return True
     return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most slow tests first (``tests/schedule.py``: the order ``scripts/test``'s workers take
+    them in)."""
+    items[:] = slow_first(items)
 
 
 @pytest.fixture(scope="session")
