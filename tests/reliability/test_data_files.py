@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.app.helpers import run_cli
+from tests.app.helpers import run_cli, run_cli_here
 from tests.reliability.helpers import assert_one_line_error
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,22 @@ CASES = {
 }
 
 
+#: The case run as ``python -m sweep`` in a new process (the exit status Python gives, and nothing printed at start-up
+#: before the line); the others through the CLI's entry point in this process (``run_cli_here``: no interpreter
+#: start-up, which is most of a refused command's seconds).
+IN_A_PROCESS = "latin1.jsonl"
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_bad_data_file_is_one_line_naming_file_and_line(tmp_path, name):
+def test_bad_data_file_is_one_line_naming_file_and_line(tmp_path, name, store, capsys, monkeypatch):
+    """The default store is made already (the refusal comes after it opens)."""
     data, fragments = CASES[name]
     path = tmp_path / name
     path.write_bytes(data)
-    res = run_cli(*HF, f"data.files={path}", cwd=tmp_path)
+    if name == IN_A_PROCESS:
+        res = run_cli(*HF, f"data.files={path}", cwd=tmp_path)
+    else:
+        res = run_cli_here(*HF, f"data.files={path}", cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
     named = [] if name == "one.jsonl" else [f"data.files='{path}'"]
     line = assert_one_line_error(res, *named, *fragments)
     assert "data.path" not in line and "DatasetGenerationError" not in res.stderr
