@@ -11,8 +11,8 @@ from tests.reliability.helpers import assert_one_line_error, finish, small_tmpfs
 
 
 @pytest.mark.slow
-def test_read_only_artifact_folder_is_one_line_and_the_run_ends_failed(tmp_path):
-    store = Store.open(f"sqlite:///{tmp_path}/mlruns/mlflow.db", "clipamp")
+def test_read_only_artifact_folder_is_one_line_and_the_run_ends_failed(tmp_path, store):
+    store = Store.open(store, "clipamp")  # the default store, migrated already
     artifacts = tmp_path / "mlruns" / "artifacts"
     artifacts.mkdir()
     with small_tmpfs(artifacts, "ro,size=1m", "to make a read-only file system"):

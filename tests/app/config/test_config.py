@@ -270,10 +270,11 @@ IN_A_PROCESS = ("no experiment chosen", "clip.max_norm=-1.0 must", "Error locati
     ids=[m[:40] for _, m in BAD_INPUTS],
 )
 def test_cli_user_mistakes_exit_2_with_one_line_and_leave_no_running_run(
-    tmp_path, args, message, process, capsys, monkeypatch
+    tmp_path, args, message, process, store, capsys, monkeypatch
 ):
     """Every mistake through the CLI's entry point in this process (``run_cli_here``: seconds less each); one per
-    stage as ``python -m sweep`` in a new process instead, with the exit status Python gives."""
+    stage as ``python -m sweep`` in a new process instead, with the exit status Python gives. The default store
+    is made already (a mistake found after it opens must leave no run in it RUNNING)."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blocker").write_text("a file where a folder should be")
     args = [a.replace("EMPTY", str(tmp_path / "empty.txt")).replace("BLOCKED", str(tmp_path / "blocker")) for a in args]

@@ -34,7 +34,7 @@ def test_without_loss_target_the_refusal_names_loss_target_model():
 
 
 @pytest.mark.slow  # a CLI run
-def test_a_train_run_of_a_model_computing_its_own_loss(tmp_path):
+def test_a_train_run_of_a_model_computing_its_own_loss(tmp_path, store):  # the default store, migrated already
     done = run_cli(
         "+experiment=train",
         "model=custom",
