@@ -20,7 +20,7 @@ from sweep.experiments.spike.batch import SpikeLoss
 from sweep.report.spike import where_to_look
 from sweep.results.spike import fp16_outcome, recovery_steps
 from sweep.run import pipeline
-from tests.app.helpers import TINY, compose_cfg, run_cli
+from tests.app.helpers import TINY, compose_cfg, run_cli, store_in
 
 AT, STEPS, WINDOW, PEAK_WINDOW, FACTOR = 30, 130, 10, 10, 20.0
 HORIZONS = (1, 5, 20, 100)
@@ -38,9 +38,9 @@ SPIKE = [
 
 
 @pytest.fixture(scope="module")
-def spiked(tmp_path_factory):
+def spiked(tmp_path_factory, store_template):
     root = tmp_path_factory.mktemp("spike")
-    uri = f"sqlite:///{root}/mlruns/mlflow.db"
+    uri = store_in(root, store_template)  # root/mlruns/mlflow.db, migrated already
     figure = root / "docs" / "spike.png"
     cfg = compose_cfg("+experiment=spike", *TINY, *SPIKE, f"tracking.uri={uri}", f"spike.figure_out={figure}")
     threads = torch.get_num_threads()

@@ -112,7 +112,7 @@ def test_a_checkpoint_write_cut_short_keeps_the_old_file_and_leaves_no_temporary
 
 
 @pytest.mark.slow  # migrates a new MLflow store
-def test_resume_true_under_another_name_and_a_short_id_say_what_to_pass(tmp_path):
+def test_resume_true_under_another_name_and_a_short_id_say_what_to_pass(tmp_path, store):
     """A changed amp.dtype or model changes the run's name, so ``resume=true`` finds nothing by that name: the
     line names the latest run with a checkpoint and its whole id; an id cut short says an id is 32 hex digits."""
     from mlflow import MlflowClient
@@ -120,7 +120,7 @@ def test_resume_true_under_another_name_and_a_short_id_say_what_to_pass(tmp_path
     from sweep.errors import UserError
     from sweep.run.checkpoint import checkpoint_path, find_resumable
 
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store  # the default store, migrated already
     client = MlflowClient(uri)
     exp = client.create_experiment("clipamp")
     killed = client.create_run(exp, run_name="train-gpt-bf16").info.run_id

@@ -20,7 +20,7 @@ from tests.app.experiments.study.test_sweep import sweep_cfg
 
 
 @pytest.mark.slow
-def test_a_killed_trial_is_killed_with_its_steps_and_run_in_both_tables(tmp_path, monkeypatch):
+def test_a_killed_trial_is_killed_with_its_steps_and_run_in_both_tables(tmp_path, store, monkeypatch):
     import optuna
 
     real, calls = trial_module.run_training, []
@@ -39,7 +39,7 @@ def test_a_killed_trial_is_killed_with_its_steps_and_run_in_both_tables(tmp_path
         return real(cfg, store, spec, hooks, *rest)
 
     monkeypatch.setattr(trial_module, "run_training", run_training)
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store  # the default store, migrated already
     cfg = sweep_cfg(uri, "study.n_trials=2")
     with pytest.raises(KeyboardInterrupt):
         app.run(cfg, ["+experiment=sweep"])

@@ -18,10 +18,10 @@ from tests.app.experiments.study.test_sweep import children, optuna_study, sweep
 
 
 @pytest.mark.slow
-def test_pruned_trials_carry_the_tau_tags_of_their_steps(tmp_path, capsys):
+def test_pruned_trials_carry_the_tau_tags_of_their_steps(tmp_path, store, capsys):
     """τ in [0.01, 0.02], far below the tiny task's norms (~1): every step clips, every trial is pruned
     above the band [0, 0.05] after a few steps."""
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store  # the default store, migrated already
     cfg = sweep_cfg(uri, *BAND_SWEEP, "study.max_norm_low=0.01", "study.max_norm_high=0.02", "study.n_trials=2")
     result = app.run(cfg, ["+experiment=sweep"])
     trials = optuna_study(result, tmp_path).get_trials()

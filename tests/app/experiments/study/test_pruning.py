@@ -174,10 +174,10 @@ BAND_SWEEP = [
 
 
 @pytest.mark.slow
-def test_pruned_constrained_sweep_records_pruned_trials_and_reports(tmp_path, capsys):
+def test_pruned_constrained_sweep_records_pruned_trials_and_reports(tmp_path, store, capsys):
     """τ log-uniform on [0.01, 100] around the tiny task's norms (~1): the trials below the norms clip every
     step and can only end above the band [0, 0.05]; the others never clip and complete."""
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store  # the default store, migrated already
     cfg = sweep_cfg(uri, *BAND_SWEEP, "study.n_trials=6")
     result = app.run(cfg, ["+experiment=sweep"])
     study = optuna_study(result, tmp_path)
@@ -211,7 +211,7 @@ def test_pruned_constrained_sweep_records_pruned_trials_and_reports(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path, monkeypatch):
+def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path, store, monkeypatch):
     """Records every 5 steps (as on a GPU, where they wait for a flush): the pruner sees a step up to 4
     steps after it ran, so a pruned trial ran past its decision. Its steps.csv, ``steps_run`` and
     ``pruned_at_step`` all count those steps, and the invocation's total is their sum."""
@@ -221,7 +221,7 @@ def test_with_deferred_records_a_pruned_trial_counts_every_step_it_ran(tmp_path,
     monkeypatch.setattr(
         engine_step.AmpTrainState, "_init_pipeline", lambda self, fused, log_every, f: real(self, fused, 5, f)
     )
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store  # the default store, migrated already
     cfg = sweep_cfg(uri, *BAND_SWEEP, "study.n_trials=4")
     result = app.run(cfg, ["+experiment=sweep"])
     trials = optuna_study(result, tmp_path).get_trials()
@@ -273,10 +273,10 @@ def test_a_trial_is_never_pruned_at_its_last_step():
 
 
 @pytest.mark.slow
-def test_a_study_with_every_trial_pruned_says_why_and_what_to_change(tmp_path, capsys):
+def test_a_study_with_every_trial_pruned_says_why_and_what_to_change(tmp_path, store, capsys):
     """τ in [0.001, 0.002], far below the tiny task's norms (~1): every step clips, every trial is pruned
     above the band. It said only "no completed trial: no pick"; now it names the cause and the keys."""
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    uri = store  # the default store, migrated already
     band = ["study.max_norm_low=0.001", "study.max_norm_high=0.002", "study.n_trials=2"]
     result = app.run(sweep_cfg(uri, *BAND_SWEEP[:3], *band), ["+experiment=sweep"])
     trials = optuna_study(result, tmp_path).get_trials()

@@ -153,8 +153,8 @@ class PruneFromTrial(optuna.pruners.BasePruner):
 
 
 @pytest.mark.slow
-def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+def test_constrained_sweep_prunes_fails_and_anchors(tmp_path, store, monkeypatch):
+    uri = store  # the default store, migrated already
     real_run_training = trial_module.run_training
 
     def flaky(cfg, store, spec, hooks):  # trial 2 raises mid-run
