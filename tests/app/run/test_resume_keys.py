@@ -111,7 +111,6 @@ def test_a_checkpoint_write_cut_short_keeps_the_old_file_and_leaves_no_temporary
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # before: checkpoint.pt.tmp too
 
 
-@pytest.mark.slow  # migrates a new MLflow store
 def test_resume_true_under_another_name_and_a_short_id_say_what_to_pass(tmp_path, store):
     """A changed amp.dtype or model changes the run's name, so ``resume=true`` finds nothing by that name: the
     line names the latest run with a checkpoint and its whole id; an id cut short says an id is 32 hex digits."""
