@@ -4,6 +4,7 @@ down the layers; modules and functions stay small; importing it leaves global st
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,17 @@ def import_graph(root: Path = SWEEP) -> dict[str, set[str]]:
     return graph
 
 
+@functools.cache
+def _app_graph() -> dict[str, frozenset[str]]:
+    return {m: frozenset(ts) for m, ts in import_graph().items()}
+
+
+def app_graph() -> dict[str, set[str]]:
+    """``import_graph()`` of ``sweep/``, parsed once per process (its files do not change during a test run);
+    a copy of its own for each caller."""
+    return {m: set(ts) for m, ts in _app_graph().items()}
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of ``graph`` as a list of nodes (first = last), or None (iterative DFS, three colours)."""
     colour = {n: 0 for n in graph}
@@ -117,7 +129,7 @@ def test_import_graph_resolves_relative_and_lazy_imports(tmp_path):
 
 
 def test_app_import_graph_is_acyclic():
-    graph = import_graph()
+    graph = app_graph()
     assert len(graph) > 30 and "sweep.run.pipeline" in graph["sweep.experiments.training"]
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
 
@@ -167,21 +179,21 @@ def test_app_package_graph_is_acyclic(depth):
     """No package imports a package that imports it back (``sweep.run`` → ``sweep.tracking`` → ``sweep.run``),
     neither between folders (``sweep.experiments.study`` ↔ ``sweep.experiments.spike``) nor between
     the top-level packages."""
-    graph = package_graph(import_graph(), depth)
+    graph = package_graph(app_graph(), depth)
     assert {"sweep.run", "sweep.tracking", "sweep.distributed", "sweep.report", "sweep.app"} <= set(graph)
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
 
 
 def test_reports_depend_only_downward():
     """The reports read results (``sweep.results``) and tracking; no experiment, no entry point."""
-    graph = import_graph()
+    graph = app_graph()
     up = [(m, t) for m, ts in graph.items() if m.startswith("sweep.report") for t in ts]
     up = [(m, t) for m, t in up if t.startswith(("sweep.experiments", "sweep.app", "sweep.__main__"))]
     assert not up, f"reports import experiments or entry points: {up}"
 
 
 def test_imports_point_down_the_layers():
-    graph = import_graph()
+    graph = app_graph()
     up = [
         (m, t)
         for m, ts in graph.items()
@@ -225,7 +237,7 @@ def test_importing_the_app_leaves_warning_filters_alone():
 
 @pytest.mark.parametrize("module", ["sweep.report.cli", "sweep.app"])
 def test_graph_names_real_modules(module):
-    assert module in import_graph()
+    assert module in app_graph()
 
 
 #: The design card's top level, and the usual extras beside it.
