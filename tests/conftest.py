@@ -3,6 +3,7 @@ dead pid (see helpers.py for the rest); modules ``-m`` leaves nothing to run in 
 
 from __future__ import annotations
 
+import gc
 import os
 
 # One torch intra-op thread for the suite and every process it starts (the CLI, torchrun's ranks), unless
@@ -38,6 +39,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with the most slow tests first (``tests/schedule.py``: the order ``scripts/test``'s workers take
     them in)."""
     items[:] = slow_first(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left alive (the imports of every test module: torch, transformers, Hydra, …):
+    the garbage collector's full collections, which the tests' allocations and the libraries' own
+    ``gc.collect()`` calls start (accelerate's after each ``Trainer.train``), skip those objects instead of
+    rescanning them each time. Objects the tests create stay collectable."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
