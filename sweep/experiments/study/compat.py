@@ -83,7 +83,11 @@ def _whole_table(setting: str, old: Any, now: Any) -> str:
     must go (no override removes a dotted key) or no table is set, the whole table replaced by ``oc.create``."""
     unwritten = [k for k in _keys(old) if not _written(k)]
     if unwritten:  # set in a config file: the grammar has no quoted key
-        return f"{setting} as the study had it, {old}, from a config file (no override writes the key {unwritten[0]!r})"
+        shown, key = (
+            json.dumps(old, ensure_ascii=False),
+            json.dumps(unwritten[0], ensure_ascii=False),
+        )  # YAML reads both
+        return f"{setting} as the study had it, {shown}, from a config file (no override writes the key {key})"
     if isinstance(now, dict) and set(now) <= set(old) and not any(isinstance(v, dict) for v in old.values()):
         override = f"++{setting}={_dict_text({k: v for k, v in old.items() if now.get(k) != v})}"
     else:

@@ -8,6 +8,7 @@ import shlex
 
 import optuna
 import pytest
+from omegaconf import OmegaConf
 
 from sweep.errors import UserError
 from sweep.experiments.study.storage import load_study, task_key
@@ -155,6 +156,10 @@ def test_a_table_key_no_override_writes_is_named_for_a_config_file(storage):
     with pytest.raises(UserError) as e:
         load_study(cfg, storage, "anchored")
     assert (
-        ": pass clip.patterns as the study had it, {'^h\\\\.0\\\\.attn': 0.5}, from a config file (no override "
-        "writes the key '^h\\\\.0\\\\.attn') to add trials to it" in str(e.value)
+        ': pass clip.patterns as the study had it, {"^h\\\\.0\\\\.attn": 0.5}, from a config file (no override '
+        'writes the key "^h\\\\.0\\\\.attn") to add trials to it' in str(e.value)
     )
+    # the table as shown, written into a config file (YAML), is the study's: not Python's repr, whose '\\\\.'
+    # YAML's single quotes read as two backslashes
+    shown = str(e.value).split("as the study had it, ", 1)[1].split(", from a config file", 1)[0]
+    assert OmegaConf.to_container(OmegaConf.create(f"patterns: {shown}"))["patterns"] == {"^h\\.0\\.attn": 0.5}
