@@ -15,7 +15,9 @@ continues the records:
   that was stopped) dropped (``StepCSVWriter(truncate_after=step)``), and read back into the
   records, so that the end-of-run summary covers the whole run;
 - the same MLflow run (``RunTracker.reopen``) when the checkpoint names one in the store this run
-  tracks to; the per-step metrics of rows 1..step that the store lacks are sent: every step once.
+  tracks to; the per-step metrics of rows 1..step that the store lacks are sent: every step once. A run
+  that holds steps past the checkpoint (it finished, or went on to a later checkpoint) is left as it was:
+  a new run continues it, with its steps up to the checkpoint (``sweep.integrations.branch``).
 
 Where they cannot continue (the CSV or the run is gone, or this run records elsewhere: another
 store, CSV only, or MLflow where the checkpoint's run had none) one ``ResumeWarning`` line says
@@ -36,6 +38,7 @@ from clipamp_engine.csvlog import StepCSVWriter
 from ..errors import one_line
 from ..run.csv_settings import resumed_lengths
 from ..run.summary import read_rows
+from .branch import continue_run
 
 #: A ``sweep.integrations.recorder.StepRecorder`` (not imported: the recorder imports this module).
 Recorder = Any
@@ -173,7 +176,7 @@ def resume(
     recorder.lengths = resumed_lengths(state.get("lengths"), step, recorder.policy.total_steps)
     if not main_process:
         return
-    tracker, lost = None, None
+    tracker, lost, note = None, None, None
     if recorder.tracking is None:
         if state["run_id"] is not None:
             lost = f"its records are in MLflow run {state['run_id']} and this run has tracking=None"
@@ -181,8 +184,12 @@ def resume(
             path, lost = _csv_to_continue(recorder.csv_path, Path(state["csv"]), path)
     else:
         store, parent, recorder.store_label = open_store(recorder.tracking, recorder.experiment)
-        tracker, lost = _reopen(store, recorder.store_label, state)
-        if tracker is None:
+        run, lost = _find_run(store, recorder.store_label, state)
+        if run is not None:  # reopened, or a new run branching from it (``sweep.integrations.branch``)
+            tracker, note, lost = continue_run(
+                store, run, step, state["csv"], parent=parent, name=run_name, tags=tags, params=params
+            )
+        else:
             tracker = new_run(store, parent, run_name, tags, params)
         path = tracker.artifact_path("steps.csv")
     recorder.tracker = tracker
@@ -198,13 +205,13 @@ def resume(
         for i, row in enumerate(recorder.records.rows):
             tracker.add_step(row["step"], recorder.records.step_metrics(i))
         tracker.hold_after(step)  # the checkpoint's: the steps after it wait for the next one (or the end)
+    if note is not None:
+        recorder.say(note)
     recorder.say(f"steps.csv: {path} (resumed at step {step})")
 
 
-def _reopen(store, label: str, state: dict[str, Any]):
-    """The checkpoint's MLflow run reopened, or ``None`` and why it cannot be."""
-    from ..tracking.tracker import RunTracker
-
+def _find_run(store, label: str, state: dict[str, Any]):
+    """The checkpoint's MLflow run (an MLflow ``Run``), or ``None`` and why it cannot be continued."""
     run_id = state["run_id"]
     if run_id is None:
         return None, f"its records are in {state['csv']}, not in an MLflow run"
@@ -216,7 +223,7 @@ def _reopen(store, label: str, state: dict[str, Any]):
         return None, f"its MLflow run {run_id} is not in {label} ({one_line(e, 120)})"
     if run.info.lifecycle_stage == "deleted":
         return None, f"its MLflow run {run_id} was deleted from {label}"
-    return RunTracker.reopen(store.client, run_id, upto=int(state["step"])), None
+    return run, None
 
 
 def _csv_to_continue(named: str | Path | None, saved: Path, own: Path) -> tuple[Path, str | None]:

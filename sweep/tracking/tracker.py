@@ -256,6 +256,12 @@ class RunTracker:
         if self._steps_buffered >= self.flush_every:
             self.flush()
 
+    def copy_metrics(self, metrics: list) -> None:
+        """Send another run's metric values (MLflow ``Metric`` objects, in order) as they are: the run holds them."""
+        self._buffer[:0] = metrics
+        self.logged |= {(m.key, m.step) for m in metrics}
+        self.flush()
+
     def hold_after(self, step: int | None) -> None:
         """Send the per-step metrics of steps up to ``step`` (the run's latest checkpoint) and keep later ones
         buffered until the next call; ``None`` sends every step. A resume trains the steps after its

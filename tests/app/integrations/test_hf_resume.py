@@ -37,7 +37,7 @@ def trainer(out, callbacks, *, save: bool = True, **kw) -> Trainer:
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         learning_rate=3e-3,
-        max_grad_norm=TAU,
+        max_grad_norm=kw.pop("max_grad_norm", TAU),
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -153,6 +153,29 @@ def test_a_resumed_run_continues_its_mlflow_run(tmp_path, store, uninterrupted):
     for key, value in summary(ref_cb).items():
         if math.isfinite(value):
             assert run.data.metrics[key] == value, key
+
+
+def test_a_finished_run_resumed_from_an_earlier_checkpoint_continues_in_a_new_mlflow_run(tmp_path, store):
+    """A run that finished at step 12 resumed from checkpoint-6 with another clip τ: MLflow cannot drop
+    the run's steps 7–12, so a new run, tagged with the one it continues, holds steps 1–6 then the resume's,
+    each once and equal to its steps.csv; the finished run is left as it was."""
+    out, client = tmp_path / "out", MlflowClient(store)
+    first = callback(True, tracking=store)
+    trainer(out, [first]).train()
+    parent = first.tracker.run_id
+    before = sorted((m.step, m.value) for m in client.get_metric_history(parent, "grad_l2_pre_clip"))
+    cb = callback(True, tracking=store)
+    trainer(out, [cb], max_grad_norm=TAU / 10).train(resume_from_checkpoint=str(out / f"checkpoint-{SAVE}"))
+    run = client.get_run(cb.tracker.run_id)
+    assert run.info.run_id != parent and run.info.status == "FINISHED"
+    assert (run.data.tags["resumed.from_run"], run.data.tags["resumed.from_step"]) == (parent, str(SAVE))
+    rows = pd.read_csv(client.download_artifacts(run.info.run_id, "steps.csv", str(tmp_path)))
+    assert list(rows["step"]) == list(range(1, STEPS + 1))
+    for key in STEP_METRICS:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert history == [(s, v) for s, v in zip(rows["step"], rows[key]) if math.isfinite(v)], key
+    assert sorted((m.step, m.value) for m in client.get_metric_history(parent, "grad_l2_pre_clip")) == before
+    assert rows["grad_l2_pre_clip"][SAVE + 1] != before[SAVE + 1][1]  # step 8: after a step clipped at the new τ
 
 
 def test_a_missing_steps_csv_is_said_and_a_new_one_starts(tmp_path, uninterrupted):

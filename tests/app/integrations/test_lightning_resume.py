@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from sweep.integrations.lightning import ClipampCallback  # noqa: E402
 from sweep.integrations.resume import ResumeWarning  # noqa: E402
+from sweep.run.loop import STEP_METRICS  # noqa: E402
 from sweep.run.summary import read_rows  # noqa: E402
 
 from .test_dropin_lightning import LitGPT, _loader  # noqa: E402
@@ -105,17 +106,26 @@ def test_a_resumed_fit_calibrates_and_records_as_the_fit_that_never_stopped(tmp_
         assert same_parameters(ref, module)
 
 
-def test_a_resumed_fit_continues_its_mlflow_run(tmp_path, store):
-    """One run, FINISHED, each step's metrics once."""
+def test_a_fit_resumed_after_an_error_continues_in_a_new_mlflow_run_equal_to_its_csv(tmp_path, store):
+    """The error ended the fit's run FAILED with every step it took (steps 7–8 past the checkpoint, which MLflow
+    cannot remove): the resumed fit records in a new run, FINISHED, tagged with the failed one, that holds each
+    step once, equal to its steps.csv (steps 1–6 the failed fit's, 7–12 the resume's)."""
     module, [cb] = killed_then_resumed(
         tmp_path / "run", lambda: [ClipampCallback(apply=True, tracking=store, verbose=False, **OPTIONS)]
     )
     client = MlflowClient(store)
-    [run] = client.search_runs([cb.recorder.tracker.experiment_id])
-    assert run.info.run_id == cb.recorder.tracker.run_id and run.info.status == "FINISHED"
-    history = client.get_metric_history(run.info.run_id, "grad_l2_pre_clip")
-    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
-    assert all(math.isfinite(m.value) for m in history)
+    runs = {r.info.run_id: r for r in client.search_runs([cb.recorder.tracker.experiment_id])}
+    run = runs.pop(cb.recorder.tracker.run_id)
+    [failed] = runs.values()
+    assert (failed.info.status, run.info.status) == ("FAILED", "FINISHED")
+    assert (run.data.tags["resumed.from_run"], run.data.tags["resumed.from_step"]) == (failed.info.run_id, str(SAVE))
+    failed_steps = sorted(m.step for m in client.get_metric_history(failed.info.run_id, "grad_l2_pre_clip"))
+    assert failed_steps == list(range(1, KILL + 1))
+    rows = read_rows(cb.recorder.writer.path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for key in STEP_METRICS:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert history == [(r["step"], float(r[key])) for r in rows if math.isfinite(r[key])], key
 
 
 def test_other_calibration_options_are_refused(tmp_path):
