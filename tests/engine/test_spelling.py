@@ -29,18 +29,22 @@ def test_the_engines_advice_names_only_its_own_keywords(branch):
     assert not APP_WORDS.search(text), text
 
 
+#: A front end of flags whose length setting lengthens the run (recommend's shape), for the spelling tests.
+FLAGS = Spelling(
+    length="the log's length",
+    **{k: f"--{k}" for k in ("start", "window", "every", "validate", "quantile")},
+    named="{}",
+    assign="{} {}",
+    auto="auto",
+    band="band",
+    lengthen="raise",
+)
+
+
 def test_a_policy_built_with_a_spelling_names_its_settings_in_every_text():
     """The spelling travels from the constructor to each text: the placement (fixed, and the deadline a run too
     short to wait gets), the window's warning, the check's action."""
-    flags = Spelling(
-        length="the log's length",
-        **{k: f"--{k}" for k in ("start", "window", "every", "validate", "quantile")},
-        named="{}",
-        assign="{} {}",
-        auto="auto",
-        band="band",
-        lengthen="raise",
-    )
+    flags = FLAGS
     fixed = CalibratedClip(window=5, start=3, quantile=0.99, spelling=flags)
     assert fixed.placement.reason.startswith("--start 3: the window starts at step 4")
     for step in range(1, 12):

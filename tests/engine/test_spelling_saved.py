@@ -11,16 +11,7 @@ import pytest
 from clipamp_engine.clip.calibrated import CalibratedClip
 from clipamp_engine.placement import StartDetector
 from clipamp_engine.spelling import ENGINE, Spelling
-
-FLAGS = Spelling(
-    length="the log's length",
-    **{k: f"--{k}" for k in ("start", "window", "every", "validate", "quantile")},
-    named="{}",
-    assign="{} {}",
-    auto="auto",
-    band="band",
-    lengthen="raise",  # recommend's: the log's length is the run's
-)
+from tests.engine.test_spelling import FLAGS
 
 
 def _saved(state: dict) -> dict:
